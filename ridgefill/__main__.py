@@ -1,0 +1,3 @@
+from ridgefill.cli import main
+
+main()

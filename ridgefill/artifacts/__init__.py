@@ -1,0 +1,5 @@
+"""Content-addressed artifact store (DESIGN §3)."""
+
+from ridgefill.artifacts.store import Artifact, Store, recipe_id, sha256_file
+
+__all__ = ["Artifact", "Store", "recipe_id", "sha256_file"]

@@ -1,0 +1,108 @@
+"""Deterministic safetensors files from numpy arrays, and a reader that mirrors the writer.
+
+The safetensors format: 8-byte little-endian header length, a JSON header
+`{name: {dtype, shape, data_offsets}, "__metadata__": {str: str}}` padded with spaces to a multiple of 8,
+then the tensor bytes. We write it ourselves so the bytes depend only on the arrays and metadata: names
+sorted, data in name order, compact JSON with sorted keys. bfloat16, which numpy lacks, is passed as a
+`BF16` wrapper around its uint16 bit patterns. Files are readable by the safetensors library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ridgefill.errors import BadInput
+
+_DTYPES = {
+    np.dtype("float64"): "F64", np.dtype("float32"): "F32", np.dtype("float16"): "F16",
+    np.dtype("int64"): "I64", np.dtype("int32"): "I32", np.dtype("int16"): "I16", np.dtype("int8"): "I8",
+    np.dtype("uint8"): "U8", np.dtype("uint16"): "U16", np.dtype("bool"): "BOOL",
+}
+_NP = {v: k for k, v in _DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class BF16:
+    """bfloat16 tensor as its uint16 bit patterns."""
+
+    bits: np.ndarray
+
+
+def encode(arrays: dict[str, np.ndarray | BF16], metadata: dict[str, str] | None = None) -> bytes:
+    header: dict = {}
+    chunks, offset = [], 0
+    for name in sorted(arrays):
+        a = arrays[name]
+        if isinstance(a, BF16):
+            dtype, data = "BF16", np.ascontiguousarray(a.bits, dtype="<u2")
+        else:
+            data = np.ascontiguousarray(a)
+            dtype = _DTYPES[data.dtype]
+            data = data.astype(data.dtype.newbyteorder("<"), copy=False)
+        raw = data.tobytes()
+        header[name] = {"dtype": dtype, "shape": list(data.shape), "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + b"".join(chunks)
+
+
+def save(path: Path, arrays: dict[str, np.ndarray | BF16], metadata: dict[str, str] | None = None) -> None:
+    """Write via a temp file and rename, so a crash never leaves a half-written file under `path`."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_bytes(encode(arrays, metadata))
+    os.replace(tmp, path)
+
+
+def decode(buf: bytes, name: str = "tensors") -> tuple[dict[str, np.ndarray | BF16], dict[str, str]]:
+    if len(buf) < 8:
+        raise BadInput(f"{name}: not a safetensors file (too short)")
+    (n,) = struct.unpack("<Q", buf[:8])
+    if n > len(buf) - 8:
+        raise BadInput(f"{name}: not a safetensors file (header length {n} past the end)")
+    try:
+        header = json.loads(buf[8 : 8 + n])
+    except ValueError:
+        raise BadInput(f"{name}: not a safetensors file (bad header JSON)") from None
+    meta = header.pop("__metadata__", {}) or {}
+    base, out = 8 + n, {}
+    for key, h in header.items():
+        start, end = h["data_offsets"]
+        if base + end > len(buf):
+            raise BadInput(f"{name}: tensor '{key}' runs past the end of the file")
+        raw = buf[base + start : base + end]
+        if h["dtype"] == "BF16":
+            out[key] = BF16(np.frombuffer(raw, dtype="<u2").reshape(h["shape"]).copy())
+        elif h["dtype"] in _NP:
+            out[key] = np.frombuffer(raw, dtype=_NP[h["dtype"]].newbyteorder("<")).reshape(h["shape"]).copy()
+        else:
+            raise BadInput(f"{name}: tensor '{key}' has unsupported dtype {h['dtype']}")
+    return out, meta
+
+
+def load(path: Path) -> tuple[dict[str, np.ndarray | BF16], dict[str, str]]:
+    return decode(Path(path).read_bytes(), Path(path).name)
+
+
+def save_zst(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None, level: int = 3) -> None:
+    """zstd-compressed safetensors (single-threaded, fixed level: deterministic bytes)."""
+    import zstandard
+
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_bytes(zstandard.ZstdCompressor(level=level).compress(encode(arrays, metadata)))
+    os.replace(tmp, path)
+
+
+def load_zst(path: Path) -> tuple[dict[str, np.ndarray | BF16], dict[str, str]]:
+    import zstandard
+
+    return decode(zstandard.ZstdDecompressor().decompress(Path(path).read_bytes()), Path(path).name)

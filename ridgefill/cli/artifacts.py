@@ -1,0 +1,81 @@
+"""`ridgefill artifacts ls | show ID | verify [ID] | gc`."""
+
+from __future__ import annotations
+
+import json as jsonlib
+from typing import Annotated, Optional
+
+import typer
+
+from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, StoreOpt, output, store
+
+app = typer.Typer(help="Inspect and clean the artifact store.", no_args_is_help=True)
+
+
+@app.command("ls")
+def ls(store_root: StoreOpt = DEFAULT_STORE, json: JsonOpt = False, debug: DebugOpt = False) -> None:
+    """List artifacts."""
+    from rich.table import Table
+
+    out = output(json)
+    arts = store(store_root).all()
+    t = Table()
+    for c in ("stage", "id", "from", "summary"):
+        t.add_column(c)
+    for a in arts:
+        up = ", ".join(f"{k} {v}" for k, v in a.recipe.items() if k in ("capture", "solve", "source"))
+        s = a.manifest.get("summary", {})
+        brief = ", ".join(f"{k} {v}" for k, v in s.items() if isinstance(v, (int, float, str)))[:80]
+        t.add_row(a.stage, a.id, up, brief)
+    out.table(t)
+    out.result({"artifacts": [{"stage": a.stage, "id": a.id, "path": str(a.path)} for a in arts]})
+
+
+@app.command("show")
+def show(artifact: str, store_root: StoreOpt = DEFAULT_STORE, json: JsonOpt = False, debug: DebugOpt = False) -> None:
+    """Print an artifact's manifest."""
+    out = output(json)
+    art = store(store_root).get(artifact)
+    if json:
+        out.result(art.manifest)
+    else:
+        print(jsonlib.dumps(art.manifest, indent=2, sort_keys=True))
+
+
+@app.command("verify")
+def verify(
+    artifact: Annotated[Optional[str], typer.Argument(help="Artifact id; all artifacts when omitted.")] = None,
+    store_root: StoreOpt = DEFAULT_STORE,
+    json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Check artifact files against their recorded sha256 (exit 1 if any is damaged)."""
+    from ridgefill.errors import RidgefillError
+
+    out = output(json)
+    st = store(store_root)
+    arts = [st.get(artifact)] if artifact else st.all()
+    bad = {f"{a.stage}/{a.id}": st.problems(a) for a in arts}
+    bad = {k: v for k, v in bad.items() if v}
+    for a in arts:
+        key = f"{a.stage}/{a.id}"
+        out.info(f"{'[red]damaged[/red]' if key in bad else '[green]ok[/green]'} {key}" + (f": {'; '.join(bad[key])}" if key in bad else ""))
+    out.result({"checked": len(arts), "damaged": bad})
+    if bad:
+        raise RidgefillError(f"{len(bad)} damaged artifact(s): {', '.join(bad)}")
+
+
+@app.command("gc")
+def gc(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would be removed.")] = False,
+    work: Annotated[bool, typer.Option("--work", help="Also remove resumable work of unfinished runs.")] = False,
+    store_root: StoreOpt = DEFAULT_STORE,
+    json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Remove temporary build directories, damaged artifacts and (with --work) unfinished work."""
+    out = output(json)
+    removed = store(store_root).gc(dry_run=dry_run, include_work=work)
+    for p in removed:
+        out.info(f"{'would remove' if dry_run else 'removed'} {p}")
+    out.result({"removed": [str(p) for p in removed], "dry_run": dry_run})

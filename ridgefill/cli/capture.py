@@ -1,0 +1,40 @@
+"""`ridgefill capture MODEL --data PATH... --split S`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, ModelArg, StoreOpt, done, output, store
+
+
+def capture(
+    model: ModelArg,
+    data: Annotated[Optional[list[str]], typer.Option("--data", help="Text file, directory of .txt/.jsonl, .jsonl with a 'text' field, or builtin:default (the default). Repeatable.")] = None,
+    split: Annotated[Optional[list[int]], typer.Option("--split", help="Split layer S (repeatable: one pass serves several). Default: half depth, 3/8 with QK-norm.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Also capture a chat-templated copy of each document (kept apart).")] = False,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Cut documents into windows of this many tokens.")] = 1024,
+    held_out: Annotated[int, typer.Option("--held-out", help="Documents kept out of the statistics for scoring.")] = 4,
+    held_out_rows: Annotated[int, typer.Option("--held-out-rows", help="Rows sampled from the held-out documents.")] = 2048,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out choice.")] = 0,
+    dtype: Annotated[str, typer.Option("--dtype", help="Model dtype for the forward.")] = "float32",
+    checkpoint_every: Annotated[float, typer.Option("--checkpoint-every", help="Seconds between resumable checkpoints (0: after every window).")] = 30.0,
+    store_root: StoreOpt = DEFAULT_STORE,
+    json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Run MODEL over calibration text and accumulate the ridge statistics (resumable)."""
+    from ridgefill.capture.run import CaptureConfig, capture as run
+
+    out = output(json)
+    cfg = CaptureConfig(splits=tuple(split or ()), chat=chat, max_tokens=max_tokens, held_out=held_out,
+                        held_out_rows=held_out_rows, seed=seed, dtype=dtype)
+    art, cached = run(store(store_root), model, list(data or ["builtin:default"]), cfg, out, checkpoint_every)
+    s = art.manifest["summary"]
+    if not cached:
+        out.info(f"{s['calibration_documents']} documents, {s['calibration_tokens']} tokens, splits "
+                 f"{', '.join(map(str, s['splits']))}, {s['held_out_rows']} held-out rows, "
+                 f"{s['forward_tokens_per_s']} tok/s")
+    done(out, "capture", art, cached)

@@ -1,0 +1,40 @@
+"""Options shared by every command, declared once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+StoreOpt = Annotated[
+    Path,
+    typer.Option("--store", envvar="RIDGEFILL_STORE", help="Artifact store root.", show_default=True),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout; human output goes to stderr.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")]
+ModelArg = Annotated[
+    str,
+    typer.Argument(help="builtin:smollm2-135m, builtin:gemma3-270m, a transformers dir, a .gguf file, or a cached hub id."),
+]
+DEFAULT_STORE = Path("ridgefill-artifacts")
+
+
+def output(json_mode: bool):
+    from ridgefill.output import Output
+
+    return Output(json_mode=json_mode)
+
+
+def store(root: Path):
+    from ridgefill.artifacts import Store
+
+    return Store(root)
+
+
+def done(out, stage: str, art, cached: bool, extra: dict | None = None) -> None:
+    """The closing line of a stage: id, cache status, where it is; JSON with --json."""
+    status = "cached" if cached else "written"
+    out.info(f"[bold]{stage}[/bold] {art.id} ({status}) -> {art.path}")
+    out.result({"stage": stage, "id": art.id, "cached": cached, "path": str(art.path),
+                "summary": art.manifest.get("summary", {}), **(extra or {})}, primary=art.id)

@@ -1,0 +1,142 @@
+"""`ridgefill export`: a release folder (DESIGN §5) from a quantize or solve artifact.
+
+The release is built inside the store as an export artifact (content-hashed like every stage) and then
+copied to `--out`. The manifest gathers the model, split, layers, fit and held-out figures from the
+upstream artifacts.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from ridgefill.artifacts import Artifact, Store
+from ridgefill.errors import BadInput
+from ridgefill.export import release
+from ridgefill.export.card import model_card
+from ridgefill.output import Output
+
+FORMAT_VERSION = 1
+RELEASE_DIR = "release"
+DEFAULT_TAIL = 512
+
+
+def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int = DEFAULT_TAIL,
+           force: bool = False) -> tuple[Artifact, bool, Path | None]:
+    import json
+
+    from ridgefill.capture.run import DOCS
+
+    if tail < 1:
+        raise BadInput("--tail must be >= 1")
+    src = store.get(ref)
+    if src.stage not in ("quantize", "solve"):
+        raise BadInput(f"artifact {src.id} is a {src.stage} artifact; export takes a quantize or solve artifact")
+    if out_dir is not None:
+        _check_out(out_dir, force)
+    sol = store.get(src.info["solve"], stage="solve") if src.stage == "quantize" else src
+    cap = store.get(sol.info["capture"], stage="capture")
+    recipe = {"stage": "export", "version": FORMAT_VERSION, "source": f"{src.stage}/{src.id}", "tail": tail}
+    art = store.cached("export", recipe)
+    cached = art is not None
+    if not cached:
+        store.verify(src)
+        docs = json.loads(cap.file(DOCS).read_text())
+        rep = json.loads(sol.file("report.json").read_text())
+        manifest = _manifest(src, sol, cap, rep, docs, tail)
+        with store.build("export", recipe) as build:
+            release.write_release(build.path / RELEASE_DIR, _maps(src), manifest, model_card(_for_card(manifest, src)),
+                                  weight_dtype=None if src.stage == "quantize" else "f32")
+            _flatten(build.path / RELEASE_DIR, build.path)
+            art = build.commit(info={"source": src.id, "solve": sol.id, "capture": cap.id},
+                               summary={"split": manifest["split"], "files": sorted(manifest_files(build.path))})
+    copied = None
+    if out_dir is not None:
+        copied = _copy_out(art, out_dir, force)
+    return art, cached, copied
+
+
+def manifest_files(path: Path) -> list[str]:
+    return [p.name for p in path.iterdir() if p.name != "artifact.json"]
+
+
+def _flatten(rel: Path, dest: Path) -> None:
+    """The artifact's files are the release's files: move them up one level."""
+    for p in rel.iterdir():
+        p.rename(dest / p.name)
+    rel.rmdir()
+
+
+def _maps(src: Artifact) -> dict:
+    if src.stage == "quantize":
+        from ridgefill.export.quantize import load_quant
+
+        return load_quant(src)
+    from ridgefill.solve.run import load_maps
+
+    return {l: {"weight": w, "bias": b} for l, (w, b) in load_maps(src).items()}
+
+
+def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list, tail: int) -> dict:
+    model = cap.info["model"]
+    split = rep["split"]
+    layers = sol.manifest["summary"]["layers"]
+    kinds = cap.info.get("layer_kinds") or {}
+    calib = [d for d in docs if d["role"] == "calibration"]
+
+    def figures(scores: dict) -> dict:
+        return {k: round(v, 6) for k, v in scores["mean"].items()}
+
+    heldout = {"fitted": figures(rep["fitted"]), "identity": figures(rep["identity"]), "rows": rep["held_out_rows"],
+               "metric": rep["metric"]}
+    if src.stage == "quantize":
+        heldout["int8_score"] = round(src.manifest["summary"]["score_int8"], 6)
+        heldout["float_score"] = round(src.manifest["summary"]["score_float"], 6)
+    return {
+        "model": {"name": model["name"], "revision": model.get("revision"), "architecture": model["model_type"],
+                  "num_layers": model["num_layers"], "hidden_size": model["hidden_size"],
+                  "fingerprint": model["fingerprint"]},
+        "split": split,
+        "tail_default": tail,
+        "layers": [{"index": l, "kind": kinds.get(str(l), "attention")} for l in layers],
+        "fit": {"alpha": rep["alpha"], "lambda": rep["lambda"], "rows": rep["rows"], "documents": len(calib),
+                "tokens": sum(d["tokens"] for d in calib),
+                "calibration_sha256": sorted(d["sha256"] for d in calib),
+                "capture_id": cap.id, "solve_id": sol.id, "skip_first_rows": cap.recipe["skip_first"],
+                "chat": cap.recipe["chat"], "chat_share": sol.recipe["chat_share"]},
+        "heldout": heldout,
+    }
+
+
+def _for_card(manifest: dict, src: Artifact) -> dict:
+    proj = {"dtype": "int8", "group_size": 128} if src.stage == "quantize" else {"dtype": "f32"}
+    return {**manifest, "format": release.FORMAT, "projector": proj}
+
+
+def _check_out(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BadInput(f"--out {out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        if not (out_dir / release.MANIFEST).is_file():
+            raise BadInput(f"--out {out_dir} exists, is not empty and is not a release folder")
+
+
+def _copy_out(art: Artifact, out_dir: Path, force: bool) -> Path:
+    """Copy the release to out_dir (temp sibling, then rename). An identical release there is left alone."""
+    names = manifest_files(art.path)
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        same = sorted(p.name for p in out_dir.iterdir()) == sorted(names) and all(
+            (out_dir / n).read_bytes() == (art.path / n).read_bytes() for n in names)
+        if same:
+            return out_dir
+        if not force:
+            raise BadInput(f"--out {out_dir} holds a different release; pass --force to replace it")
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for n in names:
+        shutil.copyfile(art.path / n, tmp / n)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir

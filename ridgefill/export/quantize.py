@@ -1,0 +1,83 @@
+"""`ridgefill quantize`: int8 maps (DESIGN §4, "int8") with their error and held-out score.
+
+The quantize artifact stores the maps already in the release tensor layout (codes, bf16 scales, bf16
+bias), so export only copies them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ridgefill.artifacts import Artifact, Store
+from ridgefill.artifacts import tensors
+from ridgefill.artifacts.store import write_json
+from ridgefill.export import int8
+from ridgefill.export.release import BIAS, CODES, SCALES, tensor_name
+from ridgefill.output import Output
+
+FORMAT_VERSION = 1
+QUANT = "quant.safetensors"
+REPORT = "report.json"
+
+
+def quantize(store: Store, maps_ref: str, out: Output, group: int = int8.GROUP_SIZE) -> tuple[Artifact, bool]:
+    from ridgefill.solve.run import load_maps
+
+    sol = store.get(maps_ref, stage="solve")
+    recipe = {"stage": "quantize", "version": FORMAT_VERSION, "solve": sol.id, "dtype": "int8", "group_size": group}
+    hit = store.cached("quantize", recipe)
+    if hit is not None:
+        return hit, True
+    store.verify(sol)
+    maps = load_maps(sol)
+    arrays, qmaps, errors = {}, {}, {}
+    for l, (w, b) in maps.items():
+        codes, scale_bits = int8.quantize(w, group)
+        bias_bits = int8.f32_to_bf16_bits(b)
+        deq = int8.dequantize(codes, scale_bits, group)
+        errors[str(l)] = float(np.abs(deq - w).max() / max(np.abs(w).max(), 1e-30))
+        qmaps[l] = (deq, int8.bf16_bits_to_f32(bias_bits))
+        arrays[tensor_name(l, CODES)] = codes
+        arrays[tensor_name(l, SCALES)] = tensors.BF16(scale_bits)
+        arrays[tensor_name(l, BIAS)] = tensors.BF16(bias_bits)
+    before, after = _scores(store, sol, maps, qmaps)
+    report = {"group_size": group, "max_rel_error": errors, "max_rel_error_worst": max(errors.values()),
+              "heldout_float": before, "heldout_int8": after}
+    with store.build("quantize", recipe) as build:
+        tensors.save(build.path / QUANT, arrays, {"group_size": str(group)})
+        write_json(build.path / REPORT, report)
+        summary = {"max_rel_error_worst": report["max_rel_error_worst"], "score_float": before["score"],
+                   "score_int8": after["score"], "split": sol.manifest["summary"]["split"]}
+        art = build.commit(info={"solve": sol.id, **{k: sol.info[k] for k in ("capture", "model", "model_spec")}},
+                           summary=summary)
+    return art, False
+
+
+def _scores(store: Store, sol: Artifact, maps: dict, qmaps: dict) -> tuple[dict, dict]:
+    """Held-out score of the float maps and of the decoded int8 maps, on the capture's held-out rows."""
+    from ridgefill.capture.run import load_heldout
+    from ridgefill.models import load_model
+    from ridgefill.solve.run import check_model
+    from ridgefill.solve.score import Scorer, objective
+
+    cap = store.get(sol.info["capture"], stage="capture")
+    ref = check_model(cap, store, None)
+    lm = load_model(ref, store_root=store.root)
+    split = sol.manifest["summary"]["split"]
+    scorer = Scorer(lm.adapter, load_heldout(cap), split, ref.num_layers)
+    metric = sol.recipe["metric"]
+    out = []
+    for m in (maps, qmaps):
+        layers = sorted(m)
+        s = scorer.score(np.stack([m[l][0] for l in layers]), np.stack([m[l][1] for l in layers]))
+        out.append({"score": objective(s, metric), **s["mean"]})
+    return out[0], out[1]
+
+
+def load_quant(art: Artifact) -> dict[int, dict[str, np.ndarray]]:
+    """{layer: {"codes", "scale_bits", "bias" (float32)}} as `release.write_release` takes them."""
+    arrays, _ = tensors.load(art.file(QUANT))
+    layers = sorted({int(k.split(".")[1]) for k in arrays})
+    return {l: {"codes": arrays[tensor_name(l, CODES)],
+                "scale_bits": arrays[tensor_name(l, SCALES)].bits,
+                "bias": int8.bf16_bits_to_f32(arrays[tensor_name(l, BIAS)].bits)} for l in layers}

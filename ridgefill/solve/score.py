@@ -1,0 +1,65 @@
+"""Held-out scores of a fill (DESIGN §4, "Selection").
+
+For each late layer, compare what it would write to its cache from the predicted input with what it
+writes from the true input: the cosine of keys (input norm, k_proj, k_norm; per KV head; RoPE is a
+rotation and does not change it) and of values, averaged over rows and heads. Also the plain cosine of
+predicted vs true layer input, relative squared error and explained variance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+METRICS = ("k_cosine", "v_cosine", "input_cosine", "rel_se", "explained_var")
+
+
+def _cos(a, b):
+    """Row-wise cosine over the last axis, float64."""
+    num = (a * b).sum(-1)
+    den = np.sqrt((a * a).sum(-1) * (b * b).sum(-1))
+    return num / np.maximum(den, 1e-30)
+
+
+class Scorer:
+    """Caches the true keys/values of the held-out rows so that many fills can be scored cheaply."""
+
+    def __init__(self, adapter, held: dict[str, np.ndarray], split: int, num_layers: int):
+        self.adapter = adapter
+        self.split = split
+        self.layers = list(range(split, num_layers))
+        self.x = held[f"hidden.{split}"].astype(np.float64)  # [R, d]
+        self.y = {l: held[f"hidden.{l}"].astype(np.float64) for l in self.layers}  # [R, d] each
+        self.true_kv = {l: self._kv(l, self.y[l]) for l in self.layers}
+
+    def _kv(self, l: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        import torch
+
+        k, v = self.adapter.kv(l, torch.from_numpy(x.astype(np.float32)))
+        return k.double().numpy(), v.double().numpy()  # [R, kv_heads, head_dim]
+
+    def layer_scores(self, l: int, y_hat: np.ndarray) -> dict[str, float]:
+        y = self.y[l]
+        k, v = self._kv(l, y_hat)
+        kt, vt = self.true_kv[l]
+        err = ((y_hat - y) ** 2).sum()
+        return {
+            "k_cosine": float(_cos(k, kt).mean()),
+            "v_cosine": float(_cos(v, vt).mean()),
+            "input_cosine": float(_cos(y_hat, y).mean()),
+            "rel_se": float(err / (y**2).sum()),
+            "explained_var": float(1.0 - err / ((y - y.mean(0)) ** 2).sum()),
+        }
+
+    def score(self, w: np.ndarray | None, b: np.ndarray | None) -> dict:
+        """w [k, dy, dx], b [k, dy]; None for the identity fill (x_hat = h_S)."""
+        per = {}
+        for i, l in enumerate(self.layers):
+            y_hat = self.x if w is None else self.x @ w[i].T + b[i]
+            per[l] = self.layer_scores(l, y_hat)
+        mean = {m: float(np.mean([p[m] for p in per.values()])) for m in METRICS}
+        return {"mean": mean, "layers": {str(l): p for l, p in per.items()}}
+
+
+def objective(scores: dict, metric: str) -> float:
+    m = scores["mean"]
+    return (m["k_cosine"] + m["v_cosine"]) / 2 if metric == "kv" else m["input_cosine"]
