@@ -2,8 +2,9 @@
 
 The safetensors format: 8-byte little-endian header length, a JSON header
 `{name: {dtype, shape, data_offsets}, "__metadata__": {str: str}}` padded with spaces to a multiple of 8,
-then the tensor bytes. We write it ourselves so the bytes depend only on the arrays and metadata: names
-sorted, data in name order, compact JSON with sorted keys. bfloat16, which numpy lacks, is passed as a
+then the tensor bytes. We write it ourselves so the bytes depend only on the arrays and metadata: tensors
+laid out as the safetensors library lays them out (wider dtype first, then name), compact JSON with sorted
+keys, metadata sorted (the library keeps insertion order, so its bytes depend on dict order). bfloat16, which numpy lacks, is passed as a
 `BF16` wrapper around its uint16 bit patterns. Files are readable by the safetensors library.
 """
 
@@ -25,6 +26,8 @@ _DTYPES = {
     np.dtype("uint8"): "U8", np.dtype("uint16"): "U16", np.dtype("bool"): "BOOL",
 }
 _NP = {v: k for k, v in _DTYPES.items()}
+# safetensors' Dtype enum order; the library writes larger dtypes first so every tensor stays aligned
+_RANK = ["BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64"]
 
 
 @dataclass(frozen=True)
@@ -35,23 +38,23 @@ class BF16:
 
 
 def encode(arrays: dict[str, np.ndarray | BF16], metadata: dict[str, str] | None = None) -> bytes:
-    header: dict = {}
-    chunks, offset = [], 0
-    for name in sorted(arrays):
-        a = arrays[name]
+    typed = {}
+    for name, a in arrays.items():
         if isinstance(a, BF16):
-            dtype, data = "BF16", np.ascontiguousarray(a.bits, dtype="<u2")
+            typed[name] = ("BF16", np.ascontiguousarray(a.bits, dtype="<u2"))
         else:
             data = np.ascontiguousarray(a)
-            dtype = _DTYPES[data.dtype]
-            data = data.astype(data.dtype.newbyteorder("<"), copy=False)
+            typed[name] = (_DTYPES[data.dtype], data.astype(data.dtype.newbyteorder("<"), copy=False))
+    # header: metadata first, then the tensors in layout order, as the library writes it
+    header: dict = {"__metadata__": {str(k): str(v) for k, v in sorted(metadata.items())}} if metadata else {}
+    chunks, offset = [], 0
+    for name in sorted(typed, key=lambda n: (-_RANK.index(typed[n][0]), n)):
+        dtype, data = typed[name]
         raw = data.tobytes()
         header[name] = {"dtype": dtype, "shape": list(data.shape), "data_offsets": [offset, offset + len(raw)]}
         chunks.append(raw)
         offset += len(raw)
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text + b"".join(chunks)
 

@@ -1,0 +1,1 @@
+"""Export: int8 quantization of the maps, the `ridgefill-maps/1` release folder (manifest, tensors, model card)."""

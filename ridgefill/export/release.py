@@ -1,0 +1,411 @@
+"""The release format `ridgefill-maps/1` (DESIGN.md §5): write, verify and load a map release folder.
+
+This module owns every fact of the format (file names, tensor names, manifest keys); nothing else in the
+package should repeat them. A release folder holds exactly:
+
+    ridgefill.json      manifest: `format`, the caller's fields (model, split, tail_default, layers, fit,
+                        heldout, eval), `projector` {dtype, group_size, files} and `files` {name: sha256}
+    maps.safetensors    tensors `layer.<l>.codes` int8 [d_out, d_in], `layer.<l>.scales` bf16
+                        [d_out, ceil(d_in/group)], `layer.<l>.bias` bf16 [d_out]; or, unquantized,
+                        `layer.<l>.weight` bf16|f32 [d_out, d_in] and `layer.<l>.bias` (same dtype)
+    README.md           model card; never hashed, because the Hub may rewrite it
+
+The safetensors file is encoded by ridgefill.artifacts.tensors rather than the library, so the bytes are a pure function
+of the tensors: tensors ordered as safetensors orders them (wider dtype first, then name), `__metadata__`
+sorted, header padded with spaces to 8 bytes. The library reads it back (and writes the same bytes when given
+the same tensors). Reading uses safetensors + torch, imported inside `load_release` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ridgefill.errors import BadInput
+from ridgefill.export import int8
+
+FORMAT = "ridgefill-maps/1"
+MANIFEST = "ridgefill.json"
+CARD = "README.md"
+MAPS_FILE = "maps.safetensors"
+DOC_FILES = frozenset({CARD})  # documentation: present in the folder, never hashed
+UNHASHED = frozenset({CARD, MANIFEST})  # the manifest cannot list itself
+
+CODES, SCALES, BIAS, WEIGHT = "codes", "scales", "bias", "weight"
+PROJECTOR_DTYPES = ("int8", "bf16", "f32")
+_TENSOR_RE = re.compile(r"^layer\.(0|[1-9][0-9]*)\.(codes|scales|bias|weight)$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_HASH_CHUNK = 1 << 20
+
+
+def tensor_name(layer: int, kind: str) -> str:
+    """`layer.<l>.<kind>` for kind in codes|scales|bias|weight."""
+    if kind not in (CODES, SCALES, BIAS, WEIGHT):
+        raise ValueError(f"unknown tensor kind {kind!r}")
+    return f"layer.{int(layer)}.{kind}"
+
+
+def parse_tensor_name(name: str) -> tuple[int, str] | None:
+    """`layer.<l>.<kind>` -> (l, kind), or None for any other name."""
+    m = _TENSOR_RE.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def is_bare_name(name: object) -> bool:
+    """True for a plain file name that stays inside the folder: no separators, not '.', '..' or empty."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\:\0")
+        and name == name.strip()
+    )
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------- writing
+
+
+def _encode_safetensors(tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str]) -> bytes:
+    """{name: (safetensors dtype, array)} -> the file's bytes (bf16 given as uint16 bit patterns)."""
+    from ridgefill.artifacts.tensors import BF16, encode
+
+    return encode({n: BF16(a) if dt == "BF16" else a for n, (dt, a) in tensors.items()}, metadata)
+
+
+def _f32(a: np.ndarray, what: str) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype != np.float32:
+        raise ValueError(f"{what} must be float32, got {a.dtype}")
+    if not np.isfinite(a).all():
+        raise ValueError(f"{what} contains NaN/inf")
+    return a
+
+
+def _release_tensors(
+    maps: dict[int, dict[str, np.ndarray]], weight_dtype: str | None, group_size: int
+) -> tuple[dict[str, tuple[str, np.ndarray]], str]:
+    """Check the caller's maps and turn them into named safetensors entries; returns (tensors, projector dtype)."""
+    if not maps:
+        raise ValueError("no maps to write")
+    kinds = {frozenset(m) for m in maps.values()}
+    if kinds == {frozenset({"codes", "scale_bits", "bias"})}:
+        if weight_dtype not in (None, "int8"):
+            raise ValueError(f"weight_dtype {weight_dtype!r} given for quantized maps")
+        dtype = "int8"
+    elif kinds == {frozenset({"weight", "bias"})}:
+        dtype = weight_dtype or "f32"
+        if dtype not in ("f32", "bf16"):
+            raise ValueError(f"weight_dtype must be 'f32' or 'bf16', got {weight_dtype!r}")
+    else:
+        raise ValueError(
+            "every layer needs {codes, scale_bits, bias} (quantized) or {weight, bias} (unquantized), "
+            f"all the same; got {sorted(sorted(k) for k in kinds)}"
+        )
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    for layer, m in maps.items():
+        if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) or layer < 0:
+            raise ValueError(f"layer keys must be non-negative ints, got {layer!r}")
+        bias = _f32(m["bias"], f"layer {layer} bias")
+        if dtype == "int8":
+            codes, bits = np.asarray(m["codes"]), np.asarray(m["scale_bits"])
+            int8.dequantize(codes, bits, group_size)  # validates dtypes, shapes, code range and scales
+            d_out = codes.shape[0]
+            out[tensor_name(layer, CODES)] = ("I8", codes)
+            out[tensor_name(layer, SCALES)] = ("BF16", bits)
+            out[tensor_name(layer, BIAS)] = ("BF16", int8.f32_to_bf16_bits(bias))
+        else:
+            weight = _f32(m["weight"], f"layer {layer} weight")
+            if weight.ndim != 2:
+                raise ValueError(f"layer {layer} weight must be 2-D, got shape {tuple(weight.shape)}")
+            d_out = weight.shape[0]
+            if dtype == "bf16":
+                out[tensor_name(layer, WEIGHT)] = ("BF16", int8.f32_to_bf16_bits(weight))
+                out[tensor_name(layer, BIAS)] = ("BF16", int8.f32_to_bf16_bits(bias))
+            else:
+                out[tensor_name(layer, WEIGHT)] = ("F32", weight)
+                out[tensor_name(layer, BIAS)] = ("F32", bias)
+        if bias.shape != (d_out,):
+            raise ValueError(f"layer {layer} bias has shape {tuple(bias.shape)}, expected ({d_out},)")
+    return out, dtype
+
+
+def _manifest_layer_indices(manifest: dict) -> set[int] | None:
+    layers = manifest.get("layers")
+    if isinstance(layers, list) and all(isinstance(x, dict) and "index" in x for x in layers):
+        return {x["index"] for x in layers}
+    return None
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_release(
+    out_dir: Path,
+    maps: dict[int, dict[str, np.ndarray]],
+    manifest: dict,
+    card: str,
+    *,
+    weight_dtype: str | None = None,
+    group_size: int = int8.GROUP_SIZE,
+    overwrite: bool = False,
+) -> dict:
+    """Write a release folder atomically and return the manifest written.
+
+    `maps[l]` is {"codes": int8, "scale_bits": uint16, "bias": float32} (quantized, from `int8.quantize`;
+    bias stored bf16) or {"weight": float32, "bias": float32} (unquantized; `weight_dtype` "f32" (default)
+    or "bf16", bias stored in the same dtype). `manifest` holds the caller's fields; `format`, `projector`
+    and `files` are set here (the caller's `projector` keys are kept, ours win). If the manifest has
+    `layers: [{index, ...}]`, its indices must be exactly the keys of `maps`.
+
+    Everything is written into a temporary sibling folder and renamed into place. An existing non-empty
+    `out_dir` is refused (BadInput) unless `overwrite=True`, and even then only if it is a release folder
+    (holds ridgefill.json), so a mistyped path never deletes unrelated files.
+    Raises ValueError for malformed maps or a manifest that is not plain JSON.
+    """
+    out_dir = Path(out_dir)
+    tensors, dtype = _release_tensors(maps, weight_dtype, group_size)
+    want = _manifest_layer_indices(manifest)
+    if want is not None and want != {int(k) for k in maps}:
+        raise ValueError(f"manifest layers {sorted(want)} do not match the maps' layers {sorted(maps)}")
+    blob = _encode_safetensors(tensors, {"format": FORMAT})
+
+    written = dict(manifest)
+    written.pop("files", None)
+    written["format"] = FORMAT
+    written["projector"] = {
+        **(manifest.get("projector") or {}),
+        "dtype": dtype,
+        "group_size": group_size if dtype == "int8" else None,
+        "files": [MAPS_FILE],
+    }
+    written["files"] = {MAPS_FILE: hashlib.sha256(blob).hexdigest()}
+    try:
+        text = json.dumps(written, sort_keys=True, indent=2, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"manifest is not plain JSON: {e}") from None
+
+    if out_dir.exists() or out_dir.is_symlink():
+        if not out_dir.is_dir():
+            raise BadInput(f"{out_dir}: exists and is not a directory")
+        if any(out_dir.iterdir()):
+            if not overwrite:
+                raise BadInput(f"{out_dir}: exists and is not empty (pass overwrite to replace it)")
+            if not (out_dir / MANIFEST).is_file():
+                raise BadInput(f"{out_dir}: not empty and not a ridgefill release; refusing to replace it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; a release folder should look like any other
+        _write_file(tmp / MAPS_FILE, blob)
+        _write_file(tmp / MANIFEST, text.encode())
+        _write_file(tmp / CARD, card.encode("utf-8"))
+        _move_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return json.loads(text)
+
+
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        out_dir.rmdir()
+    if not out_dir.exists():
+        os.rename(tmp, out_dir)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    old.rmdir()
+    os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except BaseException:
+        os.rename(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------- verifying
+
+
+def verify_release(dir: Path) -> dict:
+    """Check a release folder against its manifest and return the manifest; BadInput on the first problem.
+
+    Refuses: a missing or unparsable ridgefill.json, a wrong `format`, a `files` entry that is not a bare
+    file name inside the folder (or names README.md / ridgefill.json), a listed file that is missing or whose
+    sha256 differs, a projector tensor file not listed in `files`, and any entry of the folder that `files`
+    does not list. Only README.md (documentation, may be rewritten by the Hub) and ridgefill.json itself are
+    exempt; nothing else is ignored — not dotfiles, not `.gitattributes`, not subfolders.
+    """
+    dir = Path(dir)
+    if not dir.is_dir():
+        raise BadInput(f"{dir}: not a directory")
+    mpath = dir / MANIFEST
+    if not mpath.is_file():
+        raise BadInput(f"{MANIFEST}: missing in {dir} (not a ridgefill release folder)")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{MANIFEST}: invalid JSON (not UTF-8: {e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{MANIFEST}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(manifest, dict):
+        raise BadInput(f"{MANIFEST}: invalid manifest (top level is not a JSON object)")
+    if manifest.get("format") != FORMAT:
+        raise BadInput(f"{MANIFEST}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise BadInput(f"{MANIFEST}: 'files' must be a non-empty object of file name -> sha256")
+    for name in sorted(files):
+        if not is_bare_name(name):
+            raise BadInput(f"{MANIFEST}: files entry {name!r} is not a bare file name inside the release folder")
+        if name in UNHASHED:
+            raise BadInput(f"{MANIFEST}: files entry {name!r} must not be listed (it is never hashed)")
+        if not isinstance(files[name], str) or not _SHA256_RE.match(files[name]):
+            raise BadInput(f"{MANIFEST}: files entry {name!r} has no valid sha256 (64 lowercase hex digits)")
+    for name in _projector_files(manifest):
+        if name not in files:
+            raise BadInput(f"{MANIFEST}: projector file {name!r} is not listed in 'files'")
+    for name in sorted(files):
+        if not (dir / name).exists():
+            raise BadInput(f"{name}: listed in {MANIFEST} but missing from {dir}")
+        if not (dir / name).is_file():
+            raise BadInput(f"{name}: listed in {MANIFEST} but not a regular file")
+    for name in sorted(os.listdir(dir)):
+        if name not in files and name not in UNHASHED:
+            raise BadInput(f"{name}: in the release folder but not listed in {MANIFEST}")
+    for name in sorted(files):
+        got = sha256_file(dir / name)
+        if got != files[name]:
+            raise BadInput(f"{name}: sha256 mismatch (expected {files[name]}, got {got})")
+    return manifest
+
+
+def _projector_files(manifest: dict) -> list[str]:
+    proj = manifest.get("projector")
+    if proj is None:
+        return []
+    names = proj.get("files") if isinstance(proj, dict) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise BadInput(f"{MANIFEST}: 'projector.files' must be a list of file names")
+    return names
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load_release(dir: Path) -> tuple[dict, dict[int, dict[str, np.ndarray]]]:
+    """Verify, then read a release: (manifest, {layer: {"weight": float32 [d_out, d_in], "bias": float32}})."""
+    dir = Path(dir)
+    manifest = verify_release(dir)
+    proj = manifest.get("projector")
+    if not isinstance(proj, dict) or proj.get("dtype") not in PROJECTOR_DTYPES or not proj.get("files"):
+        raise BadInput(f"{MANIFEST}: 'projector' needs dtype in {PROJECTOR_DTYPES} and a list of files")
+    dtype, group = proj["dtype"], proj.get("group_size")
+    if dtype == "int8" and (not isinstance(group, int) or isinstance(group, bool) or group < 1):
+        raise BadInput(f"{MANIFEST}: 'projector.group_size' must be a positive integer, got {group!r}")
+
+    raw: dict[int, dict[str, tuple[str, np.ndarray]]] = {}
+    where: dict[str, str] = {}
+    for fname in proj["files"]:
+        for tname, (st_dtype, arr) in _read_safetensors(dir / fname, fname).items():
+            parsed = parse_tensor_name(tname)
+            if parsed is None:
+                raise BadInput(f"{fname}: unexpected tensor {tname!r} (expected layer.<l>.codes|scales|bias|weight)")
+            if tname in where:
+                raise BadInput(f"{fname}: tensor {tname!r} already read from {where[tname]}")
+            where[tname] = fname
+            raw.setdefault(parsed[0], {})[parsed[1]] = (st_dtype, arr)
+
+    want = _manifest_layer_indices(manifest)
+    if want is not None and want != set(raw):
+        raise BadInput(f"{MANIFEST}: layers {sorted(want)} do not match the tensors' layers {sorted(raw)}")
+    if not raw:
+        raise BadInput(f"{MANIFEST}: the projector files hold no tensors")
+    maps = {}
+    for layer in sorted(raw):
+        maps[layer] = _decode_layer(layer, raw[layer], dtype, group, where, ", ".join(proj["files"]))
+    return manifest, maps
+
+
+def _read_safetensors(path: Path, fname: str) -> dict[str, tuple[str, np.ndarray]]:
+    """{name: (safetensors dtype, numpy array)}; bf16 comes back as uint16 bit patterns."""
+    import torch
+    from safetensors import safe_open
+
+    as_np = {torch.int8: "I8", torch.bfloat16: "BF16", torch.float32: "F32"}
+    out = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if t.dtype not in as_np:
+                    raise BadInput(f"{fname}: tensor {name!r} has dtype {t.dtype}, expected int8, bf16 or f32")
+                arr = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+                out[name] = (as_np[t.dtype], arr.copy())
+    except BadInput:
+        raise
+    except Exception as e:  # safetensors raises its own SafetensorError and OSError-likes
+        why = str(e).splitlines()[0] if str(e) else repr(e)
+        raise BadInput(f"{fname}: not a readable safetensors file ({why})") from None
+    return out
+
+
+def _decode_layer(
+    layer: int, parts: dict, dtype: str, group: int | None, where: dict, files: str
+) -> dict[str, np.ndarray]:
+    """One layer's tensors -> {"weight", "bias"} float32, refusing missing, extra or mistyped tensors."""
+
+    def get(kind: str, allowed: tuple[str, ...]) -> np.ndarray:
+        name = tensor_name(layer, kind)
+        if kind not in parts:
+            raise BadInput(f"{files}: tensor {name!r} is missing (needed in a {dtype} release)")
+        st_dtype, arr = parts[kind]
+        if st_dtype not in allowed:
+            raise BadInput(f"{where[name]}: tensor {name!r} is {st_dtype}, expected {' or '.join(allowed)}")
+        return arr
+
+    def f32(arr: np.ndarray) -> np.ndarray:
+        return int8.bf16_bits_to_f32(arr) if arr.dtype == np.uint16 else arr.astype(np.float32)
+
+    expected = {CODES, SCALES, BIAS} if dtype == "int8" else {WEIGHT, BIAS}
+    extra = sorted(set(parts) - expected)
+    if extra:
+        name = tensor_name(layer, extra[0])
+        raise BadInput(f"{where[name]}: tensor {name!r} does not belong in a {dtype} release")
+    bias = f32(get(BIAS, ("BF16", "F32")))
+    if dtype == "int8":
+        codes, bits = get(CODES, ("I8",)), get(SCALES, ("BF16",))
+        try:
+            weight = int8.dequantize(codes, bits, group)
+        except ValueError as e:
+            raise BadInput(f"{where[tensor_name(layer, CODES)]}: layer {layer}: {e}") from None
+    else:
+        weight = f32(get(WEIGHT, ("BF16",) if dtype == "bf16" else ("F32",)))
+        if weight.ndim != 2:
+            raise BadInput(f"{where[tensor_name(layer, WEIGHT)]}: layer {layer} weight is not 2-D")
+    bias_file = where[tensor_name(layer, BIAS)]
+    if bias.shape != (weight.shape[0],):
+        raise BadInput(f"{bias_file}: layer {layer} bias has shape {bias.shape}, expected ({weight.shape[0]},)")
+    if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
+        raise BadInput(f"{bias_file}: layer {layer} holds NaN/inf")
+    return {"weight": weight, "bias": bias}
