@@ -50,6 +50,9 @@ class Output:
             bar.close()
 
 
+LOG_EVERY = 15.0
+
+
 class Progress:
     """A rich bar labelled by position: `doc 12/300 · 41.2k tok/s · ETA 3:10`."""
 
@@ -58,14 +61,18 @@ class Progress:
 
         self.unit = unit
         self.start = time.perf_counter()
-        self.count = 0
+        self.label = label
+        self.out = out
+        # Not a terminal (CI logs): no live bar, a plain status line every LOG_EVERY seconds instead.
+        self.plain = not out.err.is_terminal and not out.quiet
+        self.last_log = self.start
         self._bar = RichProgress(
             TextColumn("{task.description}"),
             BarColumn(),
             TextColumn("{task.fields[status]}"),
             console=out.err,
             transient=False,
-            disable=out.quiet,
+            disable=out.quiet or self.plain,
         )
         self._task = self._bar.add_task(label, total=total, status="")
         self._bar.start()
@@ -79,6 +86,10 @@ class Progress:
         eta = elapsed * (1 - frac) / frac if frac > 0 else 0.0
         text = f"{status} · {_human(rate)} {self.unit}/s · ETA {int(eta // 60)}:{int(eta % 60):02d}"
         self._bar.update(self._task, completed=completed, status=text)
+        now = time.perf_counter()
+        if self.plain and (now - self.last_log >= LOG_EVERY or completed == total):
+            self.out.err.print(f"{self.label} {completed}/{total} {text}")
+            self.last_log = now
 
     def close(self) -> None:
         self._bar.stop()

