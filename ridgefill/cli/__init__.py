@@ -26,21 +26,14 @@ app.add_typer(artifacts.app, name="artifacts")
 
 
 def main() -> None:
-    import click
-
     from ridgefill.errors import RidgefillError
 
     debug = "--debug" in sys.argv[1:] or bool(os.environ.get("RIDGEFILL_DEBUG"))
     try:
         code = app(standalone_mode=False)
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         code = e.exit_code
-    except click.ClickException as e:  # usage errors: bad option, missing argument
-        if debug:
-            raise
-        e.show()
-        code = 2
-    except click.exceptions.Abort:
+    except typer.Abort:
         code = 130
     except KeyboardInterrupt:
         print("Interrupted.", file=sys.stderr)
@@ -50,9 +43,13 @@ def main() -> None:
             raise
         print(f"Error: {e}", file=sys.stderr)
         code = e.exit_code
-    except Exception as e:  # a bug or an environment problem: one line, the traceback on request
+    except Exception as e:
         if debug:
             raise
-        print(f"Error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
-        code = 1
+        if hasattr(e, "show") and hasattr(e, "exit_code"):  # click's usage errors (typer vendors click)
+            e.show()
+            code = e.exit_code
+        else:  # a bug or an environment problem: one line, the traceback on request
+            print(f"Error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+            code = 1
     sys.exit(code if isinstance(code, int) else 0)
