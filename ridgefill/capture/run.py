@@ -40,6 +40,7 @@ class CaptureConfig:
     held_out_rows: int = 2048
     seed: int = 0
     dtype: str = "float32"
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -82,7 +83,7 @@ def capture(
         "version": FORMAT_VERSION,
         "model": ref.fingerprint,
         "data": corpus.digest,
-        **{k: v for k, v in asdict(cfg).items() if k != "splits"},
+        **{k: v for k, v in asdict(cfg).items() if k not in ("splits", "trust_remote_code")},
         "splits": list(splits),
         "skip_first": SKIP_FIRST,
     }
@@ -93,7 +94,7 @@ def capture(
     from ridgefill.models import load_model
 
     t0 = time.perf_counter()
-    lm = load_model(ref, store_root=store.root, dtype=cfg.dtype)
+    lm = load_model(ref, store_root=store.root, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     load_s = time.perf_counter() - t0
     ids = _tokenize(lm.tokenizer, corpus, cfg.chat)
     units = _units(ids, calib, held, cfg)
@@ -135,8 +136,8 @@ def capture(
             "held_out_rows": int(state.held_rows()),
             "forward_tokens_per_s": round(tokens_done / t_fwd, 1) if t_fwd else None,
         }
-        info = {"model_spec": model, "model": _model_info(ref), "data": data, "num_layers": ref.num_layers,
-                "hidden_size": d, "layers": layers,
+        info = {"model_spec": model, "trust_remote_code": cfg.trust_remote_code, "model": _model_info(ref),
+                "data": data, "num_layers": ref.num_layers, "hidden_size": d, "layers": layers,
                 "layer_kinds": {str(i): k for i, k in enumerate(lm.adapter.layer_kinds)}}
         art = build.commit(info=info, summary=summary, timings={"model_load_s": round(load_s, 3), "forward_s": round(t_fwd, 3)})
     return art, False

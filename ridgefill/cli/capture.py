@@ -20,6 +20,7 @@ def capture(
     held_out_rows: Annotated[int, typer.Option("--held-out-rows", help="Rows sampled from the held-out documents.")] = 2048,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out choice.")] = 0,
     dtype: Annotated[str, typer.Option("--dtype", help="Model dtype for the forward.")] = "float32",
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own Python code (off unless given).")] = False,
     checkpoint_every: Annotated[float, typer.Option("--checkpoint-every", help="Seconds between resumable checkpoints (0: after every window).")] = 30.0,
     store_root: StoreOpt = DEFAULT_STORE,
     json: JsonOpt = False,
@@ -30,7 +31,8 @@ def capture(
 
     out = output(json)
     cfg = CaptureConfig(splits=tuple(split or ()), chat=chat, max_tokens=max_tokens, held_out=held_out,
-                        held_out_rows=held_out_rows, seed=seed, dtype=dtype)
+                        held_out_rows=held_out_rows, seed=seed, dtype=dtype,
+                        trust_remote_code=trust_remote_code)
     art, cached = run(store(store_root), model, list(data or ["builtin:default"]), cfg, out, checkpoint_every)
     s = art.manifest["summary"]
     if not cached:

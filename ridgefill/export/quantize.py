@@ -56,13 +56,12 @@ def quantize(store: Store, maps_ref: str, out: Output, group: int = int8.GROUP_S
 def _scores(store: Store, sol: Artifact, maps: dict, qmaps: dict) -> tuple[dict, dict]:
     """Held-out score of the float maps and of the decoded int8 maps, on the capture's held-out rows."""
     from ridgefill.capture.run import load_heldout
-    from ridgefill.models import load_model
-    from ridgefill.solve.run import check_model
+    from ridgefill.solve.run import check_model, open_model
     from ridgefill.solve.score import Scorer, objective
 
     cap = store.get(sol.info["capture"], stage="capture")
     ref = check_model(cap, store, None)
-    lm = load_model(ref, store_root=store.root)
+    lm = open_model(cap, store, ref)
     split = sol.manifest["summary"]["split"]
     scorer = Scorer(lm.adapter, load_heldout(cap), split, ref.num_layers)
     metric = sol.recipe["metric"]

@@ -33,6 +33,13 @@ def check_model(cap: Artifact, store: Store, model: str | None):
     return ref
 
 
+def open_model(cap: Artifact, store: Store, ref):
+    """Load the captured model, with the capture's own trust_remote_code choice."""
+    from ridgefill.models import load_model
+
+    return load_model(ref, store_root=store.root, trust_remote_code=cap.info.get("trust_remote_code", False))
+
+
 def pick_split(cap: Artifact, split: int | None) -> int:
     splits = cap.recipe["splits"]
     if split is None:
@@ -72,7 +79,6 @@ def solve(
         return hit, True
     store.verify(cap)
 
-    from ridgefill.models import load_model
     from ridgefill.solve.score import Scorer, objective
 
     m = load_stats(cap, split, chat_share)
@@ -80,7 +86,7 @@ def solve(
     t = time.perf_counter()
     e = decompose(m)
     t_eig = time.perf_counter() - t
-    lm = load_model(ref, store_root=store.root)
+    lm = open_model(cap, store, ref)
     scorer = Scorer(lm.adapter, held, split, ref.num_layers)
 
     grid, t_maps, t_score = [], 0.0, 0.0
