@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ridgefill.artifacts.store import sha256_file
 from ridgefill.errors import BadInput
 from ridgefill.export import int8
 
@@ -42,7 +43,6 @@ CODES, SCALES, BIAS, WEIGHT = "codes", "scales", "bias", "weight"
 PROJECTOR_DTYPES = ("int8", "bf16", "f32")
 _TENSOR_RE = re.compile(r"^layer\.(0|[1-9][0-9]*)\.(codes|scales|bias|weight)$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-_HASH_CHUNK = 1 << 20
 
 
 def tensor_name(layer: int, kind: str) -> str:
@@ -66,14 +66,6 @@ def is_bare_name(name: object) -> bool:
         and not any(c in name for c in "/\\:\0")
         and name == name.strip()
     )
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------- writing

@@ -24,6 +24,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from ridgefill.artifacts.store import canonical_json, sha256_file
 from ridgefill.errors import BadInput, RidgefillError
 
 # transformers model_type -> has per-head RMSNorm on q and k (QK-norm).
@@ -323,16 +324,7 @@ def read_gguf_header(path: Path) -> tuple[str, int, int]:
 
 def canonical_sha256(obj) -> str:
     """sha256 of canonical JSON (sorted keys, no spaces), the house rule for ids and fingerprints."""
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
+    return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()
 
 
 def files_sha256(paths: list[Path]) -> str:
@@ -354,7 +346,7 @@ def dir_fingerprint(path: Path) -> str:
         raise BadInput(f"model directory '{path}' has no weight files (*.safetensors or *.bin)")
     return canonical_sha256(
         {
-            "config": file_sha256(path / "config.json"),
+            "config": sha256_file(path / "config.json"),
             "tokenizer": files_sha256([p for p in files if TOKENIZER_FILES.match(p.name)]),
             "weights": files_sha256(weights),
         }
@@ -363,4 +355,4 @@ def dir_fingerprint(path: Path) -> str:
 
 def gguf_fingerprint(path: Path) -> str:
     """Fingerprint of a GGUF file: it holds config, tokenizer and weights in one."""
-    return canonical_sha256({"gguf": file_sha256(path)})
+    return canonical_sha256({"gguf": sha256_file(path)})
