@@ -88,6 +88,7 @@ def _quiet_transformers() -> None:
     """ridgefill draws its own progress; transformers' per-tensor bars and notices only add noise."""
     import transformers
 
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's tensor-conversion bar is plain tqdm
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
 
