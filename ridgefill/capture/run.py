@@ -152,20 +152,22 @@ def _vocab_size(lm) -> int:
     return max(len(lm.tokenizer), int(getattr(lm.model.config, "vocab_size", 0) or 0))
 
 
-def _tokenize(tok, corpus: Corpus, chat: bool) -> dict[str, list[list[int]]]:
+def _tokenize(tok, corpus: Corpus, chat: bool) -> dict[str, list[np.ndarray]]:
+    """Token ids per document as int32 arrays (4 bytes a token: the only thing that grows with the corpus)."""
+    ids32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
     texts = [d.text for d in corpus.documents]
-    ids = {"raw": [list(x) for x in tok(texts, add_special_tokens=True)["input_ids"]]}
+    ids = {"raw": [ids32(tok(t, add_special_tokens=True)["input_ids"]) for t in texts]}
     if chat:
         if not getattr(tok, "chat_template", None):
             raise BadInput("--chat: the model's tokenizer has no chat template")
         ids["chat"] = []
         for t in texts:
             enc = tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True)
-            ids["chat"].append(list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc))
+            ids["chat"].append(ids32(enc["input_ids"] if hasattr(enc, "keys") else enc))
     return ids
 
 
-def _units(ids: dict[str, list[list[int]]], calib: list[int], held: list[int], cfg: CaptureConfig) -> list[Unit]:
+def _units(ids: dict[str, list[np.ndarray]], calib: list[int], held: list[int], cfg: CaptureConfig) -> list[Unit]:
     units = []
     for held_phase, docs in ((False, calib), (True, held)):
         for variant in ids:
@@ -191,13 +193,13 @@ def _units(ids: dict[str, list[list[int]]], calib: list[int], held: list[int], c
     return [u for u in units if not u.held or u.keep]
 
 
-def _forward(lm, token_ids: list[int], layers: list[int]) -> dict[int, np.ndarray]:
+def _forward(lm, token_ids: np.ndarray, layers: list[int]) -> dict[int, np.ndarray]:
     """Inputs of `layers` for one window, as float32 numpy [seq, d]."""
     import torch
 
     from ridgefill.capture.hooks import StopForward, layer_inputs
 
-    x = torch.tensor([token_ids], dtype=torch.long)
+    x = torch.from_numpy(token_ids.astype(np.int64))[None]  # [1, seq]
     with torch.inference_mode(), layer_inputs(lm.adapter.layers, layers) as seen:
         try:
             lm.adapter.base(input_ids=x, use_cache=False)
@@ -272,7 +274,7 @@ class _State:
             tensors.save_zst(path / HELDOUT, held, {"layers": ",".join(map(str, layers))})
 
 
-def _write_counts(path: Path, raw: list[list[int]], calib: list[int], vocab: int) -> None:
+def _write_counts(path: Path, raw: list[np.ndarray], calib: list[int], vocab: int) -> None:
     counts = np.zeros(vocab, dtype=np.int64)
     for i in calib:
         counts += np.bincount(np.asarray(raw[i], dtype=np.int64), minlength=vocab)[:vocab]
