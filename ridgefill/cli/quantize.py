@@ -16,10 +16,21 @@ def quantize(
     debug: DebugOpt = False,
 ) -> None:
     """Quantize maps to int8 (one bf16 scale per 128 weights of a row) and re-score them held out."""
-    from ridgefill.export.quantize import quantize as run
+    import json as jsonlib
+
+    from rich.table import Table
+
+    from ridgefill.export.quantize import REPORT, quantize as run
 
     out = output(json)
     art, cached = run(store(store_root), maps, out)
+    report = jsonlib.loads(art.file(REPORT).read_text())
+    t = Table(title="int8: largest |w - decoded| / max|w| per map")
+    t.add_column("layer", justify="right")
+    t.add_column("error", justify="right")
+    for layer, err in report["max_rel_error"].items():
+        t.add_row(layer, f"{err:.5f}")
+    out.table(t)
     s = art.manifest["summary"]
     out.info(f"largest error / max|w|: {s['max_rel_error_worst']:.5f}; held-out score float "
              f"{s['score_float']:.5f} -> int8 {s['score_int8']:.5f}")

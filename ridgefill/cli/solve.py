@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as jsonlib
 from typing import Annotated, Optional
 
 import typer
@@ -21,19 +22,39 @@ def solve(
     debug: DebugOpt = False,
 ) -> None:
     """Fit ridge maps for every late layer over the alpha grid; choose alpha on held-out rows."""
-    from rich.table import Table
-
-    from ridgefill.solve.run import solve as run
+    from ridgefill.solve.run import REPORT, solve as run
 
     out = output(json)
     art, cached = run(store(store_root), capture, out, model=model, split=split, alphas=alpha, metric=metric,
                       chat_share=chat_share)
-    s = art.manifest["summary"]
-    t = Table(title=f"split {s['split']}: alpha {s['alpha']:g} (held-out means)")
-    for c in ("fill", "K cos", "V cos", "input cos", "rel. sq. err", "expl. var"):
-        t.add_column(c)
-    for name in ("fitted", "identity"):
-        m = s[name]
-        t.add_row(name, *(f"{m[k]:.4f}" for k in ("k_cosine", "v_cosine", "input_cosine", "rel_se", "explained_var")))
-    out.table(t)
+    report = jsonlib.loads(art.file(REPORT).read_text())
+    out.table(grid_table(report))
+    out.table(layer_table(report))
     done(out, "solve", art, cached)
+
+
+def grid_table(report: dict):
+    from rich.table import Table
+
+    t = Table(title=f"held-out score per alpha ({report['metric']})")
+    for c in ("alpha", "score", "K cos", "V cos", "input cos"):
+        t.add_column(c, justify="right")
+    for g in report["grid"]:
+        mark = " *" if g["alpha"] == report["alpha"] else ""
+        t.add_row(f"{g['alpha']:g}{mark}", f"{g['score']:.4f}", f"{g['k_cosine']:.4f}", f"{g['v_cosine']:.4f}",
+                  f"{g['input_cosine']:.4f}")
+    return t
+
+
+def layer_table(report: dict):
+    from rich.table import Table
+
+    t = Table(title=f"split {report['split']}, alpha {report['alpha']:g}: fitted (identity) per late layer")
+    for c in ("layer", "K cos", "V cos", "input cos", "rel. sq. err", "expl. var"):
+        t.add_column(c, justify="right")
+    keys = ("k_cosine", "v_cosine", "input_cosine", "rel_se", "explained_var")
+    fit, ident = report["fitted"], report["identity"]
+    rows = [(l, fit["layers"][l], ident["layers"][l]) for l in fit["layers"]] + [("mean", fit["mean"], ident["mean"])]
+    for name, f, i in rows:
+        t.add_row(str(name), *(f"{f[k]:.4f} ({i[k]:.4f})" for k in keys))
+    return t

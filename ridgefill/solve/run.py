@@ -98,7 +98,6 @@ def solve(
         s = scorer.score(w, b)
         t_score += time.perf_counter() - t
         grid.append({"alpha": a, "lambda": lam(a, e), "score": objective(s, metric), **s["mean"]})
-        out.info(f"alpha {a:g}: score {grid[-1]['score']:.4f} (K {s['mean']['k_cosine']:.4f}, V {s['mean']['v_cosine']:.4f})")
     best = max(grid, key=lambda g: g["score"])  # ties: the smaller alpha (first in the sorted grid)
     t = time.perf_counter()
     direct_solve(m, best["alpha"])
