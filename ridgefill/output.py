@@ -24,7 +24,7 @@ class Output:
 
     def info(self, message: str) -> None:
         if not self.quiet:
-            self.err.print(message)
+            self.err.print(message, soft_wrap=True)
 
     def warn(self, message: str) -> None:
         self.err.print(f"[yellow]Warning:[/yellow] {message}")
