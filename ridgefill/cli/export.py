@@ -31,6 +31,7 @@ def export(
 
 def verify(
     folder: Annotated[Path, typer.Argument(help="Release folder.")],
+    store_root: StoreOpt = DEFAULT_STORE,  # accepted like every command's; verify reads only the folder
     json: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
