@@ -28,7 +28,7 @@ class Eig:
 def decompose(m: Moments) -> Eig:
     s, v = np.linalg.eigh(m.cxx)
     s = np.clip(s, 0.0, None)  # round-off can make the smallest eigenvalues slightly negative
-    p = np.einsum("ji,kjd->kid", v, m.cxy)  # [k, dx, dy]
+    p = v.T @ m.cxy  # [dx, dx] @ [k, dx, dy] -> [k, dx, dy] (batched BLAS)
     return Eig(s, v, p, float(np.trace(m.cxx)), m)
 
 
@@ -39,9 +39,9 @@ def lam(alpha: float, e: Eig) -> float:
 def maps_at(e: Eig, alpha: float) -> tuple[np.ndarray, np.ndarray]:
     """Weights [k, dy, dx] (W_l, so y = W_l x + b_l) and biases [k, dy] for one alpha."""
     inv = 1.0 / (e.s + lam(alpha, e))  # [dx]
-    wt = np.einsum("ij,kjd->kid", e.v, inv[None, :, None] * e.p)  # W_l^T: [k, dx, dy]
+    wt = e.v @ (inv[:, None] * e.p)  # W_l^T: [dx, dx] @ [k, dx, dy] -> [k, dx, dy]
     w = np.ascontiguousarray(wt.transpose(0, 2, 1))  # [k, dy, dx]
-    b = e.m.mean_y - np.einsum("kij,j->ki", w, e.m.mean_x)
+    b = e.m.mean_y - w @ e.m.mean_x  # [k, dy]
     return w, b
 
 
@@ -52,4 +52,4 @@ def direct_solve(m: Moments, alpha: float) -> tuple[np.ndarray, np.ndarray]:
     k, dx, dy = m.cxy.shape
     wt = np.linalg.solve(a, m.cxy.transpose(1, 0, 2).reshape(dx, k * dy)).reshape(dx, k, dy)  # [dx, k, dy]
     w = np.ascontiguousarray(wt.transpose(1, 2, 0))  # [k, dy, dx]
-    return w, m.mean_y - np.einsum("kij,j->ki", w, m.mean_x)
+    return w, m.mean_y - w @ m.mean_x
