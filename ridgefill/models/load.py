@@ -12,6 +12,8 @@ torch and transformers are imported inside the functions: `import ridgefill.mode
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -88,7 +90,6 @@ def _quiet_transformers() -> None:
     """ridgefill draws its own progress; transformers' per-tensor bars and notices only add noise."""
     import transformers
 
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's tensor-conversion bar is plain tqdm
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
 
@@ -123,13 +124,15 @@ def _dequantize_gguf(ref: ModelRef, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, local_files_only=True)
     # dequantize=True asks for a plain dense model even where transformers could keep GGUF blocks packed (with
     # the `kernels` package). Such a model carries no quantization_config and saves like any other.
-    model = AutoModelForCausalLM.from_pretrained(
-        where,
-        gguf_file=name,
-        dtype=torch.float32,
-        local_files_only=True,
-        quantization_config=GgufConfig(dequantize=True),
-    )
+    # The GGUF loader draws a plain tqdm bar per tensor (not transformers' switchable one): keep it off stderr.
+    with contextlib.redirect_stderr(io.StringIO()):
+        model = AutoModelForCausalLM.from_pretrained(
+            where,
+            gguf_file=name,
+            dtype=torch.float32,
+            local_files_only=True,
+            quantization_config=GgufConfig(dequantize=True),
+        )
     model.save_pretrained(out)  # safetensors
     tokenizer.save_pretrained(out)
     source = {
