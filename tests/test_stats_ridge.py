@@ -88,3 +88,26 @@ def test_tiny_alpha_recovers_exact_linear_map():
     w, b = maps_at(decompose(moments_of(x, ys)), 1e-12)
     np.testing.assert_allclose(w[0], a, atol=1e-8)
     np.testing.assert_allclose(b[0], c, atol=1e-8)
+
+
+def test_quantize_bias_correction_cancels_the_error_at_the_mean():
+    from ridgefill.export import int8
+    from ridgefill.export.quantize import quantize_map
+
+    rng = np.random.default_rng(5)
+    w = (rng.normal(size=(8, 300)) * 0.05).astype(np.float32)
+    w[:, 7] = 1e-4  # a tiny-weight column next to large ones, as massive-activation inputs get
+    b = rng.normal(size=8).astype(np.float32)
+    mean_x = rng.normal(size=300)
+    mean_x[7] = 4.5e4  # a massive, nearly constant input dimension
+    codes, scale_bits, bias_bits = quantize_map(w, b, mean_x)
+    wq = int8.dequantize(codes, scale_bits)
+    bq = int8.bf16_bits_to_f32(bias_bits)
+    # at the mean input, the int8 map reproduces the float map up to bf16 rounding of the bias
+    exact = w.astype(np.float64) @ mean_x + b
+    got = wq.astype(np.float64) @ mean_x + bq
+    naive = wq.astype(np.float64) @ mean_x + int8.bf16_bits_to_f32(int8.f32_to_bf16_bits(b))
+    tol = np.abs(exact) / 128 + 1e-6  # bf16 keeps 8 significant bits
+    assert (np.abs(got - exact) <= tol).all()
+    assert np.abs(naive - exact).max() > 10 * np.abs(got - exact).max()
+    np.testing.assert_array_equal(codes, int8.quantize(w)[0])  # codes themselves are the plain int8 codes

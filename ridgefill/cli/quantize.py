@@ -25,10 +25,10 @@ def quantize(
     out = output(json)
     art, cached = run(store(store_root), maps, out)
     report = jsonlib.loads(art.file(REPORT).read_text())
-    t = Table(title="int8: largest |w - decoded| / max|w| per map")
+    t = Table(title="int8 error / max|w|")
     t.add_column("layer", justify="right")
     t.add_column("error", justify="right")
-    for layer, err in report["max_rel_error"].items():
+    for layer, err in sorted(report["max_rel_error"].items(), key=lambda kv: int(kv[0])):
         t.add_row(layer, f"{err:.5f}")
     out.table(t)
     s = art.manifest["summary"]

@@ -54,7 +54,7 @@ def layer_table(report: dict):
         t.add_column(c, justify="right")
     keys = ("k_cosine", "v_cosine", "input_cosine", "rel_se", "explained_var")
     fit, ident = report["fitted"], report["identity"]
-    rows = [(l, fit["layers"][l], ident["layers"][l]) for l in fit["layers"]] + [("mean", fit["mean"], ident["mean"])]
+    rows = [(l, fit["layers"][l], ident["layers"][l]) for l in sorted(fit["layers"], key=int)] + [("mean", fit["mean"], ident["mean"])]
     for name, f, i in rows:
         t.add_row(str(name), *(f"{f[k]:.4f} ({i[k]:.4f})" for k in keys))
     return t
