@@ -164,3 +164,13 @@ def test_verify_refusals(chain, tmp_path, damage, message):
     r = cli("verify", d)
     assert r.returncode == 2
     assert r.stderr.startswith("Error: " + message), r.stderr
+
+
+def test_export_never_replaces_a_folder_that_is_not_a_release(chain, tmp_path):
+    q = json.loads(cli("quantize", chain["solve"]["id"], "--store", chain["store"], "--json").stdout)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    r = cli("export", q["id"], "--out", precious, "--force", "--store", chain["store"])
+    assert (r.returncode, r.stderr.strip()) == (2, f"Error: --out {precious} exists, is not empty and is not a release folder")
+    assert (precious / "thesis.tex").read_text() == "years of work"

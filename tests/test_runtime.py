@@ -1,0 +1,282 @@
+"""Tests for ridgefill.evaluate.runtime: the reference fill runtime and its arms, on the tiny random models.
+
+The references are computed independently of the runtime: the stock model's forward / generate, a truncated copy
+of the stock model for the "nofill" arm, and maps fitted by least squares on the model's own hidden states.
+"""
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ridgefill.errors import BadInput
+from ridgefill.evaluate.runtime import ARMS, ceiling, prefill
+from ridgefill.models import load_model, resolve_model
+
+FIXTURES = {"llama": "tiny_llama", "gemma3_text": "tiny_gemma3", "qwen2": "tiny_qwen2", "qwen3": "tiny_qwen3"}
+ALL = list(FIXTURES)
+MAIN = ["llama", "gemma3_text"]  # Gemma's tiny config has sliding_window=8, so a 20-row input slides
+_LOADED = {}
+
+
+@pytest.fixture
+def lm_of(request, tmp_path_factory):
+    """arch -> LoadedModel (loaded once per session)."""
+
+    def get(arch):
+        if arch not in _LOADED:
+            path = request.getfixturevalue(FIXTURES[arch])
+            store = tmp_path_factory.mktemp("store")
+            _LOADED[arch] = load_model(resolve_model(str(path), store_root=store), store_root=store)
+        return _LOADED[arch]
+
+    return get
+
+
+def tokens(n, seed=0):
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def hidden_states(lm, ids):
+    with torch.no_grad():
+        return lm.model(input_ids=ids[None], output_hidden_states=True).hidden_states  # L+1 x [1, N, d]
+
+
+def fit_maps(hs, split, layers, rows):
+    """Least-squares maps (numpy lstsq, min-norm when under-determined) from h_split to each late layer input."""
+    x = hs[split][0, rows].double().numpy()
+    xa = np.concatenate([x, np.ones((x.shape[0], 1))], axis=1)
+    maps = {}
+    for l in range(split, layers):
+        y = hs[l][0, rows].double().numpy()
+        coef = np.linalg.lstsq(xa, y, rcond=None)[0]  # [d + 1, d]
+        maps[l] = (torch.tensor(coef[:-1].T, dtype=torch.float32), torch.tensor(coef[-1], dtype=torch.float32))
+    return maps
+
+
+def random_maps(lm, split, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    d = lm.adapter.hidden_size
+    return {l: (torch.randn(d, d, generator=g) / d**0.5, torch.randn(d, generator=g))
+            for l in range(split, lm.adapter.num_layers)}  # fmt: skip
+
+
+def decode_logits(lm, cache, next_ids):
+    """Feed next_ids one at a time through the stock model from `cache`; return the logits of each step."""
+    out = []
+    with torch.no_grad():
+        for t in next_ids:
+            o = lm.model(input_ids=torch.tensor([[int(t)]]), cache=cache, use_cache=True)
+            cache = o.past_key_values if getattr(o, "past_key_values", None) is not None else o.cache
+            out.append(o.logits[0, -1].float())
+    return torch.stack(out)
+
+
+# -- 1. exact ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", MAIN)
+def test_exact_matches_forward_and_generate(arch, lm_of):
+    lm = lm_of(arch)
+    ids, T = tokens(20), 6
+    res = prefill(lm, ids, "exact", split=2, tail=T)
+    with torch.no_grad():
+        ref = lm.model(input_ids=ids[None]).logits[0, -T:]
+    assert res.logits.shape == (T, lm.model.config.vocab_size) and res.logits.dtype == torch.float32
+    torch.testing.assert_close(res.logits, ref.float(), atol=1e-5, rtol=1e-5)
+    assert res.seconds > 0
+
+    steps = 6
+    with torch.no_grad():
+        gen = lm.model.generate(ids[None], attention_mask=torch.ones(1, 20, dtype=torch.long), max_new_tokens=steps,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:]  # fmt: skip
+    # Greedy decoding continued from the runtime's cache.
+    cache, nxt, ours = res.cache, int(res.logits[-1].argmax()), []
+    with torch.no_grad():
+        for _ in range(steps):
+            ours.append(nxt)
+            o = lm.model(input_ids=torch.tensor([[nxt]]), cache=cache, use_cache=True)
+            cache = o.past_key_values if getattr(o, "past_key_values", None) is not None else o.cache
+            nxt = int(o.logits[0, -1].argmax())
+    assert ours == gen.tolist()
+
+
+# -- 2. ridgefill with tail = N is exact --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ALL)
+@pytest.mark.parametrize("split", [0, 2, 4])
+def test_full_tail_equals_exact(arch, split, lm_of):
+    lm = lm_of(arch)
+    ids = tokens(20, seed=1)
+    ex = prefill(lm, ids, "exact", split=split, tail=20)
+    rf = prefill(lm, ids, "ridgefill", split=split, tail=20, maps=random_maps(lm, split))
+    torch.testing.assert_close(rf.logits, ex.logits, atol=1e-5, rtol=1e-5)
+    # The cache continues like the stock one (including Gemma's trimmed sliding-window layers).
+    nxt = tokens(3, seed=2)
+    torch.testing.assert_close(decode_logits(lm, rf.cache, nxt), decode_logits(lm, ex.cache, nxt), atol=1e-5,
+                               rtol=1e-5)  # fmt: skip
+
+
+# -- 3. identity maps reproduce the identity arm ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ALL)
+def test_identity_maps_equal_identity_arm(arch, lm_of):
+    lm = lm_of(arch)
+    ids, S, T = tokens(20, seed=3), 2, 5
+    d = lm.adapter.hidden_size
+    maps = {l: (torch.eye(d), torch.zeros(d)) for l in range(S, lm.adapter.num_layers)}
+    rf = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps)
+    idn = prefill(lm, ids, "identity", split=S, tail=T)
+    torch.testing.assert_close(rf.logits, idn.logits, atol=1e-6, rtol=0)
+    for a, b in zip(rf.cache.layers, idn.cache.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-6, rtol=0)
+        torch.testing.assert_close(a.values, b.values, atol=1e-6, rtol=0)
+    # ... and the fill really changes something: identity is not exact.
+    ex = prefill(lm, ids, "exact", split=S, tail=T)
+    assert (idn.logits - ex.logits).abs().max() > 1e-3
+
+
+# -- 4. nofill against a truncated stock model ------------------------------------------------------------------
+
+
+def late_model(lm, split):
+    """A copy of the stock model holding only layers split..L-1 (and their layer types)."""
+    model = copy.deepcopy(lm.model)
+    cfg = model.config
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = list(cfg.layer_types[split:])
+    cfg.num_hidden_layers = cfg.num_hidden_layers - split
+    base = model.model
+    base.layers = torch.nn.ModuleList(list(base.layers[split:]))
+    return model
+
+
+@pytest.mark.parametrize("arch", MAIN + ["qwen3"])
+@pytest.mark.parametrize("split,tail", [(2, 6), (1, 12), (3, 20)])
+def test_nofill_equals_truncated_stock_model(arch, split, tail, lm_of):
+    lm = lm_of(arch)
+    ids = tokens(20, seed=4)
+    n, prefix = 20, 20 - tail
+    res = prefill(lm, ids, "nofill", split=split, tail=tail)
+    assert res.cache is None
+    hs = hidden_states(lm, ids)
+    late = late_model(lm, split)
+    with torch.no_grad():
+        ref = late(inputs_embeds=hs[split][:, prefix:], position_ids=torch.arange(prefix, n)[None],
+                   use_cache=False).logits[0]  # fmt: skip
+    torch.testing.assert_close(res.logits, ref.float(), atol=1e-5, rtol=1e-5)
+    if tail < n:  # the prefix matters in the exact model
+        ex = prefill(lm, ids, "exact", split=split, tail=tail)
+        assert (ex.logits - res.logits).abs().max() > 1e-3
+
+
+# -- 5. fitted maps -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ALL)
+def test_interpolating_maps_reproduce_exact(arch, lm_of):
+    """With fewer prefix rows than d + 1, least squares fits the true late-layer inputs exactly: the fill then writes
+    the true keys/values (at the right positions, through the right norms and RoPE) and must match exact."""
+    lm = lm_of(arch)
+    ids, S, T, n = tokens(20, seed=5), 1, 6, 20
+    hs = hidden_states(lm, ids)
+    maps = fit_maps(hs, S, lm.adapter.num_layers, list(range(n - T)))
+    ex = prefill(lm, ids, "exact", split=S, tail=T)
+    rf = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps)
+    idn = prefill(lm, ids, "identity", split=S, tail=T)
+    err = (rf.logits - ex.logits).abs().max()
+    assert err < 1e-3, err
+    assert (idn.logits - ex.logits).abs().max() > 100 * err
+    # The fill's cache continues decoding like the exact one.
+    nxt = tokens(3, seed=6)
+    torch.testing.assert_close(decode_logits(lm, rf.cache, nxt), decode_logits(lm, ex.cache, nxt), atol=1e-3,
+                               rtol=1e-3)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", MAIN)
+def test_fitted_maps_beat_identity(arch, lm_of):
+    lm = lm_of(arch)
+    n, S, T = 120, 2, 10
+    ids = tokens(n, seed=7)
+    hs = hidden_states(lm, ids)
+    maps = fit_maps(hs, S, lm.adapter.num_layers, list(range(n)))  # over-determined: 120 rows, 65 unknowns
+    ex = prefill(lm, ids, "exact", split=S, tail=T)
+    rf = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps)
+    idn = prefill(lm, ids, "identity", split=S, tail=T)
+    assert (rf.logits - ex.logits).norm() < (idn.logits - ex.logits).norm()
+
+
+# -- exact rows -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", MAIN)
+def test_exact_rows(arch, lm_of):
+    lm = lm_of(arch)
+    ids, S, T, n = tokens(20, seed=8), 1, 5, 20
+    ex = prefill(lm, ids, "exact", split=S, tail=T)
+    # All prefix rows exact: the fill is the exact model.
+    allrows = prefill(lm, ids, "identity", split=S, tail=T, exact_rows=range(n - T))
+    torch.testing.assert_close(allrows.logits, ex.logits, atol=1e-5, rtol=1e-5)
+    # Some rows exact, the others filled with their true inputs (interpolating maps): still exact.
+    hs = hidden_states(lm, ids)
+    maps = fit_maps(hs, S, lm.adapter.num_layers, list(range(n - T)))
+    some = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, exact_rows=[0, 3, 4, 11])
+    assert (some.logits - ex.logits).abs().max() < 1e-3
+    nxt = tokens(2, seed=9)
+    torch.testing.assert_close(decode_logits(lm, some.cache, nxt), decode_logits(lm, ex.cache, nxt), atol=1e-3,
+                               rtol=1e-3)  # fmt: skip
+    # Exact rows change the result of a lossy fill.
+    idn = prefill(lm, ids, "identity", split=S, tail=T)
+    part = prefill(lm, ids, "identity", split=S, tail=T, exact_rows=[2, 9, 13])
+    assert (part.logits - idn.logits).abs().max() > 1e-4
+
+
+# -- the work is skipped ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", MAIN)
+def test_late_layers_run_only_tail_rows(arch, lm_of):
+    lm = lm_of(arch)
+    ids, S, T = tokens(20, seed=10), 2, 4
+    seen = {}
+    hooks = [lm.adapter.layers[l].mlp.register_forward_hook(
+        lambda mod, args, out, l=l: seen.__setitem__(l, args[0].shape[-2])) for l in range(lm.adapter.num_layers)]
+    try:
+        prefill(lm, ids, "ridgefill", split=S, tail=T, maps=random_maps(lm, S), exact_rows=[7])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == {0: 20, 1: 20, 2: T + 1, 3: T + 1}
+
+
+# -- ceiling and refusals -----------------------------------------------------------------------------------------------
+
+
+def test_ceiling():
+    assert ceiling(2048, 512, 12, 30) == pytest.approx(0.55)  # DESIGN.md section 7
+    assert ceiling(100, 100, 3, 10) == 1.0
+    assert ceiling(100, 10, 10, 10) == 1.0
+    assert ceiling(100, 0, 0, 10) == 0.0
+    with pytest.raises(BadInput):
+        ceiling(10, 11, 1, 4)
+
+
+def test_refusals(lm_of):
+    lm = lm_of("llama")
+    ids = tokens(10)
+    assert ARMS == ("exact", "ridgefill", "identity", "nofill")
+    for kwargs in (
+        dict(arm="bogus", split=1, tail=2),
+        dict(arm="identity", split=1, tail=0),
+        dict(arm="identity", split=1, tail=11),
+        dict(arm="identity", split=5, tail=2),
+        dict(arm="ridgefill", split=1, tail=2),  # no maps
+        dict(arm="ridgefill", split=1, tail=2, maps={1: (torch.eye(64), torch.zeros(64))}),  # layers 2, 3 missing
+        dict(arm="identity", split=1, tail=2, exact_rows=[8]),  # a tail row
+    ):
+        with pytest.raises(BadInput):
+            prefill(lm, ids, **kwargs)
