@@ -21,6 +21,15 @@ MAIN = ["llama", "gemma3_text"]  # Gemma's tiny config has sliding_window=8, so 
 _LOADED = {}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread; several threads crawl when the machine is busy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def lm_of(request, tmp_path_factory):
     """arch -> LoadedModel (loaded once per session)."""
@@ -69,12 +78,12 @@ def decode_logits(lm, cache, next_ids):
     with torch.no_grad():
         for t in next_ids:
             o = lm.model(input_ids=torch.tensor([[int(t)]]), cache=cache, use_cache=True)
-            cache = o.past_key_values if getattr(o, "past_key_values", None) is not None else o.cache
+            cache = o.cache
             out.append(o.logits[0, -1].float())
     return torch.stack(out)
 
 
-# -- 1. exact ---------------------------------------------------------------------------------------------------
+# -- 1. exact -------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("arch", MAIN)
@@ -98,12 +107,12 @@ def test_exact_matches_forward_and_generate(arch, lm_of):
         for _ in range(steps):
             ours.append(nxt)
             o = lm.model(input_ids=torch.tensor([[nxt]]), cache=cache, use_cache=True)
-            cache = o.past_key_values if getattr(o, "past_key_values", None) is not None else o.cache
+            cache = o.cache
             nxt = int(o.logits[0, -1].argmax())
     assert ours == gen.tolist()
 
 
-# -- 2. ridgefill with tail = N is exact --------------------------------------------------------------------------
+# -- 2. ridgefill with tail = N is exact ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("arch", ALL)
@@ -120,7 +129,7 @@ def test_full_tail_equals_exact(arch, split, lm_of):
                                rtol=1e-5)  # fmt: skip
 
 
-# -- 3. identity maps reproduce the identity arm ---------------------------------------------------------------
+# -- 3. identity maps reproduce the identity arm --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("arch", ALL)
@@ -140,7 +149,7 @@ def test_identity_maps_equal_identity_arm(arch, lm_of):
     assert (idn.logits - ex.logits).abs().max() > 1e-3
 
 
-# -- 4. nofill against a truncated stock model ------------------------------------------------------------------
+# -- 4. nofill against a truncated stock model ----------------------------------------------------------------------
 
 
 def late_model(lm, split):
@@ -174,7 +183,7 @@ def test_nofill_equals_truncated_stock_model(arch, split, tail, lm_of):
         assert (ex.logits - res.logits).abs().max() > 1e-3
 
 
-# -- 5. fitted maps -----------------------------------------------------------------------------------------------
+# -- 5. fitted maps -------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("arch", ALL)
@@ -235,7 +244,7 @@ def test_exact_rows(arch, lm_of):
     assert (part.logits - idn.logits).abs().max() > 1e-4
 
 
-# -- the work is skipped ----------------------------------------------------------------------------------------------
+# -- the work is skipped --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("arch", MAIN)
@@ -253,7 +262,29 @@ def test_late_layers_run_only_tail_rows(arch, lm_of):
     assert seen == {0: 20, 1: 20, 2: T + 1, 3: T + 1}
 
 
-# -- ceiling and refusals -----------------------------------------------------------------------------------------------
+# -- eager attention ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", MAIN)
+def test_eager_attention_matches_sdpa(arch, lm_of):
+    """Masks are built per attention implementation: boolean for sdpa, additive for eager."""
+    lm = lm_of(arch)
+    eager = copy.copy(lm)
+    eager.model = copy.deepcopy(lm.model)
+    eager.model.set_attn_implementation("eager")
+    assert eager.model.config._attn_implementation == "eager"
+    eager.adapter = type(lm.adapter)(eager.model)
+    ids, S, T = tokens(20, seed=11), 2, 6
+    for arm in ("identity", "nofill"):
+        a = prefill(lm, ids, arm, split=S, tail=T)
+        b = prefill(eager, ids, arm, split=S, tail=T)
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+    ex = prefill(eager, ids, "exact", split=S, tail=20)
+    full = prefill(eager, ids, "identity", split=S, tail=20)
+    torch.testing.assert_close(full.logits, ex.logits, atol=1e-5, rtol=1e-5)
+
+
+# -- ceiling and refusals -------------------------------------------------------------------------------------------
 
 
 def test_ceiling():

@@ -115,6 +115,8 @@ def _check(lm, n: int, arm: str, split: int, tail: int, maps, exact_rows) -> lis
     prefix = n - tail
     if rows and not (0 <= rows[0] and rows[-1] < prefix):
         raise BadInput(f"exact_rows must be prefix positions in 0..{prefix - 1}")
+    if getattr(lm.adapter.config, "use_bidirectional_attention", False):
+        raise BadInput("the fill runtime needs causal attention (this model uses bidirectional attention)")
     kinds = set(lm.adapter.layer_kinds)
     if not kinds <= {"full_attention", SLIDING}:
         raise BadInput(f"the fill runtime supports attention layers only (this model has {sorted(kinds)})")
@@ -153,9 +155,7 @@ def prefill(
         if arm == "exact":
             out = model(input_ids=ids[None], use_cache=True, logits_to_keep=tail)
             logits = out.logits[0, -tail:].float()
-            cache = getattr(out, "past_key_values", None)
-            if cache is None:
-                cache = getattr(out, "cache", None)
+            cache = getattr(out, "cache", None)  # 5.x name; `past_key_values` is a deprecated alias
         else:
             logits, cache = _fill(lm, ids, arm, split, tail, maps, rows)
     seconds = time.perf_counter() - start
@@ -178,13 +178,19 @@ def _fill(lm, ids, arm, split, tail, maps, rows):
     all_pos = torch.arange(n, device=device)
     kv_shape = (1, ad.num_kv_heads, n, ad.head_dim)
 
+    def new_slots():
+        return torch.zeros(kv_shape, dtype=dtype, device=device)
+
     hidden = base.embed_tokens(ids[None])  # [1, N, d]; Gemma's embedding module applies its own scale
     rope = {kind: ad._rope_module_call(hidden, all_pos[None], kind) for kind in set(ad.layer_kinds)}  # [1, N, hd]
 
-    def run_layer(l, h, q_pos, keys, values, kv_valid):
+    def run_layer(l, h, q_pos, keys, values, kv_valid, every_row=False):
         kind = ad.layer_kinds[l]
         cos, sin = rope[kind]
-        mask = _mask(q_pos, kv_valid, window if kind == SLIDING else None, impl, dtype)
+        if every_row and impl == "sdpa" and kind != SLIDING:
+            mask = None  # all rows, in order: sdpa's own is_causal path, as the stock prefill takes
+        else:
+            mask = _mask(q_pos, kv_valid, window if kind == SLIDING else None, impl, dtype)
         return ad.layers[l](
             h,
             attention_mask=mask,
@@ -197,8 +203,8 @@ def _fill(lm, ids, arm, split, tail, maps, rows):
     # Early layers: every row, exactly.
     every = torch.ones(n, dtype=torch.bool, device=device)
     for l in range(split):
-        keys, values = torch.zeros(kv_shape, dtype=dtype, device=device), torch.zeros(kv_shape, dtype=dtype, device=device)
-        hidden = run_layer(l, hidden, all_pos, keys, values, every)
+        keys, values = new_slots(), new_slots()
+        hidden = run_layer(l, hidden, all_pos, keys, values, every, every_row=True)
         kv_store.append((keys, values))
     h_split = hidden[0]  # [N, d]: the split state
 
@@ -213,13 +219,13 @@ def _fill(lm, ids, arm, split, tail, maps, rows):
     hq = hidden[:, q_pos]  # [1, Q, d]
     x_split = h_split.float()
     for l in range(split, L):
-        keys, values = torch.zeros(kv_shape, dtype=dtype, device=device), torch.zeros(kv_shape, dtype=dtype, device=device)
+        keys, values = new_slots(), new_slots()
         kv_valid = torch.zeros(n, dtype=torch.bool, device=device)
         kv_valid[q_pos] = True
         kind = ad.layer_kinds[l]
         pos = fill_pos
         if kind == SLIDING and window:
-            pos = pos[pos > first_query - window + 1]  # older rows are outside every query's window
+            pos = pos[pos > first_query - window]  # older rows are outside every query's window
         if pos.numel():
             x = x_split[pos]  # [F, d]
             if arm == "ridgefill":
