@@ -1,0 +1,306 @@
+"""RULER-style needle-in-a-haystack prompts whose needles sit in the filled prefix (rows 0..N-T-1).
+
+    from ridgefill.evaluate.needles import build_suite, score_answer
+    suite = build_suite(tokenizer, lengths=(2048, 4096), samples=10, seed=0, tail=512)
+    for s in suite:
+        if not s.in_filled_region():        # a needle reaches into the tail: not a test of the fill
+            continue
+        text = generate(s.prompt_ids, max_new_tokens=s.max_new_tokens)   # greedy
+        ok = score_answer(s, text)
+
+Tasks (RULER's niah_single / niah_multikey / niah_multivalue, numbers as values):
+- "single": one needle "One of the special magic numbers for {key} is: {value}."; the answer is its value.
+- "multikey": the real needle among 3 distractor needles with other keys (and other values).
+- "multivalue": 4 needles with the same key and 4 different values; the answer must contain all 4.
+Keys are "adjective-noun" words from fixed lists, values 7-digit numbers, all drawn from `random.Random(seed)`,
+which also picks the haystack's first document; a key or value that happens to occur in the haystack is redrawn.
+
+Depth. The needle asked about (single, multikey) or one of the values (multivalue) goes to relative depth
+`depth` of the haystack; every other needle goes to a depth drawn uniformly from [0, depth]. So no needle is
+deeper than `depth`, and whether a sample lies in the filled region depends on depth, length and tail only
+(up to the snapping below). Needles go in at sentence / paragraph boundaries of the haystack, the nearest one to
+depth * (haystack tokens).
+
+Prompt format. Content = HEADER + haystack with needles + "\\nQuestion: {question}". With `chat=True` and a
+tokenizer that has a chat template, the content is the single user message of the template, with the generation
+prompt added (no system message beyond what the template itself adds, no answer prefix); otherwise it is plain
+text: the tokenizer's special prefix (e.g. BOS) + content + "\\nAnswer:".
+
+Token ids. The prompt is a list of pieces (template text, header, haystack sentences, needles, question), each
+tokenized on its own without special tokens, and the prompt ids ARE the concatenation of the pieces' ids; so
+every needle's token span is known by construction. Pieces split at whitespace that leads the next piece
+(" One of ...", "\\n\\nThe ..."), where byte-level and SentencePiece tokenizers split words anyway, so the ids are
+what tokenizing the whole text would give except, rarely, at a piece boundary. The haystack is cut at token
+level to make the prompt exactly `length` tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass, field
+
+from ridgefill.evaluate.texts import haystack_documents, special_prefix
+
+TASKS = ("single", "multikey", "multivalue")
+HEADER = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards.\n"
+)
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+QUESTIONS = {
+    "single": "What is the special magic number for {key} mentioned in the provided text?",
+    "multikey": "What is the special magic number for {key} mentioned in the provided text?",
+    "multivalue": "What are all the special magic numbers for {key} mentioned in the provided text?",
+}
+DISTRACTORS = 3  # multikey: needles with other keys
+VALUES = 4  # multivalue: values for the one key
+MAX_NEW_TOKENS = {"single": 32, "multikey": 32, "multivalue": 96}
+PLACEHOLDER = "RIDGEFILLCONTENTPLACEHOLDER"
+LONG_PIECE = 600  # characters: longer haystack pieces (code blocks, tables) are split at their newlines too
+
+ADJECTIVES = (
+    "amber", "ancient", "bitter", "brave", "breezy", "bright", "calm", "clever", "cold", "crimson", "curious",
+    "dusty", "eager", "early", "faint", "fancy", "fierce", "gentle", "golden", "grumpy", "hidden", "hollow",
+    "humble", "icy", "jolly", "lazy", "little", "lively", "lucky", "misty", "narrow", "noisy", "odd", "pale",
+    "proud", "quiet", "rapid", "rough", "rusty", "shiny", "silent", "silver", "sleepy", "smooth", "sour",
+    "stormy", "sunny", "tall", "tender", "tiny", "velvet", "wild", "windy", "wise", "wooden", "young",
+)  # fmt: skip
+NOUNS = (
+    "anchor", "apple", "badger", "banjo", "barrel", "beacon", "blanket", "bridge", "bucket", "candle", "canyon",
+    "carpet", "castle", "cherry", "cloud", "compass", "cottage", "crayon", "dolphin", "engine", "falcon",
+    "feather", "fiddle", "garden", "glacier", "hammer", "harbor", "helmet", "island", "jacket", "kettle",
+    "ladder", "lantern", "lemon", "meadow", "mirror", "mitten", "needle", "orchard", "otter", "paddle",
+    "parrot", "pebble", "pencil", "pepper", "pillow", "planet", "pocket", "rabbit", "ribbon", "saddle",
+    "sailor", "spider", "statue", "teapot", "thunder", "tiger", "tunnel", "violin", "wagon", "walrus",
+    "whistle", "window", "zebra",
+)  # fmt: skip
+
+_SPLIT = re.compile(r"(?<=[.!?])(?=\s)|(?=\n\n)")
+
+
+@dataclass(frozen=True)
+class NeedleSample:
+    task: str
+    context_tokens: int  # the target length; len(prompt_ids) equals it
+    depth: float
+    seed: int
+    prompt_ids: list[int] = field(repr=False)
+    needle_spans: list[tuple[int, int]]  # [start, end) of every needle in the prompt, in prompt order
+    queried: tuple[int, ...]  # indices into needle_spans of the needle(s) the question asks about
+    answers: tuple[str, ...]  # every one must appear in the generated text
+    question: str
+    key: str
+    tail: int  # the tail the sample was built for: the default of in_filled_region
+    format: str  # "chat" or "plain"
+    sources: tuple[str, ...]  # names of the haystack documents used, in order
+
+    @property
+    def n(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return MAX_NEW_TOKENS[self.task]
+
+    def in_filled_region(self, tail: int | None = None) -> bool:
+        """True if every needle ends before row N - tail, i.e. lies wholly in the rows the fill approximates."""
+        tail = self.tail if tail is None else tail
+        limit = self.n - tail
+        return limit > 0 and all(end <= limit for _, end in self.needle_spans)
+
+
+def _derive_seed(*parts) -> int:
+    return int(hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:12], 16)
+
+
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    if not texts:
+        return []
+    return [list(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def _split(text: str) -> list[str]:
+    pieces = []
+    for p in _SPLIT.split(text):
+        if len(p) > LONG_PIECE:
+            # (?=\n) splits before each newline, so the newline leads the next piece like the space does.
+            pieces += [q for q in re.split(r"(?=\n)", p) if q]
+        elif p:
+            pieces.append(p)
+    return pieces
+
+
+def _frame(tokenizer, chat: bool) -> tuple[list[int], list[int], str, str]:
+    """(ids before the content, ids after it, text after the question inside the content, format)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": PLACEHOLDER}], tokenize=False, add_generation_prompt=True
+        )
+        if rendered.count(PLACEHOLDER) != 1:
+            raise ValueError("the chat template does not render the user message exactly once")
+        before, after = rendered.split(PLACEHOLDER)
+        pre, post = _encode(tokenizer, [before, after])
+        return pre, post, "", "chat"
+    return special_prefix(tokenizer), [], "\nAnswer:", "plain"
+
+
+def _haystack(tokenizer, docs, start: int, budget: int):
+    """Pieces (text, ids) from docs[start], docs[start+1], ... (wrapping) holding at least `budget` tokens."""
+    pieces: list[tuple[str, list[int]]] = []
+    names: list[str] = []
+    total = 0
+    for k in range(len(docs)):
+        name, text = docs[(start + k) % len(docs)]
+        parts = _split(("\n\n" if pieces else "") + text.strip())
+        ids = _encode(tokenizer, parts)
+        names.append(name)
+        for p, i in zip(parts, ids):
+            if i:
+                pieces.append((p, i))
+                total += len(i)
+        if total >= budget:
+            return pieces, names
+    raise ValueError(f"the haystack documents hold {total} tokens, fewer than the {budget} needed")
+
+
+def build_sample(
+    tokenizer,
+    task: str,
+    length: int,
+    depth: float,
+    seed: int,
+    *,
+    haystack: list[tuple[str, str]] | None = None,
+    tail: int = 512,
+    chat: bool = True,
+) -> NeedleSample:
+    """One prompt of exactly `length` tokens; see the module docstring. `haystack`: (name, text) documents,
+    default `haystack_documents()`."""
+    if task not in TASKS:
+        raise ValueError(f"unknown needle task {task!r} (known: {', '.join(TASKS)})")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    docs = haystack_documents() if haystack is None else list(haystack)
+    if not docs:
+        raise ValueError("no haystack documents")
+    rng = random.Random(seed)
+    pre, post, answer_cue, fmt = _frame(tokenizer, chat)
+
+    for _attempt in range(20):
+        n_needles = {"single": 1, "multikey": 1 + DISTRACTORS, "multivalue": VALUES}[task]
+        n_keys = n_needles if task == "multikey" else 1
+        keys: list[str] = []
+        while len(keys) < n_keys:
+            k = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
+            if k not in keys:
+                keys.append(k)
+        values: list[str] = []
+        while len(values) < n_needles:
+            v = str(rng.randint(1_000_000, 9_999_999))
+            if v not in values:
+                values.append(v)
+        key = keys[0]
+        # Needle 0 is asked about and sits at `depth`; the others at uniform depths in [0, depth].
+        needle_keys = keys if task == "multikey" else [key] * n_needles
+        depths = [depth] + [rng.uniform(0.0, depth) for _ in range(n_needles - 1)]
+        start = rng.randrange(len(docs))
+
+        question = QUESTIONS[task].format(key=key)
+        needle_texts = [" " + NEEDLE.format(key=k, value=v) for k, v in zip(needle_keys, values)]
+        header_ids, question_ids, *needle_ids = _encode(
+            tokenizer, [HEADER, "\nQuestion: " + question + answer_cue] + needle_texts
+        )
+        fixed = len(pre) + len(header_ids) + len(question_ids) + len(post) + sum(map(len, needle_ids))
+        budget = length - fixed
+        if budget < 1:
+            raise ValueError(f"length {length} is too short: the prompt without haystack is {fixed} tokens")
+        pieces, names = _haystack(tokenizer, docs, start, budget)
+        hay_text = "".join(p for p, _ in pieces)
+        if any(v in hay_text for v in values) or any(k in hay_text for k in keys):
+            continue  # a needle's key or value occurs in the filler: draw again
+        break
+    else:
+        raise ValueError("could not draw needle keys and values absent from the haystack")
+
+    # Cut the haystack to `budget` tokens; boundaries are the piece starts inside it plus its end.
+    cut: list[list[int]] = []
+    used = 0
+    for _, ids in pieces:
+        if used >= budget:
+            break
+        take = ids[: budget - used]
+        cut.append(take)
+        used += len(take)
+    starts = [0]
+    for ids in cut[:-1]:
+        starts.append(starts[-1] + len(ids))
+    starts.append(budget)  # inserting at index len(cut) = after the whole haystack
+    slots = [min(range(len(starts)), key=lambda j: (abs(starts[j] - d * budget), j)) for d in depths]
+
+    prompt = pre + header_ids
+    spans: list[tuple[int, int] | None] = [None] * n_needles
+    order = sorted(range(n_needles), key=lambda i: (slots[i], depths[i], i))
+    pos = 0
+    for j in range(len(cut) + 1):
+        while pos < n_needles and slots[order[pos]] == j:
+            i = order[pos]
+            spans[i] = (len(prompt), len(prompt) + len(needle_ids[i]))
+            prompt += needle_ids[i]
+            pos += 1
+        if j < len(cut):
+            prompt += cut[j]
+    prompt += question_ids + post
+    assert len(prompt) == length, (len(prompt), length)
+
+    in_order = sorted(range(n_needles), key=lambda i: spans[i])
+    queried_needles = [0] if task != "multivalue" else list(range(n_needles))
+    return NeedleSample(
+        task=task,
+        context_tokens=length,
+        depth=depth,
+        seed=seed,
+        prompt_ids=prompt,
+        needle_spans=[spans[i] for i in in_order],
+        queried=tuple(sorted(in_order.index(i) for i in queried_needles)),
+        answers=tuple(values[i] for i in in_order if i in queried_needles),
+        question=question,
+        key=key,
+        tail=tail,
+        format=fmt,
+        sources=tuple(names),
+    )
+
+
+def build_suite(
+    tokenizer,
+    *,
+    lengths=(2048, 4096),
+    depths=(0.1, 0.3, 0.5, 0.7),
+    tasks=TASKS,
+    samples: int = 10,
+    seed: int = 0,
+    tail: int = 512,
+    haystack: list[tuple[str, str]] | None = None,
+    chat: bool = True,
+) -> list[NeedleSample]:
+    """Every (length, depth, task) cell with `samples` samples, in that nesting order. Each sample's seed is
+    derived from (seed, task, length, depth, index), so a cell does not change when others are added.
+    All samples are returned; the caller keeps those with `in_filled_region()`."""
+    docs = haystack_documents() if haystack is None else list(haystack)
+    out = []
+    for length in lengths:
+        for depth in depths:
+            for task in tasks:
+                for i in range(samples):
+                    s = _derive_seed(seed, task, length, depth, i)
+                    out.append(
+                        build_sample(tokenizer, task, length, depth, s, haystack=docs, tail=tail, chat=chat)
+                    )
+    return out
+
+
+def score_answer(sample: NeedleSample, text: str) -> bool:
+    """Exact match: every expected value occurs in `text` as a whole number (not inside a longer digit run)."""
+    return all(re.search(rf"(?<!\d){re.escape(a)}(?!\d)", text) for a in sample.answers)
