@@ -8,11 +8,11 @@ import sys
 
 import typer
 
-from ridgefill.cli import artifacts, capture, export, quantize, solve
+from ridgefill.cli import artifacts, capture, eval, export, quantize, solve
 
 app = typer.Typer(
     name="ridgefill",
-    help="Make, check and publish RidgeFill map releases: capture -> solve -> quantize -> export -> verify.",
+    help="Make, check and publish RidgeFill map releases: capture -> solve -> quantize -> export -> verify -> eval.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -22,6 +22,7 @@ app.command("solve")(solve.solve)
 app.command("quantize")(quantize.quantize)
 app.command("export")(export.export)
 app.command("verify")(export.verify)
+app.command("eval")(eval.eval_)
 app.add_typer(artifacts.app, name="artifacts")
 
 

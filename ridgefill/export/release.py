@@ -401,3 +401,26 @@ def _decode_layer(
     if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
         raise BadInput(f"{bias_file}: layer {layer} holds NaN/inf")
     return {"weight": weight, "bias": bias}
+
+
+# ------------------------------------------------------------------------------------------- eval summary
+
+
+def set_eval(dir: Path, summary: dict) -> dict:
+    """Put an eval summary into a verified release's manifest (`eval`) and regenerate its model card.
+
+    Only ridgefill.json and README.md change, and neither is hashed, so the release still verifies."""
+    from ridgefill.export.card import model_card
+
+    dir = Path(dir)
+    manifest = verify_release(dir)
+    manifest["eval"] = summary
+    try:
+        text = json.dumps(manifest, sort_keys=True, indent=2, allow_nan=False) + "\n"
+    except ValueError as e:
+        raise ValueError(f"eval summary is not plain JSON: {e}") from None
+    for name, data in ((MANIFEST, text), (CARD, model_card(manifest))):
+        tmp = dir / f".{name}.tmp"
+        tmp.write_text(data, encoding="utf-8")
+        os.replace(tmp, dir / name)
+    return manifest

@@ -1,0 +1,60 @@
+"""`ridgefill eval MODEL RELEASE_OR_MAPS`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, ModelArg, StoreOpt, done, output, store
+
+
+def eval_(
+    model: ModelArg,
+    source: Annotated[str, typer.Argument(help="Release folder, or a solve / quantize artifact id.")],
+    arms: Annotated[Optional[list[str]], typer.Option("--arms", help="exact, ridgefill, identity, nofill (repeatable).")] = None,
+    tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = 512,
+    lengths: Annotated[Optional[list[int]], typer.Option("--lengths", help="Needle context lengths (repeatable).")] = None,
+    samples: Annotated[int, typer.Option("--samples", help="Needle samples per (length, depth, task).")] = 1,
+    documents: Annotated[int, typer.Option("--documents", help="Long documents for the NLL figures.")] = 4,
+    doc_tokens: Annotated[int, typer.Option("--doc-tokens", help="Length of each long document.")] = 2048,
+    scored: Annotated[int, typer.Option("--scored", help="Scored stretch: the last tokens of each document.")] = 256,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    gate: Annotated[Optional[Path], typer.Option("--gate", help="TOML thresholds; exit 3 when one fails.")] = None,
+    store_root: StoreOpt = DEFAULT_STORE,
+    json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Measure the fill arms against exact (needles, ΔNLL, KL) and gate the release."""
+    from rich.table import Table
+
+    from ridgefill.errors import GateFailed
+    from ridgefill.evaluate.gate import check_gate, load_gate
+    from ridgefill.evaluate.run import ARMS, EvalConfig, evaluate, load_source, manifest_summary
+
+    out = output(json)
+    rules = load_gate(gate) if gate else None
+    cfg = EvalConfig(arms=tuple(arms or ARMS), tail=tail, lengths=tuple(lengths or (2048, 4096)), samples=samples,
+                     documents=documents, doc_tokens=doc_tokens, scored=scored, seed=seed)
+    st = store(store_root)
+    art, cached = evaluate(st, model, source, cfg, out)
+    s = art.manifest["summary"]
+    t = Table(title=f"eval {art.id}: {s['samples']} needle samples, {s['documents']} documents; ceiling x{s['ceiling_speedup']:.2f}")
+    for c in ("arm", "needle %", "ΔNLL", "ΔNLL novel", "ΔNLL key", "KL", "top-1", "prefill s", "speed-up"):
+        t.add_column(c, justify="right")
+    fmt = lambda v, f=".3f": "–" if v is None else format(v, f)  # noqa: E731
+    for arm, a in s["arms"].items():
+        t.add_row(arm, fmt(a.get("needle"), ".1f"), *(fmt(a.get(k)) for k in ("dnll", "dnll_novel", "dnll_key", "kl", "top1")),
+                  fmt(a.get("prefill_s"), ".2f"), fmt(a.get("speedup"), ".2f"))
+    out.table(t)
+    src = load_source(st, source)
+    if src.release_dir is not None:
+        from ridgefill.export.release import set_eval
+
+        set_eval(src.release_dir, manifest_summary(s, art.id))
+        out.info(f"eval summary written into {src.release_dir}/ridgefill.json and README.md")
+    failed = check_gate(s, rules) if rules else []
+    done(out, "eval", art, cached, {"gate": {"passed": not failed, "failed": failed} if rules else None})
+    if failed:
+        raise GateFailed("gate failed: " + "; ".join(failed))

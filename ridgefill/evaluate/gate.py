@@ -1,0 +1,63 @@
+"""The release gate: thresholds from a TOML file, checked against an eval summary (exit 3 on failure).
+
+    arm = "ridgefill"            # the arm the thresholds apply to (default ridgefill)
+    [thresholds]
+    needle_drop_max = 5.0        # needle accuracy may be at most 5 points below exact
+    dnll_key_max = 0.5           # mean ΔNLL on key tokens (nats)
+    dnll_novel_max = 0.05        # mean ΔNLL on novel tokens
+    dnll_max = 0.1               # mean ΔNLL on all scored tokens
+    kl_max = 0.5                 # mean KL(exact || arm)
+    top1_min = 0.8               # top-1 agreement with exact
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ridgefill.errors import BadInput
+
+# threshold name -> (summary key, "max" | "min", how the value is computed)
+CHECKS = {
+    "needle_drop_max": ("needle_drop", "max"),
+    "dnll_key_max": ("dnll_key", "max"),
+    "dnll_novel_max": ("dnll_novel", "max"),
+    "dnll_max": ("dnll", "max"),
+    "kl_max": ("kl", "max"),
+    "top1_min": ("top1", "min"),
+}
+
+
+def load_gate(path: Path) -> dict:
+    import tomllib
+
+    try:
+        gate = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise BadInput(f"gate file '{path}' does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise BadInput(f"gate file '{path}': {e}") from None
+    unknown = set(gate) - {"arm", "thresholds"} | set(gate.get("thresholds", {})) - set(CHECKS)
+    if unknown:
+        raise BadInput(f"gate file '{path}': unknown key(s) {', '.join(sorted(unknown))} (known: arm, {', '.join(CHECKS)})")
+    if not gate.get("thresholds"):
+        raise BadInput(f"gate file '{path}' has no [thresholds]")
+    return gate
+
+
+def check_gate(summary: dict, gate: dict) -> list[str]:
+    """The failed thresholds, each as one readable line; empty when the release passes."""
+    arm = gate.get("arm", "ridgefill")
+    if arm not in summary["arms"]:
+        raise BadInput(f"gate arm '{arm}' was not evaluated (use --arms)")
+    s = dict(summary["arms"][arm])
+    if "needle" in s and "needle" in summary["arms"]["exact"]:
+        s["needle_drop"] = summary["arms"]["exact"]["needle"] - s["needle"]
+    failed = []
+    for name, limit in sorted(gate["thresholds"].items()):
+        key, kind = CHECKS[name]
+        value = s.get(key)
+        if value is None:
+            failed.append(f"{name}: {arm} has no {key} figure")
+        elif (kind == "max" and value > limit) or (kind == "min" and value < limit):
+            failed.append(f"{name}: {arm} {key} = {value:.4g}, limit {limit:g}")
+    return failed

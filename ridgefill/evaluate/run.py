@@ -1,0 +1,258 @@
+"""`ridgefill eval`: run the fill arms against the exact model and gate a release (seed 000, §3.1 and §9).
+
+Two measurements, both on text never used for calibration:
+- long documents: ΔNLL against exact on the scored stretch (the last `scored` tokens), on all, novel and key
+  tokens, KL(exact || arm) and top-1 agreement; key tokens are those whose exact loss rises by more than 2 nats
+  when the context is cut to the tail alone;
+- filled-region needle retrieval: RULER-style samples whose needles all lie in the filled prefix, greedy
+  decoding from each arm's cache, exact match.
+Paired bootstrap intervals per document / per sample; measured prefill time per arm against the ceiling r.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ridgefill.artifacts import Artifact, Store, recipe_id
+from ridgefill.artifacts.store import write_json
+from ridgefill.errors import BadInput
+from ridgefill.output import Output
+
+FORMAT_VERSION = 1
+RESULTS = "results.json"
+ARMS = ("exact", "ridgefill", "identity", "nofill")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    arms: tuple[str, ...] = ARMS
+    tail: int = 512
+    lengths: tuple[int, ...] = (2048, 4096)
+    depths: tuple[float, ...] = (0.25, 0.5)
+    tasks: tuple[str, ...] = ("single", "multikey", "multivalue")
+    samples: int = 1  # per (length, depth, task) cell
+    documents: int = 4
+    doc_tokens: int = 2048
+    scored: int = 256
+    seed: int = 0
+    bootstrap: int = 10000
+
+
+@dataclass(frozen=True)
+class MapsSource:
+    maps: dict  # {layer: (W float32 [d, d], b float32 [d])}
+    split: int
+    fingerprint: str  # the model the maps were fitted on
+    ident: str  # content identity for the recipe
+    calibration: frozenset  # calibration document sha256s
+    release_dir: Path | None
+
+
+def load_source(store: Store, source: str) -> MapsSource:
+    """A release folder, or a solve / quantize artifact of the store."""
+    import json
+
+    from ridgefill.capture.run import DOCS
+    from ridgefill.export import int8, release
+
+    p = Path(source)
+    if (p / release.MANIFEST).is_file():
+        manifest, maps = release.load_release(p)
+        return MapsSource({l: (m["weight"], m["bias"]) for l, m in maps.items()}, int(manifest["split"]),
+                          manifest["model"]["fingerprint"], "release:" + recipe_id(manifest["files"]),
+                          frozenset(manifest.get("fit", {}).get("calibration_sha256", [])), p)
+    art = store.get(source)
+    if art.stage not in ("solve", "quantize"):
+        raise BadInput(f"artifact {art.id} is a {art.stage} artifact; eval takes a release folder, solve or quantize artifact")
+    if art.stage == "quantize":
+        from ridgefill.export.quantize import load_quant
+
+        maps = {l: (int8.dequantize(q["codes"], q["scale_bits"]), q["bias"]) for l, q in load_quant(art).items()}
+    else:
+        from ridgefill.solve.run import load_maps
+
+        maps = load_maps(art)
+    cap = store.get(art.info["capture"], stage="capture")
+    docs = json.loads(cap.file(DOCS).read_text())
+    calib = frozenset(d["sha256"] for d in docs if d["role"] == "calibration")
+    split = int(art.manifest["summary"]["split"])
+    return MapsSource(maps, split, art.info["model"]["fingerprint"], f"{art.stage}:{art.id}", calib, None)
+
+
+def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output) -> tuple[Artifact, bool]:
+    from ridgefill.models import resolve_model
+
+    for a in cfg.arms:
+        if a not in ARMS:
+            raise BadInput(f"unknown arm '{a}' (choose from {', '.join(ARMS)})")
+    if "exact" not in cfg.arms:
+        raise BadInput("--arms must include exact: every figure is measured against it")
+    if not 0 < cfg.scored < cfg.tail or cfg.tail >= min(cfg.lengths + (cfg.doc_tokens,)):
+        raise BadInput(f"need 0 < scored ({cfg.scored}) < tail ({cfg.tail}) < every length and --doc-tokens")
+    src = load_source(store, source)
+    ref = resolve_model(model, store_root=store.root)
+    if ref.fingerprint != src.fingerprint:
+        raise BadInput(f"'{source}' was fitted on a different model (fingerprint {src.fingerprint[:12]}) "
+                       f"than '{model}' ({ref.fingerprint[:12]})")
+    recipe = {"stage": "eval", "version": FORMAT_VERSION, "model": ref.fingerprint, "maps": src.ident,
+              **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}}
+    hit = store.cached("eval", recipe)
+    if hit is not None:
+        return hit, True
+
+    from ridgefill.models import load_model
+
+    lm = load_model(ref, store_root=store.root)
+    results = {"split": src.split, "num_layers": ref.num_layers, "tail": cfg.tail,
+               "documents": _documents(lm, src, cfg, out), "needles": _needles(lm, src, cfg, out)}
+    results["summary"] = summarize(results, cfg)
+    with store.build("eval", recipe) as build:
+        write_json(build.path / RESULTS, results)
+        art = build.commit(info={"model_spec": model, "source": source}, summary=results["summary"])
+    return art, False
+
+
+def _fill_args(src: MapsSource, arm: str, tail: int) -> dict:
+    return {"split": src.split, "tail": tail, "maps": src.maps if arm == "ridgefill" else None}
+
+
+def _documents(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
+    import torch
+
+    from ridgefill.evaluate import metrics, texts
+    from ridgefill.evaluate.runtime import prefill
+
+    docs = texts.long_documents(lm.tokenizer, cfg.doc_tokens, limit=cfg.documents)
+    if len(docs) < cfg.documents:
+        raise BadInput(f"only {len(docs)} evaluation documents have {cfg.doc_tokens} tokens")
+    reused = texts.reused([(d.name, d.text) for d in docs], src.calibration)
+    if reused:
+        raise BadInput(f"evaluation documents were used for calibration: {', '.join(reused)}")
+    T, K = cfg.tail, cfg.scored
+    rows = []
+    with out.progress("documents", total=len(docs) * len(cfg.arms)) as bar:
+        for i, d in enumerate(docs):
+            ids = torch.tensor(d.ids[: cfg.doc_tokens])
+            N = len(ids)
+            targets = ids[N - K :].numpy()  # the scored stretch
+            pick = slice(T - K - 1, T - 1)  # tail rows whose next-token prediction is a scored token
+            exact = prefill(lm, ids, "exact", split=src.split, tail=T)
+            tail_only = prefill(lm, ids[N - T :], "exact", split=src.split, tail=T)  # context cut to the tail
+            le = exact.logits[pick].numpy()
+            nll_exact = metrics.token_nll(le, targets)
+            key = metrics.key_mask(nll_exact, metrics.token_nll(tail_only.logits[pick].numpy(), targets))
+            novel = metrics.novel_mask(ids.numpy(), N - K)
+            row = {"name": d.name, "tokens": N, "seconds": {"exact": exact.seconds}}
+            for j, arm in enumerate(cfg.arms):
+                if arm != "exact":
+                    res = prefill(lm, ids, arm, **_fill_args(src, arm, T))
+                    la = res.logits[pick].numpy()
+                    row[arm] = metrics.doc_summary(nll_exact, metrics.token_nll(la, targets),
+                                                   metrics.kl_exact_arm(le, la), metrics.top1_agree(le, la), novel, key)
+                    row["seconds"][arm] = res.seconds
+                bar.update(i * len(cfg.arms) + j + 1, (i + 1) * N, f"doc {i + 1}/{len(docs)} · {arm}")
+            rows.append(row)
+    return rows
+
+
+def greedy(lm, res, max_new: int) -> list[int]:
+    """Greedy tokens continuing from a prefill's cache (stops at the tokenizer's end-of-sequence token)."""
+    import torch
+
+    eos = lm.tokenizer.eos_token_id
+    cache, nxt, toks = res.cache, int(res.logits[-1].argmax()), []
+    with torch.inference_mode():
+        while len(toks) < max_new and nxt != eos:
+            toks.append(nxt)
+            o = lm.model(input_ids=torch.tensor([[nxt]]), cache=cache, use_cache=True)
+            cache, nxt = o.cache, int(o.logits[0, -1].argmax())
+    return toks
+
+
+def _needles(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
+    import torch
+
+    from ridgefill.evaluate.needles import build_suite, score_answer
+    from ridgefill.evaluate.runtime import prefill
+
+    chat = bool(getattr(lm.tokenizer, "chat_template", None))
+    try:
+        suite = build_suite(lm.tokenizer, lengths=cfg.lengths, depths=cfg.depths, tasks=cfg.tasks,
+                            samples=cfg.samples, seed=cfg.seed, tail=cfg.tail, chat=chat)
+    except ValueError as e:  # e.g. a length too short for the question
+        raise BadInput(f"needles: {e}") from None
+    suite = [s for s in suite if s.in_filled_region(cfg.tail)]
+    arms = [a for a in cfg.arms if a != "nofill"]  # a nofill cache has holes: it cannot be decoded from
+    rows = []
+    with out.progress("needles", total=len(suite) * len(arms)) as bar:
+        for i, s in enumerate(suite):
+            ids = torch.tensor(s.prompt_ids)
+            row = {"task": s.task, "length": s.context_tokens, "depth": s.depth, "seed": s.seed,
+                   "answers": s.answers, "correct": {}, "seconds": {}}
+            for j, arm in enumerate(arms):
+                res = prefill(lm, ids, arm, **_fill_args(src, arm, cfg.tail))
+                text = lm.tokenizer.decode(greedy(lm, res, s.max_new_tokens), skip_special_tokens=True)
+                row["correct"][arm], row["seconds"][arm] = bool(score_answer(s, text)), res.seconds
+                bar.update(i * len(arms) + j + 1, (i + 1) * len(s.prompt_ids), f"sample {i + 1}/{len(suite)} · {arm}")
+            rows.append(row)
+    return rows
+
+
+def summarize(results: dict, cfg: EvalConfig) -> dict:
+    """Per arm: needle accuracy (points), ΔNLL on all / novel / key tokens, KL, top-1, prefill time; paired
+    bootstrap intervals for each arm minus exact and for ridgefill minus identity."""
+    from ridgefill.evaluate.metrics import paired_bootstrap
+    from ridgefill.evaluate.runtime import ceiling
+
+    docs, needles = results["documents"], results["needles"]
+    boot = lambda a, b, w=None: paired_bootstrap(np.asarray(a, float), np.asarray(b, float), samples=cfg.bootstrap,  # noqa: E731
+                                                 seed=cfg.seed, weights=None if w is None else np.asarray(w, float))
+    nan = lambda x: np.nan if x is None else x  # noqa: E731
+    out: dict = {"arms": {}, "samples": len(needles), "documents": len(docs)}
+    acc = {a: [100.0 * n["correct"][a] for n in needles] for a in cfg.arms if needles and a in needles[0]["correct"]}
+    longest = max(cfg.lengths)
+    for arm in cfg.arms:
+        s: dict = {}
+        if arm in acc:
+            s["needle"] = float(np.mean(acc[arm]))
+            if arm != "exact":
+                s["needle_minus_exact"] = boot(acc[arm], acc["exact"])
+        secs = [n["seconds"][arm] for n in needles if n["length"] == longest and arm in n["seconds"]]
+        if secs:
+            s["prefill_s"] = float(np.mean(secs))
+        if arm != "exact":
+            for key, w in (("dnll", "tokens"), ("dnll_novel", "novel_tokens"), ("dnll_key", "key_tokens")):
+                vals = [nan(d[arm][key]) for d in docs]
+                weights = [d[arm][w] for d in docs]
+                s[key] = float(np.nansum(np.multiply(vals, weights)) / max(sum(weights), 1)) if sum(weights) else None
+                if sum(weights):
+                    s[key + "_ci"] = boot(vals, np.zeros(len(vals)), weights)
+            s["kl"] = float(np.mean([d[arm]["kl"] for d in docs]))
+            s["top1"] = float(np.mean([d[arm]["top1"] for d in docs]))
+        out["arms"][arm] = s
+    if "ridgefill" in acc and "identity" in acc:
+        out["ridgefill_minus_identity"] = {"needle": boot(acc["ridgefill"], acc["identity"])}
+        if "ridgefill" in cfg.arms and "identity" in cfg.arms:
+            out["ridgefill_minus_identity"]["dnll_key"] = boot(
+                [nan(d["ridgefill"]["dnll_key"]) for d in docs], [nan(d["identity"]["dnll_key"]) for d in docs],
+                [d["ridgefill"]["key_tokens"] for d in docs]) if any(d["ridgefill"]["key_tokens"] for d in docs) else None
+    ex = out["arms"]["exact"].get("prefill_s")
+    if ex:
+        for arm in cfg.arms:
+            if arm != "exact" and "prefill_s" in out["arms"][arm]:
+                out["arms"][arm]["speedup"] = ex / out["arms"][arm]["prefill_s"]
+    out["ceiling_r"] = ceiling(longest, cfg.tail, results["split"], results["num_layers"])
+    out["ceiling_speedup"] = 1 / out["ceiling_r"]
+    return out
+
+
+def manifest_summary(summary: dict, eval_id: str) -> dict:
+    """The compact figures a release manifest and model card carry (the artifact keeps the rest)."""
+    keep = ("needle", "dnll", "dnll_novel", "dnll_key", "kl", "top1", "prefill_s", "speedup")
+    arms = {a: {k: round(v, 4) for k, v in s.items() if k in keep and v is not None} for a, s in summary["arms"].items()}
+    return {"eval_id": eval_id, "samples": summary["samples"], "documents": summary["documents"],
+            "ceiling_speedup": round(summary["ceiling_speedup"], 4), "arms": arms}
