@@ -44,6 +44,13 @@ from dataclasses import dataclass, field
 from ridgefill.evaluate.texts import haystack_documents, special_prefix
 
 TASKS = ("single", "multikey", "multivalue")
+# RULER's niah_single_1 filler: repeated plain sentences, so a single needle stands out from the haystack. The
+# multi-key and multi-value tasks use real prose (texts.haystack_documents), as RULER's essay variants do.
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def noise_haystack(chars: int = 200_000) -> list[tuple[str, str]]:
+    return [("noise", NOISE * (chars // len(NOISE) + 1))]
 HEADER = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
     "I will quiz you about the numbers afterwards.\n"

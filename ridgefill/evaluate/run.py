@@ -22,7 +22,7 @@ from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: single needles in noise filler
 RESULTS = "results.json"
 ARMS = ("exact", "ridgefill", "identity", "nofill")
 
@@ -176,13 +176,17 @@ def greedy(lm, res, max_new: int) -> list[int]:
 def _needles(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
     import torch
 
-    from ridgefill.evaluate.needles import build_suite, score_answer
+    from ridgefill.evaluate.needles import build_suite, noise_haystack, score_answer
     from ridgefill.evaluate.runtime import prefill
 
     chat = bool(getattr(lm.tokenizer, "chat_template", None))
-    try:
-        suite = build_suite(lm.tokenizer, lengths=cfg.lengths, depths=cfg.depths, tasks=cfg.tasks,
-                            samples=cfg.samples, seed=cfg.seed, tail=cfg.tail, chat=chat)
+    try:  # single needles in RULER's noise filler, the other tasks in prose
+        suite = []
+        for tasks, hay in (([t for t in cfg.tasks if t == "single"], noise_haystack()),
+                           ([t for t in cfg.tasks if t != "single"], None)):
+            if tasks:
+                suite += build_suite(lm.tokenizer, lengths=cfg.lengths, depths=cfg.depths, tasks=tuple(tasks),
+                                     samples=cfg.samples, seed=cfg.seed, tail=cfg.tail, chat=chat, haystack=hay)
     except ValueError as e:  # e.g. a length too short for the question
         raise BadInput(f"needles: {e}") from None
     suite = [s for s in suite if s.in_filled_region(cfg.tail)]
