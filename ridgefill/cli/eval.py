@@ -31,7 +31,7 @@ def eval_(
 
     from ridgefill.errors import GateFailed
     from ridgefill.evaluate.gate import check_gate, load_gate
-    from ridgefill.evaluate.run import ARMS, EvalConfig, evaluate, load_source, manifest_summary
+    from ridgefill.evaluate.run import ARMS, EvalConfig, evaluate, manifest_summary
 
     out = output(json)
     rules = load_gate(gate) if gate else None
@@ -48,12 +48,11 @@ def eval_(
         t.add_row(arm, fmt(a.get("needle"), ".1f"), *(fmt(a.get(k)) for k in ("dnll", "dnll_novel", "dnll_key", "kl", "top1")),
                   fmt(a.get("prefill_s"), ".2f"), fmt(a.get("speedup"), ".2f"))
     out.table(t)
-    src = load_source(st, source)
-    if src.release_dir is not None:
-        from ridgefill.export.release import set_eval
+    from ridgefill.export.release import MANIFEST, set_eval
 
-        set_eval(src.release_dir, manifest_summary(s, art.id))
-        out.info(f"eval summary written into {src.release_dir}/ridgefill.json and README.md")
+    if (Path(source) / MANIFEST).is_file():  # a release folder: record the figures in it
+        set_eval(Path(source), manifest_summary(s, art.id))
+        out.info(f"eval summary written into {source}/ridgefill.json and README.md")
     failed = check_gate(s, rules) if rules else []
     done(out, "eval", art, cached, {"gate": {"passed": not failed, "failed": failed} if rules else None})
     if failed:
