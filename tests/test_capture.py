@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from ridgefill.artifacts import Store, tensors
 from ridgefill.capture.run import COUNTS, DOCS, HELDOUT, STATS, CaptureConfig, capture
 from ridgefill.capture.stats import Moments, merge, moments_of
 from ridgefill.output import Output
+from clirun import cli
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. " * 6,
@@ -123,8 +123,6 @@ def test_resume_is_byte_identical(tmp_path, tiny_llama, corpus, stop_after):
         assert art.file(name).read_bytes() == ref_art.file(name).read_bytes(), name
 
 
-def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "ridgefill", *map(str, args)], capture_output=True, text=True, **kw)
 
 
 def test_kill_9_then_rerun_is_byte_identical(tmp_path, tiny_llama, corpus):
@@ -188,14 +186,14 @@ def test_capture_refusals(tmp_path, tiny_llama, corpus, extra, message):
     extra = [e.replace("{tmp}", str(tmp_path)) for e in extra]
     data = [] if "--data" in extra else ["--data", corpus]
     store = tmp_path / "store"
-    r = _cli("capture", tiny_llama, *data, *extra, "--store", store)
+    r = cli("capture", tiny_llama, *data, *extra, "--store", store)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == "Error: " + message.replace("{tmp}", str(tmp_path))
     assert not store.exists() or not any((store / "capture").glob("*"))
 
 
 def test_missing_model_path(tmp_path, corpus):
-    r = _cli("capture", tmp_path / "no-model", "--data", corpus, "--store", tmp_path / "store")
+    r = cli("capture", tmp_path / "no-model", "--data", corpus, "--store", tmp_path / "store")
     assert r.returncode == 2
     assert r.stderr.strip() == f"Error: model path '{tmp_path / 'no-model'}' does not exist"
     assert "Traceback" not in r.stderr

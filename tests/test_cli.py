@@ -5,10 +5,9 @@ import subprocess
 import sys
 
 import pytest
+from clirun import cli
 
 
-def cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "ridgefill", *map(str, args)], capture_output=True, text=True, env=env)
 
 
 def test_help_does_not_import_torch():

@@ -1,8 +1,6 @@
 """`ridgefill eval` end to end on a tiny model: artifact, release manifest and card, gate exit code."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -11,12 +9,11 @@ from ridgefill.capture.run import CaptureConfig, capture
 from ridgefill.evaluate.gate import check_gate
 from ridgefill.output import Output
 from ridgefill.solve.run import solve
+from clirun import cli
 
 TINY = ["--tail", "48", "--scored", "16", "--doc-tokens", "128", "--lengths", "600", "--lengths", "700", "--documents", "2", "--samples", "1"]
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "ridgefill", *map(str, args)], capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")

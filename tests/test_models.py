@@ -19,7 +19,7 @@ import torch
 from ridgefill.errors import BadInput
 from ridgefill.models import adapter_for, load_model, resolve_model
 from ridgefill.models import spec as spec_mod
-from ridgefill.models.spec import ModelRef, canonical_sha256, read_gguf_header
+from ridgefill.models.spec import ModelRef, read_gguf_header
 from tiny import ARCHS, make_tiny_gguf, make_tiny_model
 
 FIXTURES = {"llama": "tiny_llama", "gemma3_text": "tiny_gemma3", "qwen2": "tiny_qwen2", "qwen3": "tiny_qwen3"}

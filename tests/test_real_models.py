@@ -1,18 +1,15 @@
 """End to end on the real built-in models (slow): capture -> solve -> quantize -> export -> verify."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from ridgefill.capture.corpus import builtin_sources
+from clirun import cli
 
 pytestmark = pytest.mark.slow
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "ridgefill", *map(str, args)], capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")

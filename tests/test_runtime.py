@@ -5,7 +5,6 @@ of the stock model for the "nofill" arm, and maps fitted by least squares on the
 """
 
 import copy
-from pathlib import Path
 
 import numpy as np
 import pytest

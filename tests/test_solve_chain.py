@@ -1,8 +1,6 @@
 """Solve, quantize, export and verify on a tiny random llama, through the real CLI entry point."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,14 +9,13 @@ from ridgefill.artifacts import Store, tensors
 from ridgefill.capture.run import CaptureConfig, capture, load_heldout, load_stats
 from ridgefill.output import Output
 from ridgefill.solve.ridge import direct_solve
+from clirun import cli
 
 TEXTS = [("The rain in Spain stays mainly in the plain. " * 9), ("import os\nprint(os.getcwd())\n" * 12),
          ("We hold these truths to be self-evident. " * 10), ("while True:\n    x = x + 1\n" * 11),
          ("To be, or not to be, that is the question. " * 8), ("a = [i * i for i in range(9)]\n" * 10)]
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "ridgefill", *map(str, args)], capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ Paired bootstrap intervals per document / per sample; measured prefill time per 
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
