@@ -44,7 +44,9 @@ def test_eval_writes_artifact_and_release_summary(release, tiny_llama):
     for arm in ("ridgefill", "identity", "nofill"):
         assert s["arms"][arm]["dnll_ci"]["low"] <= s["arms"][arm]["dnll"] <= s["arms"][arm]["dnll_ci"]["high"]
         assert 0 <= s["arms"][arm]["top1"] <= 1 and s["arms"][arm]["kl"] >= 0
-    assert "needle" not in s["arms"]["nofill"]  # nofill cannot decode
+    assert 0 <= s["arms"]["nofill"]["needle"] <= 100  # decoded from its cache with holes
+    res = json.loads((st.root / "eval" / doc["id"] / "results.json").read_text())
+    assert all(set(n["correct"]) == set(s["arms"]) for n in res["needles"])
     man = json.loads((rel / "ridgefill.json").read_text())
     assert man["eval"]["eval_id"] == doc["id"]
     assert "## Evaluation" in (rel / "README.md").read_text()
@@ -65,6 +67,16 @@ def test_gate_exit_code_names_the_threshold(release, tiny_llama, tmp_path):
     gate.write_text("[thresholds]\nspeed_max = 1\n")
     r = cli("eval", tiny_llama, sol.id, *TINY, "--gate", gate, "--store", st.root)
     assert r.returncode == 2 and "unknown key(s) speed_max" in r.stderr
+
+
+def test_eval_rows_arm(release, tiny_llama):
+    _, st, sol, rel = release
+    r = cli("eval", tiny_llama, sol.id, *TINY, "--arms", "exact", "--arms", "ridgefill+rows", "--store", st.root, "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["summary"]
+    assert set(s["arms"]) == {"exact", "ridgefill+rows"} and "dnll" in s["arms"]["ridgefill+rows"]
+    r = cli("eval", tiny_llama, sol.id, *TINY, "--arms", "exact", "--arms", "rows", "--store", st.root)
+    assert r.returncode == 2 and "unknown arm 'rows'" in r.stderr
 
 
 def test_check_gate_by_hand():

@@ -290,10 +290,10 @@ def test_default_split(layers, qk_norm, split):
 
 
 def record_forward(model, ids):
-    """Run a normal forward with hooks on every layer's k_proj / v_proj / k_norm; return (outputs, records)."""
+    """Run a normal forward with hooks on every layer's q/k/v projections and norms; return (outputs, records)."""
     records, handles = {}, []
     for l, layer in enumerate(model.model.layers):
-        for name in ("k_proj", "v_proj", "k_norm"):
+        for name in ("q_proj", "q_norm", "k_proj", "v_proj", "k_norm"):
             module = getattr(layer.self_attn, name, None)
             if module is not None:
                 hook = lambda mod, inp, out, key=(l, name): records.__setitem__(key, out.detach().clone())  # noqa: E731
@@ -324,6 +324,12 @@ def check_kv_against_forward(model, ad, seq: int = 20, seed: int = 0):
                 ref_k = ref_k.transpose(0, 1)
         torch.testing.assert_close(k, ref_k, rtol=0, atol=1e-6)
         torch.testing.assert_close(v, rec[l, "v_proj"][0].view(heads), rtol=0, atol=1e-6)
+        q = ad.q(l, x)  # [seq, heads, head_dim]
+        q_heads = (seq, ad.num_heads, ad.head_dim)
+        ref_q = rec[l, "q_norm"][0] if ad.k_norm(l) is not None else rec[l, "q_proj"][0].view(q_heads)
+        if ref_q.shape != q_heads:
+            ref_q = ref_q.transpose(0, 1)
+        torch.testing.assert_close(q, ref_q, rtol=0, atol=1e-6)
         # After RoPE, k must be what the cache holds (a sliding layer keeps only its last window of rows).
         cached_k = cache.layers[l].keys[0].transpose(0, 1)  # [kv_heads, n, hd] -> [n, kv_heads, hd]
         cached_v = cache.layers[l].values[0].transpose(0, 1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ridgefill.errors import BadInput
-from ridgefill.evaluate.runtime import ARMS, ceiling, prefill
+from ridgefill.evaluate.runtime import ARMS, HoleCache, ceiling, greedy, prefill
 from ridgefill.models import load_model, resolve_model
 
 FIXTURES = {"llama": "tiny_llama", "gemma3_text": "tiny_gemma3", "qwen2": "tiny_qwen2", "qwen3": "tiny_qwen3"}
@@ -170,7 +170,6 @@ def test_nofill_equals_truncated_stock_model(arch, split, tail, lm_of):
     ids = tokens(20, seed=4)
     n, prefix = 20, 20 - tail
     res = prefill(lm, ids, "nofill", split=split, tail=tail)
-    assert res.cache is None
     hs = hidden_states(lm, ids)
     late = late_model(lm, split)
     with torch.no_grad():
@@ -180,6 +179,33 @@ def test_nofill_equals_truncated_stock_model(arch, split, tail, lm_of):
     if tail < n:  # the prefix matters in the exact model
         ex = prefill(lm, ids, "exact", split=split, tail=tail)
         assert (ex.logits - res.logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", MAIN)
+def test_nofill_decodes_like_a_longer_prefill(arch, lm_of):
+    """Each decoded token sees what a nofill prefill with that token in its tail sees: the written slots only."""
+    lm = lm_of(arch)
+    ids, S, T = tokens(20, seed=12), 2, 6
+    res = prefill(lm, ids, "nofill", split=S, tail=T)
+    assert isinstance(res.cache, HoleCache) and len(res.cache) == 20
+    nxt = tokens(3, seed=13)
+    for i, t in enumerate(nxt):
+        step = res.cache.step(int(t))
+        longer = prefill(lm, torch.cat([ids, nxt[: i + 1]]), "nofill", split=S, tail=T + i + 1)
+        torch.testing.assert_close(step, longer.logits[-1], atol=1e-5, rtol=1e-5)
+    assert len(res.cache) == 23
+
+
+def test_nofill_greedy_with_no_early_layers_is_the_tail_alone(lm_of):
+    """At split 0 nothing of the prefix reaches the tail: greedy decoding equals the stock model's on the tail
+    (RoPE depends on relative positions only)."""
+    lm = lm_of("llama")
+    ids, T = tokens(20, seed=14), 7
+    res = prefill(lm, ids, "nofill", split=0, tail=T)
+    with torch.no_grad():
+        ref = lm.model.generate(ids[None, -T:], max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, T:].tolist()  # fmt: skip
+    assert greedy(lm, res, 6) == ref
 
 
 # -- 5. fitted maps -------------------------------------------------------------------------------------------------
@@ -243,6 +269,32 @@ def test_exact_rows(arch, lm_of):
     assert (part.logits - idn.logits).abs().max() > 1e-4
 
 
+def attention_ranking(lm, ids, split, probe):
+    """All rows, most attention received from `probe` rows first (summed over heads of layers < split; ties by
+    position), from the eager model's own attention probabilities."""
+    eager = copy.deepcopy(lm.model)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        att = eager(input_ids=ids[None], output_attentions=True).attentions  # L x [1, heads, N, N]
+    received = sum(att[l][0][:, probe].double().sum(dim=(0, 1)) for l in range(split))
+    return np.argsort(-received.numpy(), kind="stable").tolist()
+
+
+@pytest.mark.parametrize("arch", MAIN)
+def test_attention_selected_rows(arch, lm_of):
+    lm = lm_of(arch)
+    ids, S, T, n = tokens(40, seed=15), 2, 8, 40
+    maps = random_maps(lm, S)
+    res = prefill(lm, ids, "ridgefill+rows", split=S, tail=T, maps=maps, row_share=0.2, probe=range(30, 40))
+    ranked = [r for r in attention_ranking(lm, ids, S, list(range(30, 40))) if r < n - T]  # prefix rows only
+    assert res.exact_rows == sorted(ranked[:8])
+    assert res.exact_rows != list(range(8))  # not just the first rows
+    same = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, exact_rows=res.exact_rows)
+    torch.testing.assert_close(res.logits, same.logits, atol=1e-6, rtol=1e-6)
+    # Default probe: the last 64 rows (here all 40); default share 10 %.
+    assert len(prefill(lm, ids, "ridgefill+rows", split=S, tail=T, maps=maps).exact_rows) == 4
+
+
 # -- the work is skipped --------------------------------------------------------------------------------------------
 
 
@@ -298,7 +350,8 @@ def test_ceiling():
 def test_refusals(lm_of):
     lm = lm_of("llama")
     ids = tokens(10)
-    assert ARMS == ("exact", "ridgefill", "identity", "nofill")
+    assert ARMS == ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
+    eye = {l: (torch.eye(64), torch.zeros(64)) for l in range(1, 4)}
     for kwargs in (
         dict(arm="bogus", split=1, tail=2),
         dict(arm="identity", split=1, tail=0),
@@ -307,6 +360,8 @@ def test_refusals(lm_of):
         dict(arm="ridgefill", split=1, tail=2),  # no maps
         dict(arm="ridgefill", split=1, tail=2, maps={1: (torch.eye(64), torch.zeros(64))}),  # layers 2, 3 missing
         dict(arm="identity", split=1, tail=2, exact_rows=[8]),  # a tail row
+        dict(arm="ridgefill+rows", split=1, tail=2, maps=eye, row_share=1.0),
+        dict(arm="ridgefill+rows", split=1, tail=2, maps=eye, probe=[10]),
     ):
         with pytest.raises(BadInput):
             prefill(lm, ids, **kwargs)

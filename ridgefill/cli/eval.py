@@ -13,7 +13,7 @@ from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, ModelArg, Sto
 def eval_(
     model: ModelArg,
     source: Annotated[str, typer.Argument(help="Release folder, or a solve / quantize artifact id.")],
-    arms: Annotated[Optional[list[str]], typer.Option("--arms", help="exact, ridgefill, identity, nofill (repeatable).")] = None,
+    arms: Annotated[Optional[list[str]], typer.Option("--arms", help="exact, ridgefill, identity, nofill, ridgefill+rows (repeatable; default: all but +rows).")] = None,
     tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = 512,
     lengths: Annotated[Optional[list[int]], typer.Option("--lengths", help="Needle context lengths (repeatable).")] = None,
     samples: Annotated[int, typer.Option("--samples", help="Needle samples per (length, depth, task).")] = 1,
@@ -31,11 +31,11 @@ def eval_(
 
     from ridgefill.errors import GateFailed
     from ridgefill.evaluate.gate import check_gate, load_gate
-    from ridgefill.evaluate.run import ARMS, EvalConfig, evaluate, manifest_summary
+    from ridgefill.evaluate.run import DEFAULT_ARMS, EvalConfig, evaluate, manifest_summary
 
     out = output(json)
     rules = load_gate(gate) if gate else None
-    cfg = EvalConfig(arms=tuple(arms or ARMS), tail=tail, lengths=tuple(lengths or (2048, 4096)), samples=samples,
+    cfg = EvalConfig(arms=tuple(arms or DEFAULT_ARMS), tail=tail, lengths=tuple(lengths or (2048, 4096)), samples=samples,
                      documents=documents, doc_tokens=doc_tokens, scored=scored, seed=seed)
     st = store(store_root)
     art, cached = evaluate(st, model, source, cfg, out)

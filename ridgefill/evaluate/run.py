@@ -21,14 +21,15 @@ from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 
-FORMAT_VERSION = 2  # 2: single needles in noise filler
+FORMAT_VERSION = 3  # 2: single needles in noise filler; 3: nofill needles, "ridgefill+rows"
 RESULTS = "results.json"
-ARMS = ("exact", "ridgefill", "identity", "nofill")
+ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
+DEFAULT_ARMS = ARMS[:4]  # "+rows" is optional (it costs another fill per sample)
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    arms: tuple[str, ...] = ARMS
+    arms: tuple[str, ...] = DEFAULT_ARMS
     tail: int = 512
     lengths: tuple[int, ...] = (2048, 4096)
     depths: tuple[float, ...] = (0.25, 0.5)
@@ -115,15 +116,16 @@ def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output
     return art, False
 
 
-def _fill_args(src: MapsSource, arm: str, tail: int) -> dict:
-    return {"split": src.split, "tail": tail, "maps": src.maps if arm == "ridgefill" else None}
+def _fill_args(src: MapsSource, arm: str, tail: int, probe=None) -> dict:
+    args = {"split": src.split, "tail": tail, "maps": src.maps if arm.startswith("ridgefill") else None}
+    return args | ({"probe": probe} if arm == "ridgefill+rows" and probe is not None else {})
 
 
 def _documents(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
     import torch
 
     from ridgefill.evaluate import metrics, texts
-    from ridgefill.evaluate.runtime import prefill
+    from ridgefill.evaluate.runtime import PROBE_ROWS, prefill
 
     docs = texts.long_documents(lm.tokenizer, cfg.doc_tokens, limit=cfg.documents)
     if len(docs) < cfg.documents:
@@ -145,10 +147,11 @@ def _documents(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
             nll_exact = metrics.token_nll(le, targets)
             key = metrics.key_mask(nll_exact, metrics.token_nll(tail_only.logits[pick].numpy(), targets))
             novel = metrics.novel_mask(ids.numpy(), N - K)
+            probe = range(N - K - PROBE_ROWS, N - K)  # "+rows": the stretch just before the scored tokens
             row = {"name": d.name, "tokens": N, "seconds": {"exact": exact.seconds}}
             for j, arm in enumerate(cfg.arms):
                 if arm != "exact":
-                    res = prefill(lm, ids, arm, **_fill_args(src, arm, T))
+                    res = prefill(lm, ids, arm, **_fill_args(src, arm, T, probe))
                     la = res.logits[pick].numpy()
                     row[arm] = metrics.doc_summary(nll_exact, metrics.token_nll(la, targets),
                                                    metrics.kl_exact_arm(le, la), metrics.top1_agree(le, la), novel, key)
@@ -158,25 +161,11 @@ def _documents(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
     return rows
 
 
-def greedy(lm, res, max_new: int) -> list[int]:
-    """Greedy tokens continuing from a prefill's cache (stops at the tokenizer's end-of-sequence token)."""
-    import torch
-
-    eos = lm.tokenizer.eos_token_id
-    cache, nxt, toks = res.cache, int(res.logits[-1].argmax()), []
-    with torch.inference_mode():
-        while len(toks) < max_new and nxt != eos:
-            toks.append(nxt)
-            o = lm.model(input_ids=torch.tensor([[nxt]]), cache=cache, use_cache=True)
-            cache, nxt = o.cache, int(o.logits[0, -1].argmax())
-    return toks
-
-
 def _needles(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
     import torch
 
     from ridgefill.evaluate.needles import build_suite, noise_haystack, score_answer
-    from ridgefill.evaluate.runtime import prefill
+    from ridgefill.evaluate.runtime import greedy, prefill
 
     chat = bool(getattr(lm.tokenizer, "chat_template", None))
     try:  # single needles in RULER's noise filler, the other tasks in prose
@@ -189,7 +178,7 @@ def _needles(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
     except ValueError as e:  # e.g. a length too short for the question
         raise BadInput(f"needles: {e}") from None
     suite = [s for s in suite if s.in_filled_region(cfg.tail)]
-    arms = [a for a in cfg.arms if a != "nofill"]  # a nofill cache has holes: it cannot be decoded from
+    arms = cfg.arms
     rows = []
     with out.progress("needles", total=len(suite) * len(arms)) as bar:
         for i, s in enumerate(suite):

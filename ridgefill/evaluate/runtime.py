@@ -15,8 +15,12 @@ Arms (N rows, L layers, split S, tail T, prefix P = N - T):
   for them. The tail rows and the exact rows run every layer exactly, attending causally to the filled cache.
 - "identity": the same with x_hat_l = h_S.
 - "nofill": late layers write nothing for the filled rows; the tail attends only to itself (and to exact rows)
-  in late layers, at its original positions. Its cache has holes, so it cannot be continued by the stock model:
-  `cache` is None for this arm.
+  in late layers, at its original positions. Its cache has holes, which the stock model cannot continue from:
+  `cache` is a `HoleCache`, which `greedy` (and `HoleCache.step`) decode from layer by layer.
+- "ridgefill+rows": "ridgefill" plus attention-selected exact rows (seed 000, section 2.4): the `row_share`
+  (default 10 %) of prompt rows that receive the most attention from the `probe` rows (default: the last 64
+  prompt rows), summed over the heads of every layer below the split, run every layer exactly. The selection
+  happens inside the prefill, after the early layers, and its cost is part of the measured time.
 
 How it runs. The layers are the model's own decoder-layer modules, called one at a time with the model's own
 embeddings, rotary embeddings and final norm / head. Masks are built here from explicit query and key positions
@@ -40,7 +44,8 @@ import torch
 
 from ridgefill.errors import BadInput
 
-ARMS = ("exact", "ridgefill", "identity", "nofill")
+ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
+ROW_SHARE, PROBE_ROWS = 0.1, 64  # "+rows": 10 % of the prompt, by attention from its last 64 rows
 SLIDING = "sliding_attention"
 
 
@@ -56,7 +61,7 @@ def ceiling(N: int, T: int, S: int, L: int) -> float:
 @dataclass
 class PrefillResult:
     logits: torch.Tensor  # [T, vocab] float32: the last T rows
-    cache: Any  # transformers DynamicCache continuing at position N, or None (arm "nofill")
+    cache: Any  # transformers DynamicCache continuing at position N, or a HoleCache (arm "nofill")
     seconds: float
     arm: str = ""
     split: int = 0
@@ -105,9 +110,9 @@ def _check(lm, n: int, arm: str, split: int, tail: int, maps, exact_rows) -> lis
         raise BadInput(f"tail must be in 1..{n} (the number of input rows), got {tail}")
     if not 0 <= split <= L:
         raise BadInput(f"split must be in 0..{L} (the number of layers), got {split}")
-    if arm == "ridgefill":
+    if arm.startswith("ridgefill"):
         if maps is None:
-            raise BadInput("arm 'ridgefill' needs maps {layer: (W, b)}")
+            raise BadInput(f"arm '{arm}' needs maps {{layer: (W, b)}}")
         missing = [l for l in range(split, L) if l not in maps]
         if missing:
             raise BadInput(f"maps lack late layers {missing} (split {split}, {L} layers)")
@@ -142,74 +147,162 @@ def prefill(
     tail: int,
     maps: dict | None = None,
     exact_rows=None,
+    row_share: float = ROW_SHARE,
+    probe=None,
 ) -> PrefillResult:
-    """Prefill `input_ids` [N] (one sequence) with `arm`; see the module docstring."""
+    """Prefill `input_ids` [N] (one sequence) with `arm`; see the module docstring.
+
+    `row_share` and `probe` (prompt positions; default the last 64) only matter for "ridgefill+rows"."""
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     n = int(ids.shape[0])
     rows = _check(lm, n, arm, split, tail, maps, exact_rows)
-    model, ad = lm.model, lm.adapter
-    device = ad.device
-    ids = ids.to(device)
+    select = None
+    if arm == "ridgefill+rows":
+        if not 0 < row_share < 1:
+            raise BadInput(f"row_share must be in (0, 1), got {row_share}")
+        probe = list(range(max(0, n - PROBE_ROWS), n)) if probe is None else sorted({int(p) for p in probe})
+        if not probe or probe[0] < 0 or probe[-1] >= n:
+            raise BadInput(f"probe rows must be prompt positions in 0..{n - 1}")
+        select = (round(row_share * n), probe)
+    ids = ids.to(lm.adapter.device)
     start = time.perf_counter()
     with torch.no_grad():
         if arm == "exact":
-            out = model(input_ids=ids[None], use_cache=True, logits_to_keep=tail)
+            out = lm.model(input_ids=ids[None], use_cache=True, logits_to_keep=tail)
             logits = out.logits[0, -tail:].float()
             cache = getattr(out, "cache", None)  # 5.x name; `past_key_values` is a deprecated alias
         else:
-            logits, cache = _fill(lm, ids, arm, split, tail, maps, rows)
+            logits, cache, rows = _fill(lm, ids, arm, split, tail, maps, rows, select)
     seconds = time.perf_counter() - start
     return PrefillResult(logits=logits, cache=cache, seconds=seconds, arm=arm, split=split, tail=tail,
                          num_rows=n, exact_rows=rows)  # fmt: skip
 
 
-def _fill(lm, ids, arm, split, tail, maps, rows):
+class _Layers:
+    """Calls the model's own decoder layers on chosen query rows against explicit key/value slot buffers."""
+
+    def __init__(self, lm):
+        ad = lm.adapter
+        self.lm, self.ad = lm, ad
+        self.impl = getattr(ad.config, "_attn_implementation", None) or "eager"
+        if self.impl not in ("sdpa", "eager"):
+            raise BadInput(f"the fill runtime supports sdpa and eager attention, not '{self.impl}'")
+        self.window = getattr(ad.config, "sliding_window", None)
+
+    def rope(self, hidden, pos) -> dict:
+        """{layer kind: (cos, sin) [1, len(pos), head_dim]} at positions `pos`."""
+        return {kind: self.ad._rope_module_call(hidden, pos[None], kind) for kind in set(self.ad.layer_kinds)}
+
+    def run(self, l, h, q_pos, rope, keys, values, kv_valid, every_row=False):
+        """Layer `l` on rows h [1, Q, d] at positions q_pos [Q] ((cos, sin) of those rows in `rope`); the rows'
+        keys/values land in their slots of keys/values [1, kv_heads, n, head_dim]; kv_valid [n] marks the slots
+        attention may read."""
+        kind = self.ad.layer_kinds[l]
+        if every_row and self.impl == "sdpa" and kind != SLIDING:
+            mask = None  # all rows, in order: sdpa's own is_causal path, as the stock prefill takes
+        else:
+            mask = _mask(q_pos, kv_valid, self.window if kind == SLIDING else None, self.impl, self.ad.dtype)
+        return self.ad.layers[l](h, attention_mask=mask, position_embeddings=rope[kind], position_ids=q_pos[None],
+                                 cache=_Slots(keys, values, q_pos))  # fmt: skip
+
+
+class HoleCache:
+    """The "nofill" arm's cache: per layer, N key/value slots and which of them were written.
+
+    The stock model cannot continue from a cache with holes (it sizes one mask for all layers), so `step` runs
+    the model's own layers on one new token at a time, against the written slots only."""
+
+    def __init__(self, lm, slots: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+        self.lm, self.slots = lm, slots  # [(keys, values [1, kv_heads, n, hd], valid [n] bool)] per layer
+
+    def __len__(self) -> int:
+        return int(self.slots[0][2].shape[0])
+
+    def step(self, token: int) -> torch.Tensor:
+        """Append `token` at position len(self); return its next-token logits [vocab] float32."""
+        layers, ad = _Layers(self.lm), self.lm.adapter
+        p = len(self)
+        q_pos = torch.tensor([p], device=ad.device)
+        with torch.no_grad():
+            h = ad.base.embed_tokens(torch.tensor([[token]], device=ad.device))
+            rope = layers.rope(h, q_pos)
+            for l, (keys, values, valid) in enumerate(self.slots):
+                keys = torch.cat([keys, keys.new_zeros(keys[:, :, :1].shape)], dim=2)
+                values = torch.cat([values, values.new_zeros(values[:, :, :1].shape)], dim=2)
+                valid = torch.cat([valid, valid.new_ones(1)])
+                h = layers.run(l, h, q_pos, rope, keys, values, valid)
+                self.slots[l] = (keys, values, valid)
+            return _logits(self.lm, h[0, -1:])[0]
+
+
+def greedy(lm, res: PrefillResult, max_new: int) -> list[int]:
+    """Greedy tokens continuing from a prefill's cache (stops at the tokenizer's end-of-sequence token)."""
+    eos = lm.tokenizer.eos_token_id
+    cache, nxt, toks = res.cache, int(res.logits[-1].argmax()), []
+    with torch.inference_mode():
+        while len(toks) < max_new and nxt != eos:
+            toks.append(nxt)
+            if isinstance(cache, HoleCache):
+                nxt = int(cache.step(nxt).argmax())
+            else:
+                o = lm.model(input_ids=torch.tensor([[nxt]], device=lm.adapter.device), cache=cache, use_cache=True)
+                cache, nxt = o.cache, int(o.logits[0, -1].argmax())
+    return toks
+
+
+def _attention_received(ad, l, x, pos, keys, window) -> torch.Tensor:
+    """Attention each key slot receives from the rows x [P, d] at positions pos [P] in layer l, summed over
+    heads and rows: [n] float32. keys [1, kv_heads, n, head_dim] hold the layer's post-RoPE keys."""
+    kind = ad.layer_kinds[l]
+    cos, sin = ad._rope_module_call(x, pos[None], kind)
+    q = ad.apply_rope(ad.q(l, x), cos[0], sin[0]).float()  # [P, heads, hd]
+    k = keys[0].float().repeat_interleave(ad.num_heads // ad.num_kv_heads, dim=0)  # [heads, n, hd]
+    scores = ad.attention_scaling(l) * torch.einsum("phd,hnd->hpn", q, k)  # [heads, P, n]
+    kv = torch.arange(k.shape[1], device=k.device)[None, :]
+    allowed = kv <= pos[:, None]
+    if kind == SLIDING and window:
+        allowed &= pos[:, None] - kv < window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores.softmax(dim=-1).sum(dim=(0, 1))
+
+
+def _fill(lm, ids, arm, split, tail, maps, rows, select):
     from transformers import DynamicCache
 
     model, ad = lm.model, lm.adapter
-    base, cfg = ad.base, ad.config
-    impl = getattr(cfg, "_attn_implementation", None) or "eager"
-    if impl not in ("sdpa", "eager"):
-        raise BadInput(f"the fill runtime supports sdpa and eager attention, not '{impl}'")
+    layers = _Layers(lm)
     device, dtype = ad.device, ad.dtype
     n, L = int(ids.shape[0]), ad.num_layers
     prefix = n - tail
-    window = getattr(cfg, "sliding_window", None)
     all_pos = torch.arange(n, device=device)
     kv_shape = (1, ad.num_kv_heads, n, ad.head_dim)
 
     def new_slots():
         return torch.zeros(kv_shape, dtype=dtype, device=device)
 
-    hidden = base.embed_tokens(ids[None])  # [1, N, d]; Gemma's embedding module applies its own scale
-    rope = {kind: ad._rope_module_call(hidden, all_pos[None], kind) for kind in set(ad.layer_kinds)}  # [1, N, hd]
-
-    def run_layer(l, h, q_pos, keys, values, kv_valid, every_row=False):
-        kind = ad.layer_kinds[l]
-        cos, sin = rope[kind]
-        if every_row and impl == "sdpa" and kind != SLIDING:
-            mask = None  # all rows, in order: sdpa's own is_causal path, as the stock prefill takes
-        else:
-            mask = _mask(q_pos, kv_valid, window if kind == SLIDING else None, impl, dtype)
-        return ad.layers[l](
-            h,
-            attention_mask=mask,
-            position_embeddings=(cos[:, q_pos], sin[:, q_pos]),
-            position_ids=q_pos[None],
-            cache=_Slots(keys, values, q_pos),
-        )
+    hidden = base_hidden = ad.base.embed_tokens(ids[None])  # [1, N, d]; Gemma's embedding applies its own scale
+    rope = layers.rope(base_hidden, all_pos)  # [1, N, hd] per layer kind
+    received = torch.zeros(n, device=device) if select else None
 
     kv_store: list[tuple[torch.Tensor, torch.Tensor]] = []
     # Early layers: every row, exactly.
     every = torch.ones(n, dtype=torch.bool, device=device)
     for l in range(split):
         keys, values = new_slots(), new_slots()
-        hidden = run_layer(l, hidden, all_pos, keys, values, every, every_row=True)
+        layer_in = hidden
+        hidden = layers.run(l, hidden, all_pos, rope, keys, values, every, every_row=True)
         kv_store.append((keys, values))
+        if select:
+            probe = torch.tensor(select[1], device=device)
+            received += _attention_received(ad, l, layer_in[0, probe], probe, keys, layers.window)
     h_split = hidden[0]  # [N, d]: the split state
+    if select:  # "+rows": the most-attended prefix rows become exact rows
+        order = torch.argsort(-received[:prefix], stable=True)  # ties: earlier position first
+        rows = sorted(set(rows) | set(order[: min(select[0], prefix)].tolist()))
 
     # Late layers: the query rows (exact rows + tail) run; the filled rows only write keys/values.
     q_pos = torch.tensor(rows + list(range(prefix, n)), dtype=torch.long, device=device)
+    q_rope = {kind: (cos[:, q_pos], sin[:, q_pos]) for kind, (cos, sin) in rope.items()}
     is_fill = torch.zeros(n, dtype=torch.bool, device=device)
     is_fill[:prefix] = True
     if rows:
@@ -218,17 +311,18 @@ def _fill(lm, ids, arm, split, tail, maps, rows):
     first_query = int(q_pos[0])
     hq = hidden[:, q_pos]  # [1, Q, d]
     x_split = h_split.float()
+    valid_store = [every] * split
     for l in range(split, L):
         keys, values = new_slots(), new_slots()
         kv_valid = torch.zeros(n, dtype=torch.bool, device=device)
         kv_valid[q_pos] = True
         kind = ad.layer_kinds[l]
         pos = fill_pos
-        if kind == SLIDING and window:
-            pos = pos[pos > first_query - window]  # older rows are outside every query's window
+        if kind == SLIDING and layers.window:
+            pos = pos[pos > first_query - layers.window]  # older rows are outside every query's window
         if pos.numel():
             x = x_split[pos]  # [F, d]
-            if arm == "ridgefill":
+            if arm.startswith("ridgefill"):
                 W, b = maps[l]
                 W = torch.as_tensor(W, dtype=torch.float32, device=device)
                 b = torch.as_tensor(b, dtype=torch.float32, device=device)
@@ -239,13 +333,14 @@ def _fill(lm, ids, arm, split, tail, maps, rows):
             keys[0, :, pos] = k.transpose(0, 1).to(dtype)
             values[0, :, pos] = v.transpose(0, 1).to(dtype)
             kv_valid[pos] = True
-        hq = run_layer(l, hq, q_pos, keys, values, kv_valid)
+        hq = layers.run(l, hq, q_pos, q_rope, keys, values, kv_valid)
         kv_store.append((keys, values))
+        valid_store.append(kv_valid)
 
     logits = _logits(lm, hq[0, -tail:])
     if arm == "nofill":
-        return logits, None
+        return logits, HoleCache(lm, [(k, v, ok) for (k, v), ok in zip(kv_store, valid_store)]), rows
     cache = DynamicCache(config=model.config)
     for l, (keys, values) in enumerate(kv_store):
         cache.update(keys, values, l)  # sliding layers keep their last window - 1 rows, as in a stock prefill
-    return logits, cache
+    return logits, cache, rows

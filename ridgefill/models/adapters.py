@@ -11,6 +11,7 @@ has separate RoPE for sliding and full-attention layers).
 
     ad = adapter_for(model)
     k, v = ad.kv(l, x)                         # x [rows, d] -> k, v [rows, kv_heads, head_dim]
+    q = ad.q(l, x)                             # [rows, heads, head_dim]
     cos, sin = ad.rotary(positions, layer=l)   # [rows, head_dim]
     k_rot = ad.apply_rope(k, cos, sin)         # what lands in the cache
 """
@@ -93,6 +94,18 @@ class Adapter:
                 k = norm(k)  # RMS over head_dim, per head
             v = self.v_proj(l)(h).view(heads)  # [rows, kv_heads, head_dim]
         return k, v
+
+    def q(self, l: int, x: torch.Tensor) -> torch.Tensor:
+        """Queries of layer `l` for input `x` [rows, d], before RoPE: input norm -> q_proj (-> q_norm).
+
+        Returns [rows, heads, head_dim] in the model's dtype; query head h reads KV head h // (heads // kv_heads).
+        """
+        with torch.inference_mode():
+            x = x.to(device=self.device, dtype=self.dtype)
+            h = self.input_norm(l)(x)
+            q = self.attn(l).q_proj(h).view(*h.shape[:-1], self.num_heads, self.head_dim)
+            norm = getattr(self.attn(l), "q_norm", None) if self.has_qk_norm else None
+            return norm(q) if norm is not None else q
 
     # -- RoPE ----------------------------------------------------------------------------------------------
 
