@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ridgefill.errors import BadInput
-from ridgefill.evaluate.runtime import ARMS, HoleCache, ceiling, greedy, prefill
+from ridgefill.evaluate.runtime import ARMS, SlotCache, ceiling, greedy, prefill
 from ridgefill.models import load_model, resolve_model
 
 FIXTURES = {"llama": "tiny_llama", "gemma3_text": "tiny_gemma3", "qwen2": "tiny_qwen2", "qwen3": "tiny_qwen3"}
@@ -187,13 +187,13 @@ def test_nofill_decodes_like_a_longer_prefill(arch, lm_of):
     lm = lm_of(arch)
     ids, S, T = tokens(20, seed=12), 2, 6
     res = prefill(lm, ids, "nofill", split=S, tail=T)
-    assert isinstance(res.cache, HoleCache) and len(res.cache) == 20
+    assert isinstance(res.cache, SlotCache) and res.cache.next_position == 20
     nxt = tokens(3, seed=13)
     for i, t in enumerate(nxt):
         step = res.cache.step(int(t))
         longer = prefill(lm, torch.cat([ids, nxt[: i + 1]]), "nofill", split=S, tail=T + i + 1)
         torch.testing.assert_close(step, longer.logits[-1], atol=1e-5, rtol=1e-5)
-    assert len(res.cache) == 23
+    assert res.cache.next_position == 23
 
 
 def test_nofill_greedy_with_no_early_layers_is_the_tail_alone(lm_of):

@@ -16,7 +16,7 @@ Arms (N rows, L layers, split S, tail T, prefix P = N - T):
 - "identity": the same with x_hat_l = h_S.
 - "nofill": late layers write nothing for the filled rows; the tail attends only to itself (and to exact rows)
   in late layers, at its original positions. Its cache has holes, which the stock model cannot continue from:
-  `cache` is a `HoleCache`, which `greedy` (and `HoleCache.step`) decode from layer by layer.
+  `cache` is a `SlotCache`, which `greedy` (and `SlotCache.step`) decode from layer by layer.
 - "ridgefill+rows": "ridgefill" plus attention-selected exact rows (seed 000, section 2.4): the `row_share`
   (default 10 %) of prompt rows that receive the most attention from the `probe` rows (default: the last 64
   prompt rows), summed over the heads of every layer below the split, run every layer exactly. The selection
@@ -61,7 +61,7 @@ def ceiling(N: int, T: int, S: int, L: int) -> float:
 @dataclass
 class PrefillResult:
     logits: torch.Tensor  # [T, vocab] float32: the last T rows
-    cache: Any  # transformers DynamicCache continuing at position N, or a HoleCache (arm "nofill")
+    cache: Any  # transformers DynamicCache continuing at position N, or a SlotCache (arm "nofill")
     seconds: float
     arm: str = ""
     split: int = 0
@@ -193,46 +193,70 @@ class _Layers:
         """{layer kind: (cos, sin) [1, len(pos), head_dim]} at positions `pos`."""
         return {kind: self.ad._rope_module_call(hidden, pos[None], kind) for kind in set(self.ad.layer_kinds)}
 
-    def run(self, l, h, q_pos, rope, keys, values, kv_valid, every_row=False):
+    def run(self, l, h, q_pos, rope, keys, values, kv_valid=None, every_row=False, mask=None, slots=None):
         """Layer `l` on rows h [1, Q, d] at positions q_pos [Q] ((cos, sin) of those rows in `rope`); the rows'
-        keys/values land in their slots of keys/values [1, kv_heads, n, head_dim]; kv_valid [n] marks the slots
-        attention may read."""
+        keys/values land in `slots` (default: their positions) of keys/values [1, kv_heads, n, head_dim];
+        kv_valid [n] marks the slots attention may read (or pass a ready additive `mask`)."""
         kind = self.ad.layer_kinds[l]
-        if every_row and self.impl == "sdpa" and kind != SLIDING:
+        if mask is not None:
+            pass
+        elif every_row and self.impl == "sdpa" and kind != SLIDING:
             mask = None  # all rows, in order: sdpa's own is_causal path, as the stock prefill takes
         else:
             mask = _mask(q_pos, kv_valid, self.window if kind == SLIDING else None, self.impl, self.ad.dtype)
         return self.ad.layers[l](h, attention_mask=mask, position_embeddings=rope[kind], position_ids=q_pos[None],
-                                 cache=_Slots(keys, values, q_pos))  # fmt: skip
+                                 cache=_Slots(keys, values, q_pos if slots is None else slots))  # fmt: skip
 
 
-class HoleCache:
-    """The "nofill" arm's cache: per layer, N key/value slots and which of them were written.
+class SlotCache:
+    """A cache the stock model cannot hold: per layer, key/value slots with their own position per KV head and
+    an optional additive logit bias per slot. `step` decodes one token at a time through the model's own layers.
 
-    The stock model cannot continue from a cache with holes (it sizes one mask for all layers), so `step` runs
-    the model's own layers on one new token at a time, against the written slots only."""
+    layers: per decoder layer a dict with "keys", "values" [kv_heads, n, head_dim] (post-RoPE), "positions"
+    [kv_heads, n] int (-1: an empty slot, never attended) and optionally "bias" [kv_heads, n] float32 (added to
+    s q.k, as an attention-biased compacted cache has). The "nofill" arm's cache is one (holes are empty slots);
+    so are the compacted caches of `ridgefill.fold`."""
 
-    def __init__(self, lm, slots: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
-        self.lm, self.slots = lm, slots  # [(keys, values [1, kv_heads, n, hd], valid [n] bool)] per layer
+    def __init__(self, lm, layers: list[dict], next_position: int):
+        ad = lm.adapter
+        self.lm, self.next_position = lm, int(next_position)
+        self.layers = [{"keys": d["keys"].to(ad.dtype)[None], "values": d["values"].to(ad.dtype)[None],
+                        "positions": torch.as_tensor(d["positions"], dtype=torch.long),
+                        "bias": None if d.get("bias") is None else torch.as_tensor(d["bias"], dtype=torch.float32)}
+                       for d in layers]  # fmt: skip
 
-    def __len__(self) -> int:
-        return int(self.slots[0][2].shape[0])
+    def _mask(self, l: int, p: int) -> torch.Tensor:
+        """[1, heads, 1, n] additive mask of one query at position p (its own new slot last)."""
+        ad, d = self.lm.adapter, self.layers[l]
+        pos = d["positions"]
+        allowed = (pos >= 0) & (pos <= p)
+        window = getattr(ad.config, "sliding_window", None)
+        if ad.layer_kinds[l] == SLIDING and window:
+            allowed &= p - pos < window
+        bias = torch.zeros(pos.shape) if d["bias"] is None else d["bias"]
+        m = torch.where(allowed, bias, torch.tensor(torch.finfo(torch.float32).min))
+        m = m.repeat_interleave(ad.num_heads // ad.num_kv_heads, dim=0)  # KV head -> its query heads
+        return m[None, :, None, :].to(ad.dtype)
 
     def step(self, token: int) -> torch.Tensor:
-        """Append `token` at position len(self); return its next-token logits [vocab] float32."""
-        layers, ad = _Layers(self.lm), self.lm.adapter
-        p = len(self)
+        """Append `token` at the next position; return its next-token logits [vocab] float32."""
+        ad = self.lm.adapter
+        layers, p = _Layers(self.lm), self.next_position
         q_pos = torch.tensor([p], device=ad.device)
         with torch.no_grad():
             h = ad.base.embed_tokens(torch.tensor([[token]], device=ad.device))
             rope = layers.rope(h, q_pos)
-            for l, (keys, values, valid) in enumerate(self.slots):
-                keys = torch.cat([keys, keys.new_zeros(keys[:, :, :1].shape)], dim=2)
-                values = torch.cat([values, values.new_zeros(values[:, :, :1].shape)], dim=2)
-                valid = torch.cat([valid, valid.new_ones(1)])
-                h = layers.run(l, h, q_pos, rope, keys, values, valid)
-                self.slots[l] = (keys, values, valid)
-            return _logits(self.lm, h[0, -1:])[0]
+            for l, d in enumerate(self.layers):
+                kv, n = d["positions"].shape
+                d["keys"] = torch.cat([d["keys"], d["keys"].new_zeros(1, kv, 1, ad.head_dim)], dim=2)
+                d["values"] = torch.cat([d["values"], d["values"].new_zeros(1, kv, 1, ad.head_dim)], dim=2)
+                d["positions"] = torch.cat([d["positions"], torch.full((kv, 1), p)], dim=1)
+                if d["bias"] is not None:
+                    d["bias"] = torch.cat([d["bias"], torch.zeros(kv, 1)], dim=1)
+                h = layers.run(l, h, q_pos, rope, d["keys"], d["values"], mask=self._mask(l, p),
+                               slots=torch.tensor([n]))  # fmt: skip
+        self.next_position += 1
+        return _logits(self.lm, h[0, -1:])[0]
 
 
 def greedy(lm, res: PrefillResult, max_new: int) -> list[int]:
@@ -242,7 +266,7 @@ def greedy(lm, res: PrefillResult, max_new: int) -> list[int]:
     with torch.inference_mode():
         while len(toks) < max_new and nxt != eos:
             toks.append(nxt)
-            if isinstance(cache, HoleCache):
+            if isinstance(cache, SlotCache):
                 nxt = int(cache.step(nxt).argmax())
             else:
                 o = lm.model(input_ids=torch.tensor([[nxt]], device=lm.adapter.device), cache=cache, use_cache=True)
@@ -339,7 +363,9 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select):
 
     logits = _logits(lm, hq[0, -tail:])
     if arm == "nofill":
-        return logits, HoleCache(lm, [(k, v, ok) for (k, v), ok in zip(kv_store, valid_store)]), rows
+        slots = [{"keys": k[0], "values": v[0], "positions": torch.where(ok, all_pos, -1).expand(ad.num_kv_heads, n)}
+                 for (k, v), ok in zip(kv_store, valid_store)]  # fmt: skip
+        return logits, SlotCache(lm, slots, n), rows
     cache = DynamicCache(config=model.config)
     for l, (keys, values) in enumerate(kv_store):
         cache.update(keys, values, l)  # sliding layers keep their last window - 1 rows, as in a stock prefill
