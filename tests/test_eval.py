@@ -91,3 +91,15 @@ def test_eval_refuses_a_different_model(release, tiny_qwen3):
     _, st, sol, rel = release
     r = cli("eval", tiny_qwen3, rel, *TINY, "--store", st.root)
     assert r.returncode == 2 and "was fitted on a different model" in r.stderr
+
+
+def test_example_gates_load():
+    from pathlib import Path
+
+    from ridgefill.evaluate.gate import load_gate
+
+    gates = sorted((Path(__file__).resolve().parents[1] / "examples" / "gates").glob("*.toml"))
+    assert [g.stem for g in gates] == ["gemma3-270m", "smollm2-135m"]  # one per built-in model
+    for g in gates:
+        rules = load_gate(g)
+        assert rules["arm"] == "ridgefill" and rules["thresholds"]
