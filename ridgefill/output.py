@@ -77,14 +77,14 @@ class Progress:
         self._task = self._bar.add_task(label, total=total, status="")
         self._bar.start()
 
-    def update(self, completed: int, done_units: int, status: str = "") -> None:
-        """`completed` counts towards the total; `done_units` (e.g. tokens) sets the rate."""
+    def update(self, completed: int, done_units: int | None, status: str = "") -> None:
+        """`completed` counts towards the total; `done_units` (e.g. tokens) sets the rate (None: no rate)."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        rate = done_units / elapsed
         total = self._bar.tasks[0].total or 0
         frac = completed / total if total else 1.0
         eta = elapsed * (1 - frac) / frac if frac > 0 else 0.0
-        text = f"{status} · {_human(rate)} {self.unit}/s · ETA {int(eta // 60)}:{int(eta % 60):02d}"
+        rate = "" if done_units is None else f" · {_human(done_units / elapsed)} {self.unit}/s"
+        text = f"{status}{rate} · ETA {int(eta // 60)}:{int(eta % 60):02d}"
         self._bar.update(self._task, completed=completed, status=text)
         now = time.perf_counter()
         if self.plain and (now - self.last_log >= LOG_EVERY or completed == total):

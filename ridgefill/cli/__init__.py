@@ -8,11 +8,11 @@ import sys
 
 import typer
 
-from ridgefill.cli import artifacts, capture, eval, export, quantize, solve
+from ridgefill.cli import artifacts, capture, eval, export, fold, quantize, solve
 
 app = typer.Typer(
     name="ridgefill",
-    help="Make, check and publish RidgeFill map releases: capture -> solve -> quantize -> export -> verify -> eval.",
+    help="Make, check and publish RidgeFill map releases: capture -> solve -> quantize -> export -> verify -> eval; compact -> fold.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -23,6 +23,8 @@ app.command("quantize")(quantize.quantize)
 app.command("export")(export.export)
 app.command("verify")(export.verify)
 app.command("eval")(eval.eval_)
+app.command("compact")(fold.compact)
+app.command("fold")(fold.fold)
 app.add_typer(artifacts.app, name="artifacts")
 
 

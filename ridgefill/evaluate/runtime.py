@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ridgefill.errors import BadInput
@@ -220,9 +221,13 @@ class SlotCache:
     def __init__(self, lm, layers: list[dict], next_position: int):
         ad = lm.adapter
         self.lm, self.next_position = lm, int(next_position)
-        self.layers = [{"keys": d["keys"].to(ad.dtype)[None], "values": d["values"].to(ad.dtype)[None],
-                        "positions": torch.as_tensor(d["positions"], dtype=torch.long),
-                        "bias": None if d.get("bias") is None else torch.as_tensor(d["bias"], dtype=torch.float32)}
+
+        def t(x, dtype):  # torch tensors or numpy arrays (copied: steps append to them)
+            return torch.tensor(np.asarray(x), dtype=dtype) if not isinstance(x, torch.Tensor) else x.to(dtype)
+
+        self.layers = [{"keys": t(d["keys"], ad.dtype)[None], "values": t(d["values"], ad.dtype)[None],
+                        "positions": t(d["positions"], torch.long),
+                        "bias": None if d.get("bias") is None else t(d["bias"], torch.float32)}
                        for d in layers]  # fmt: skip
 
     def _mask(self, l: int, p: int) -> torch.Tensor:

@@ -1,0 +1,197 @@
+"""`ridgefill compact`: an Attention-Matching-style biased compacted cache of one context (DESIGN.md §4, §5b).
+
+Per full-attention layer and KV head the same number `r = floor(budget * N)` of keys is kept: the ones with the
+highest RMS attention over the reference queries; weights `w` in [e^-3, e^3] are fitted so the kept keys carry each
+query's full attention mass (`math.fit_log_weights`), `beta = log w` stays float32, and the values are refit by
+float64 least squares against the full cache's output on the same queries. Keys and values are rounded to the
+cache dtype (values refit against the rounded keys). Sliding-window layers are left uncompacted: their full
+keys/values are stored.
+
+The artifact holds `cache.safetensors` (DESIGN §5b), `context.safetensors` (the context's token ids, so `fold` and
+its check need no input file) and `report.json` (per head: weight-fit residuals, output error on fit and
+held-out queries).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ridgefill.artifacts import Artifact, Store, tensors
+from ridgefill.artifacts.store import write_json
+from ridgefill.errors import BadInput
+from ridgefill.export import int8
+from ridgefill.output import Output
+
+FORMAT_VERSION = 1
+CACHE = "cache.safetensors"
+CONTEXT = "context.safetensors"
+REPORT = "report.json"
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class CompactConfig:
+    budget: float = 0.1  # share of the context's keys kept per (layer, KV head)
+    source: str = "repeat"  # reference queries: "repeat" or "context"
+    holdout: float = 0.2  # held-out share of query tokens (scored, never fitted)
+    cap: int = 4096  # at most this many query tokens
+    seed: int = 0
+    dtype: str = "bfloat16"  # cache dtype
+    box: float = 3.0  # |beta| <= box
+
+
+def budget_rows(budget: float, n: int) -> int:
+    """Kept keys per (layer, KV head) for a context of n tokens, or BadInput."""
+    if not 0 < budget < 1:
+        raise BadInput(f"--budget must be a share strictly between 0 and 1, got {budget}")
+    r = math.floor(budget * n)
+    if r < 1:
+        raise BadInput(f"the context has {n} tokens: a budget of {budget} keeps no key (needs at least "
+                       f"{math.ceil(1 / budget)} tokens)")  # fmt: skip
+    return r
+
+
+def to_dtype(x: np.ndarray, dtype: str):
+    """A float array as the cache dtype's tensor for safetensors (bfloat16 as its bit patterns)."""
+    from ridgefill.fold.math import round_to
+
+    x32 = round_to(x, dtype)
+    if dtype == "bfloat16":
+        return tensors.BF16(int8.f32_to_bf16_bits(x32))
+    return x32.astype(np.float16 if dtype == "float16" else np.float32)
+
+
+def from_dtype(t) -> np.ndarray:
+    """A cache tensor read back as float32."""
+    if isinstance(t, tensors.BF16):
+        return int8.bf16_bits_to_f32(t.bits).reshape(t.bits.shape)
+    return np.asarray(t, dtype=np.float32)
+
+
+def read_context(path: Path) -> tuple[str, str]:
+    """(text, sha256 of the file's bytes), or BadInput."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInput(f"context file '{path}' does not exist")
+    raw = p.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    if not text.strip():
+        raise BadInput(f"context file '{path}' is empty")
+    return text, hashlib.sha256(raw).hexdigest()
+
+
+def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Output,
+            trust_remote_code: bool = False) -> tuple[Artifact, bool]:  # fmt: skip
+    from ridgefill.fold.math import CACHE_DTYPES
+    from ridgefill.fold.queries import SOURCES
+    from ridgefill.models import resolve_model
+
+    if cfg.source not in SOURCES:
+        raise BadInput(f"unknown query source '{cfg.source}' (choose one of: {', '.join(SOURCES)})")
+    if cfg.dtype not in CACHE_DTYPES:
+        raise BadInput(f"unknown cache dtype '{cfg.dtype}' (choose one of: {', '.join(CACHE_DTYPES)})")
+    if not 0 < cfg.budget < 1:
+        budget_rows(cfg.budget, 1)
+    if not 0 < cfg.holdout < 1:
+        raise BadInput(f"--holdout must be strictly between 0 and 1 (the held-out share of queries), got {cfg.holdout}")
+    if cfg.cap < 2:
+        raise BadInput(f"--cap must be at least 2 query tokens, got {cfg.cap}")
+    text, sha = read_context(context)
+    ref = resolve_model(model, store_root=store.root)
+    recipe = {"stage": "compact", "version": FORMAT_VERSION, "model": ref.fingerprint, "context_sha256": sha,
+              **asdict(cfg)}
+    hit = store.cached("compact", recipe)
+    if hit is not None:
+        return hit, True
+
+    import torch
+
+    from ridgefill.models import load_model
+
+    lm = load_model(ref, store_root=store.root, trust_remote_code=trust_remote_code)
+    ids = torch.tensor(lm.tokenizer(text)["input_ids"], dtype=torch.long)
+    r = budget_rows(cfg.budget, len(ids))
+    kinds = lm.adapter.layer_kinds
+    if FULL not in kinds:
+        raise BadInput(f"'{model}' has no full-attention layer to compact (layers: {sorted(set(kinds))})")
+    cc, rq = prepare(lm, ids, cfg, out)
+    arrays, heads = {}, []
+    with out.progress("compact", total=len(kinds)) as bar:
+        for l, kind in enumerate(kinds):
+            if kind == FULL:
+                layer, rows = compact_layer(l, cc, rq, lm.adapter.attention_scaling(l), r, cfg)
+                heads += rows
+            else:  # sliding-window layers keep their whole cache
+                n = cc.keys[l].shape[1]
+                layer = {"keys": cc.keys[l].numpy(), "values": cc.values[l].numpy(),
+                         "positions": np.broadcast_to(np.arange(n, dtype=np.int32), cc.keys[l].shape[:2])}
+            arrays |= {f"layer.{l}.{name}": to_dtype(a, cfg.dtype) if name in ("keys", "values") else
+                       np.ascontiguousarray(a) for name, a in layer.items()}  # fmt: skip
+            bar.update(l + 1, None, f"layer {l + 1}/{len(kinds)}")
+    report = {"kept_per_head": r, "context_tokens": len(ids), "queries": rq.counts(), "heads": heads,
+              "median": {k: float(np.median([h[k] for h in heads])) for k in ("am_fit", "am_held", "residual")}}
+    summary = {"context_tokens": len(ids), "kept_per_head": r, "budget": cfg.budget,
+               "compacted_layers": sorted({h["layer"] for h in heads}), "am_held_median": report["median"]["am_held"],
+               "queries": rq.counts()}
+    with store.build("compact", recipe) as build:
+        tensors.save(build.path / CACHE, arrays, {"format": "ridgefill-cache/1", "dtype": cfg.dtype})
+        tensors.save(build.path / CONTEXT, {"ids": ids.numpy().astype(np.int32)})
+        write_json(build.path / REPORT, report)
+        art = build.commit(info={"model_spec": model, "model": {"name": ref.name, "fingerprint": ref.fingerprint},
+                                 "context": {"path": str(context), "sha256": sha, "tokens": len(ids)},
+                                 "trust_remote_code": trust_remote_code}, summary=summary)  # fmt: skip
+    return art, False
+
+
+def prepare(lm, ids, cfg, out: Output):
+    """The context's keys/values and the reference queries (fit / held-out) for `cfg`."""
+    from ridgefill.fold.queries import context_cache, reference_queries
+
+    out.info(f"prefill of the context ({len(ids)} tokens) and of the '{cfg.source}' reference queries")
+    cc = context_cache(lm, ids)
+    rq = reference_queries(lm, ids, source=cfg.source, holdout=cfg.holdout, cap=cfg.cap, seed=cfg.seed)
+    return cc, rq
+
+
+def compact_layer(l: int, cc, rq, s: float, r: int, cfg: CompactConfig) -> tuple[dict, list[dict]]:
+    """One full-attention layer: kept keys, their beta and refit values per KV head, and per-head figures."""
+    from ridgefill.fold.math import (attention_output, fit_log_weights, refit_values, relative_error, round_to,
+                                     select_keys)  # fmt: skip
+
+    fit_q, held_q = rq.layers[l]
+    keys, values, positions, betas, rows = [], [], [], [], []
+    for h in range(cc.keys[l].shape[0]):
+        K, V = cc.keys[l][h].numpy(), cc.values[l][h].numpy()  # [N, hd]
+        Q, Qh = fit_q[h].numpy(), held_q[h].numpy()
+        keep = select_keys(Q, K, s, r)
+        fit = fit_log_weights(Q, K, keep, s, box=cfg.box)
+        k = round_to(K[keep], cfg.dtype)
+        v = round_to(refit_values(Q, k, s, attention_output(Q, K, V, s), fit.beta), cfg.dtype)
+        keys.append(k), values.append(v), positions.append(keep.astype(np.int32)), betas.append(fit.beta)
+        rows.append({"layer": l, "head": h, "start_residual": fit.start_residual, "residual": fit.residual,
+                     "iterations": fit.iterations,
+                     "am_fit": relative_error(attention_output(Q, k, v, s, fit.beta), attention_output(Q, K, V, s)),
+                     "am_held": relative_error(attention_output(Qh, k, v, s, fit.beta), attention_output(Qh, K, V, s))})
+    layer = {"keys": np.stack(keys), "values": np.stack(values), "positions": np.stack(positions),
+             "beta": np.stack(betas).astype(np.float32)}  # fmt: skip
+    return layer, rows
+
+
+def load_cache(art: Artifact) -> dict[int, dict[str, np.ndarray]]:
+    """{layer: {"keys", "values" (float32), "positions" (int32), "beta" / "u" (float32, where present)}}."""
+    arrays, _ = tensors.load(art.file(CACHE))
+    layers: dict[int, dict] = {}
+    for name, t in arrays.items():
+        _, l, field = name.split(".")
+        layers.setdefault(int(l), {})[field] = from_dtype(t) if field in ("keys", "values") else np.asarray(t)
+    return dict(sorted(layers.items()))
+
+
+def load_context(art: Artifact) -> np.ndarray:
+    arrays, _ = tensors.load(art.file(CONTEXT))
+    return arrays["ids"].astype(np.int64)

@@ -1,0 +1,164 @@
+"""`ridgefill compact` and `ridgefill fold` on the tiny models: artifacts, the plain-cache check, refusals."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ridgefill.artifacts import Store
+from ridgefill.fold import compact as cmp
+from ridgefill.fold.compact import CompactConfig, compact
+from ridgefill.fold.math import round_to
+from ridgefill.fold.run import FoldConfig, fold
+from ridgefill.output import Output
+from ridgefill.models import load_model, resolve_model
+from clirun import cli
+
+CONTEXT = ("The ridge map predicts a late layer's input from the split state; keys and values are written from "
+           "the prediction. ")  # fmt: skip
+FOLD = FoldConfig(question=" Q: what?", answer_tokens=4)
+QUIET = Output(quiet=True)
+
+
+def run_both(model, context, store):
+    """compact (budget 0.25) then fold, in process; returns their results as the CLI's --json would."""
+    st = Store(store)
+    comp, c_hit = compact(st, str(model), context, CompactConfig(budget=0.25), QUIET)
+    fold_art, f_hit = fold(st, comp.id, FOLD, QUIET)
+    return ({"id": comp.id, "cached": c_hit, "summary": comp.manifest["summary"]},
+            {"id": fold_art.id, "cached": f_hit, "summary": fold_art.manifest["summary"]})
+
+
+@pytest.fixture(scope="module")
+def context(tmp_path_factory):
+    p = tmp_path_factory.mktemp("ctx") / "context.txt"
+    p.write_text(CONTEXT)
+    return p
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3_text"])
+def folded(request, tmp_path_factory, context):
+    model = request.getfixturevalue({"llama": "tiny_llama", "gemma3_text": "tiny_gemma3"}[request.param])
+    store = tmp_path_factory.mktemp("store")
+    comp, fold_ = run_both(model, context, store)
+    return request.param, model, store, comp, fold_
+
+
+def test_compact_artifact(folded):
+    arch, model, store, comp, _ = folded
+    st = Store(store)
+    art = st.get(comp["id"])
+    s = comp["summary"]
+    n = s["context_tokens"]
+    assert s["kept_per_head"] == int(0.25 * n)
+    cache = cmp.load_cache(art)
+    full_layers = [0, 1, 2, 3] if arch == "llama" else [1, 3]  # Gemma's sliding layers 0, 2 stay whole
+    assert s["compacted_layers"] == full_layers
+    for l, layer in cache.items():
+        if l in full_layers:
+            assert set(layer) == {"keys", "values", "positions", "beta"}
+            assert layer["keys"].shape == (2, s["kept_per_head"], 16) and layer["beta"].dtype == np.float32
+            assert np.all(np.abs(layer["beta"]) <= 3) and np.all(np.diff(layer["positions"], axis=1) > 0)
+            assert np.array_equal(round_to(layer["keys"], "bfloat16"), layer["keys"])  # stored as bf16
+        else:
+            assert set(layer) == {"keys", "values", "positions"} and layer["keys"].shape == (2, n, 16)
+    from transformers import AutoTokenizer
+
+    assert cmp.load_context(art).tolist() == AutoTokenizer.from_pretrained(model)(CONTEXT)["input_ids"]
+    report = json.loads(art.file(cmp.REPORT).read_text())
+    assert all(h["residual"] <= h["start_residual"] + 1e-12 for h in report["heads"])
+
+
+def test_fold_artifact_and_check(folded):
+    arch, model, store, comp, fold = folded
+    st = Store(store)
+    art = st.get(fold["id"])
+    s = fold["summary"]
+    assert s["fold_stock_equals_reference"] is True
+    check = json.loads(art.file("check.json").read_text())
+    assert check["arms"]["fold_reference"]["max_logprob_diff_vs_fold"] < 1e-4
+    assert set(check["arms"]) == {"full", "am", "fold", "drop", "fold_reference"}
+    assert check["arms"]["full"]["answer_matches_full"] is True
+    for arm in ("am", "fold", "drop"):
+        assert check["arms"][arm]["kl"] >= 0
+    biased, folded_cache = cmp.load_cache(st.get(comp["id"])), cmp.load_cache(art)
+    for l, layer in folded_cache.items():
+        if "beta" in biased[l]:
+            assert set(layer) == {"keys", "values", "positions", "u"}
+            assert np.array_equal(layer["positions"], biased[l]["positions"])
+        else:
+            assert np.array_equal(layer["keys"], biased[l]["keys"])
+    report = json.loads(art.file("report.json").read_text())
+    for h in report["heads"]:
+        assert abs(h["qu_mean_fit"] - 1) < 1e-5  # u is fitted so that the mean of q.u is 1
+        assert h["keep_fit"] >= h["drop_fit"] - 1e-9  # refit values never lose to the originals on the fit queries
+
+
+def test_artifacts_are_byte_reproducible(folded, tmp_path, context):
+    arch, model, store, comp, fold = folded
+    if arch != "llama":
+        pytest.skip("one architecture is enough: the writers are shared")
+    other = tmp_path / "store2"
+    c2, f2 = run_both(model, context, other)
+    assert (c2["id"], f2["id"]) == (comp["id"], fold["id"])
+    for stage, ident in (("compact", comp["id"]), ("fold", fold["id"])):
+        for f in sorted((store / stage / ident).iterdir()):
+            if f.name != "artifact.json":  # holds timings
+                assert f.read_bytes() == (other / stage / ident / f.name).read_bytes(), f.name
+    r = cli("fold", comp["id"], "--question", " Q: what?", "--answer-tokens", 4, "--store", store, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["cached"] is True and json.loads(r.stdout)["id"] == fold["id"]
+
+
+def test_slot_cache_bias_equals_duplicated_keys(tiny_llama, tmp_path):
+    """A logit bias of log 2 on a key is the same attention as that key stored twice."""
+    from ridgefill.evaluate.runtime import SlotCache
+    from ridgefill.fold.queries import context_cache
+
+    lm = load_model(resolve_model(str(tiny_llama), store_root=tmp_path), store_root=tmp_path)
+    ids = torch.tensor(lm.tokenizer(CONTEXT)["input_ids"][:30])
+    cc = context_cache(lm, ids)
+    n, dup = 30, [3, 7, 20]
+    pos = np.broadcast_to(np.arange(n), (2, n))
+    bias = np.zeros((2, n), np.float32)
+    bias[:, dup] = np.log(2)
+    biased = [{"keys": cc.keys[l], "values": cc.values[l], "positions": pos, "bias": bias} for l in range(4)]
+    twice = [{"keys": torch.cat([cc.keys[l], cc.keys[l][:, dup]], 1), "values": torch.cat([cc.values[l], cc.values[l][:, dup]], 1),
+              "positions": np.concatenate([pos, pos[:, dup]], 1)} for l in range(4)]
+    plain = [{"keys": cc.keys[l], "values": cc.values[l], "positions": pos} for l in range(4)]
+    a, b, c = SlotCache(lm, biased, n), SlotCache(lm, twice, n), SlotCache(lm, plain, n)
+    for t in (5, 9, 11):
+        la, lb, lc = a.step(t), b.step(t), c.step(t)
+        torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+        assert (la - lc).abs().max() > 1e-4  # the bias matters
+    # and with no bias the slot cache decodes like the stock model from its own prefill
+    with torch.no_grad():
+        ref = lm.model(input_ids=torch.cat([ids, torch.tensor([5, 9, 11])])[None]).logits[0, -1]
+    torch.testing.assert_close(lc, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", 0], "--budget must be a share strictly between 0 and 1, got 0.0"),
+    (["--budget", 1], "--budget must be a share strictly between 0 and 1, got 1.0"),
+    (["--budget", 0.001], "keeps no key"),
+    (["--source", "echo"], "unknown query source 'echo'"),
+    (["--dtype", "int8"], "unknown cache dtype 'int8'"),
+])
+def test_compact_refusals(tiny_llama, context, tmp_path, args, message):
+    r = cli("compact", tiny_llama, "--context", context, *args, "--store", tmp_path / "st")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert message in lines[-1] and "Traceback" not in r.stderr
+    assert not (tmp_path / "st" / "compact").exists()  # nothing written
+
+
+def test_compact_refuses_missing_context_and_non_attention_model(tiny_llama, tmp_path):
+    r = cli("compact", tiny_llama, "--context", tmp_path / "nope.txt", "--store", tmp_path / "st")
+    assert r.returncode == 2 and "context file" in r.stderr and "does not exist" in r.stderr
+    mamba = tmp_path / "mamba"
+    mamba.mkdir()
+    (mamba / "config.json").write_text(json.dumps({"model_type": "mamba", "num_hidden_layers": 2, "hidden_size": 8}))
+    ctx = tmp_path / "c.txt"
+    ctx.write_text(CONTEXT)
+    r = cli("compact", mamba, "--context", ctx, "--store", tmp_path / "st")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "mamba" in r.stderr
