@@ -1,4 +1,4 @@
-"""`ridgefill export ARTIFACT --out DIR` and `ridgefill verify DIR`."""
+"""`ridgefill export ARTIFACT --out DIR` (or `--format gguf --out FILE.gguf`) and `ridgefill verify DIR`."""
 
 from __future__ import annotations
 
@@ -9,24 +9,38 @@ import typer
 
 from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, StoreOpt, done, output, store
 
+FORMATS = ("release", "gguf")
+
 
 def export(
-    artifact: Annotated[str, typer.Argument(help="Quantize or solve artifact id (or unique prefix).")],
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Release folder to write.")] = None,
+    artifact: Annotated[str, typer.Argument(
+        help="Quantize or solve artifact id (or unique prefix); with --format gguf also a release folder.")],
+    out_dir: Annotated[Optional[Path], typer.Option(
+        "--out", help="Release folder to write; with --format gguf, the .gguf file to write.")] = None,
+    fmt: Annotated[str, typer.Option(
+        "--format", help="release (folder: manifest, maps, model card) or gguf (one file: Q8_0 maps, manifest "
+        "facts as metadata).")] = "release",
     tail: Annotated[int, typer.Option("--tail", help="Default exact tail recorded in the manifest.")] = 512,
-    force: Annotated[bool, typer.Option("--force", help="Replace a different release in --out.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace a different release or GGUF file in --out.")] = False,
     store_root: StoreOpt = DEFAULT_STORE,
     json: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Write a release folder: ridgefill.json, maps.safetensors and a model card."""
-    from ridgefill.export.build import export as run
+    """Write a release folder (ridgefill.json, maps.safetensors, model card) or, with --format gguf, one .gguf file."""
+    from ridgefill.errors import BadInput
+
+    if fmt not in FORMATS:
+        raise BadInput(f"--format {fmt!r} is not one of: {', '.join(FORMATS)}")
+    if fmt == "gguf":
+        from ridgefill.export.gguf import export_gguf as run
+    else:
+        from ridgefill.export.build import export as run
 
     out = output(json)
     art, cached, copied = run(store(store_root), artifact, out_dir, out, tail=tail, force=force)
     if copied is not None:
-        out.info(f"release folder: {copied}")
-    done(out, "export", art, cached, {"out": str(copied) if copied else None})
+        out.info(f"{'GGUF file' if fmt == 'gguf' else 'release folder'}: {copied}")
+    done(out, "export", art, cached, {"out": str(copied) if copied else None, "format": fmt})
 
 
 def verify(

@@ -1,0 +1,421 @@
+"""`ridgefill export --format gguf`: the maps of a release as one GGUF file (Q8_0 weights, F32 biases).
+
+The GGUF is the release re-encoded: it is made from a verified release (a release folder, or the export
+artifact that `ridgefill export` builds from a quantize or solve artifact), built as its own export artifact
+in the store (recipe: format "gguf" + the release artifact's id, or the release manifest's sha256) and
+copied to `--out FILE.gguf`. Written with gguf-py (imported inside functions, so `import ridgefill` stays light).
+
+File layout `ridgefill-maps-gguf/1` (this module owns every name below):
+
+    tensors, in layer order, for each late layer l:
+      blk.<l>.ridgefill.weight   Q8_0, GGML ne = [d_in, d_out] (numpy / torch [d_out, d_in], as every GGUF
+                                 linear weight: ggml_mul_mat(W, h) gives W h)
+      blk.<l>.ridgefill.bias     F32 [d_out]
+    metadata (general.architecture first, then sorted keys):
+      general.architecture = "ridgefill", general.type = "adapter", general.name,
+      general.base_model.count / .0.name / .0.version, general.file_type = 7 (MOSTLY_Q8_0),
+      general.quantization_version, general.license (if the manifest has one)
+      ridgefill.gguf.format = "ridgefill-maps-gguf/1"; ridgefill.gguf.source_artifact / .release_artifact
+      (store ids, when made from the store)
+      ridgefill.<path> for every fact of the release manifest (ridgefill.json), flattened with dots:
+      str -> STRING, bool -> BOOL, int -> INT64, float -> FLOAT64, list of one scalar type -> ARRAY;
+      null and [] are left out. Two exceptions: `layers` [{index, kind}] becomes ridgefill.layers (INT64
+      array) + ridgefill.layer_kinds (STRING array); `files` {name: sha256} becomes ridgefill.files +
+      ridgefill.files_sha256 (STRING arrays, sorted by name). `load_gguf` inverts this exactly.
+
+Q8_0 (GGML): blocks of 32 consecutive input columns; in float32 d = absmax / 127, code = roundf(w * (1 / d))
+(half away from zero), stored as f16(d) and 32 int8 (gguf-py's encoder matches ggml-quants.c bit for bit). The
+codes are computed against d, not f16(d), so |w - code * f16(d)| <= d / 2 + 127 |f16(d) - d| (plus float32
+rounding). For an int8 release the float map is the decoded release (codes * bf16 scales), re-quantized; the bias
+is the release's bias, unchanged (its int8 bias correction stays; the Q8_0 step adds no correction of its own,
+because a release folder does not carry the calibration mean). d_in must be a multiple of 32 (a padded map would
+need a padded split state, so it is refused), and no block's scale may overflow f16 (|w| above 127 * 65504).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ridgefill.artifacts import Artifact, Store
+from ridgefill.artifacts.store import canonical_json, sha256_file
+from ridgefill.errors import BadInput
+from ridgefill.export import release
+from ridgefill.output import Output
+
+FORMAT_VERSION = 1
+LAYOUT = "ridgefill-maps-gguf/1"
+ARCH = "ridgefill"
+GGUF_FILE = "maps.gguf"
+MAGIC = b"GGUF"
+QK8_0 = 32  # Q8_0 block: 32 weights share one f16 scale
+PREFIX = f"{ARCH}."
+OWN = "ridgefill.gguf."  # keys about this file, not facts of the release manifest
+K_FORMAT, K_SOURCE, K_RELEASE = OWN + "format", OWN + "source_artifact", OWN + "release_artifact"
+K_LAYERS, K_KINDS = "ridgefill.layers", "ridgefill.layer_kinds"  # manifest `layers`
+K_FILES, K_SHA = "ridgefill.files", "ridgefill.files_sha256"  # manifest `files`
+_SPECIAL = (K_LAYERS, K_KINDS, K_FILES, K_SHA)
+_RESERVED = {"gguf", "layer_kinds", "files_sha256"}  # top-level manifest keys that would collide with ours
+_TENSOR_RE = re.compile(r"^blk\.(0|[1-9][0-9]*)\.ridgefill\.(weight|bias)$")
+
+
+def tensor_name(layer: int, kind: str) -> str:
+    """`blk.<l>.ridgefill.weight|bias`."""
+    if kind not in ("weight", "bias"):
+        raise ValueError(f"unknown tensor kind {kind!r}")
+    return f"blk.{int(layer)}.ridgefill.{kind}"
+
+
+# -------------------------------------------------------------------------------------------- metadata
+
+
+def manifest_metadata(manifest: dict) -> dict[str, tuple[str, object]]:
+    """Release manifest -> {gguf key: (type, value)}, type in str|bool|i64|f64 or `array:<type>`.
+
+    Pure: no gguf import. Raises ValueError for a structure it cannot represent (so nothing is silently lost).
+    """
+    out: dict[str, tuple[str, object]] = {}
+    for key in sorted(manifest):
+        value = manifest[key]
+        if key in _RESERVED:
+            raise ValueError(f"manifest key {key!r} is reserved in GGUF metadata")
+        if key == "layers":
+            if not isinstance(value, list) or not all(isinstance(x, dict) and set(x) == {"index", "kind"}
+                                                      for x in value):
+                raise ValueError("manifest 'layers' must be a list of {index, kind}")
+            if value:
+                out[K_LAYERS] = ("array:i64", [_scalar(f"layers[{i}].index", x["index"], "i64")
+                                               for i, x in enumerate(value)])
+                out[K_KINDS] = ("array:str", [_scalar(f"layers[{i}].kind", x["kind"], "str")
+                                              for i, x in enumerate(value)])
+        elif key == "files":
+            if not isinstance(value, dict):
+                raise ValueError("manifest 'files' must be an object of file name -> sha256")
+            if value:
+                out[K_FILES] = ("array:str", [_scalar("files", n, "str") for n in sorted(value)])
+                out[K_SHA] = ("array:str", [_scalar(f"files.{n}", value[n], "str") for n in sorted(value)])
+        else:
+            _flatten(key, value, out)
+    return out
+
+
+def _type_of(v: object) -> str | None:
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "i64"
+    if isinstance(v, float):
+        return "f64"
+    if isinstance(v, str):
+        return "str"
+    return None
+
+
+def _scalar(path: str, v: object, want: str) -> object:
+    if _type_of(v) != want:
+        raise ValueError(f"manifest {path}: expected {want}, got {v!r}")
+    return v
+
+
+def _flatten(path: str, value: object, out: dict) -> None:
+    if value is None:
+        return
+    if isinstance(value, dict):
+        for k in sorted(value):
+            if not isinstance(k, str) or not k or "." in k:
+                raise ValueError(f"manifest {path}: key {k!r} cannot be a GGUF key part")
+            _flatten(f"{path}.{k}", value[k], out)
+        return
+    if isinstance(value, list):
+        types = {_type_of(v) for v in value}
+        if not value:
+            return
+        if len(types) != 1 or None in types:
+            raise ValueError(f"manifest {path}: only lists of one scalar type can be GGUF arrays")
+        out[PREFIX + path] = (f"array:{types.pop()}", list(value))
+        return
+    t = _type_of(value)
+    if t is None:
+        raise ValueError(f"manifest {path}: {type(value).__name__} cannot be GGUF metadata")
+    if t == "f64" and not np.isfinite(value):
+        raise ValueError(f"manifest {path}: {value} is not finite")
+    out[PREFIX + path] = (t, value)
+
+
+def metadata_manifest(kv: dict[str, object]) -> dict:
+    """The inverse of `manifest_metadata`: {gguf key: value} -> the manifest (without its nulls and [])."""
+    manifest: dict = {}
+    for key, value in kv.items():
+        if not key.startswith(PREFIX) or key.startswith(OWN) or key in _SPECIAL:
+            continue
+        node = manifest
+        *parents, leaf = key[len(PREFIX):].split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    if K_LAYERS in kv:
+        pairs = zip(kv[K_LAYERS], kv.get(K_KINDS, []), strict=True)
+        manifest["layers"] = [{"index": i, "kind": k} for i, k in pairs]
+    if K_FILES in kv:
+        manifest["files"] = dict(zip(kv[K_FILES], kv.get(K_SHA, []), strict=True))
+    return manifest
+
+
+def general_metadata(manifest: dict, provenance: dict[str, str] | None = None) -> dict[str, tuple[str, object]]:
+    """The `general.*` keys (GGUF conventions) and our own `ridgefill.gguf.*` keys."""
+    model = manifest.get("model") or {}
+    name = str(model.get("name") or "unknown model")
+    out: dict[str, tuple[str, object]] = {
+        "general.type": ("str", "adapter"),  # auxiliary weights for the base model named below
+        "general.name": ("str", f"{name} ridgefill maps, split {manifest.get('split')}"),
+        "general.base_model.count": ("u32", 1),
+        "general.base_model.0.name": ("str", name),
+        "general.file_type": ("u32", 7),  # LlamaFileType.MOSTLY_Q8_0: Q8_0 except 1-D tensors
+        "general.quantization_version": ("u32", 2),  # GGML_QUANT_VERSION
+        K_FORMAT: ("str", LAYOUT),
+    }
+    if model.get("revision"):
+        out["general.base_model.0.version"] = ("str", str(model["revision"]))
+    if isinstance(manifest.get("license"), str) and manifest["license"]:
+        out["general.license"] = ("str", manifest["license"])
+    for key, k in (("source_artifact", K_SOURCE), ("release_artifact", K_RELEASE)):
+        if (provenance or {}).get(key):
+            out[k] = ("str", provenance[key])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- Q8_0
+
+
+def q8_0(layer: int, weight: np.ndarray) -> np.ndarray:
+    """float32 [d_out, d_in] -> Q8_0 blocks as uint8 [d_out, d_in / 32 * 34] (gguf-py's byte layout).
+
+    BadInput when d_in is not a multiple of 32 or a block's f16 scale would overflow; ValueError for NaN/inf.
+    """
+    from gguf import GGMLQuantizationType, quants
+
+    w = np.asarray(weight)
+    if w.dtype != np.float32 or w.ndim != 2:
+        raise ValueError(f"layer {layer}: weight must be a 2-D float32 array, got {w.dtype} {tuple(w.shape)}")
+    check_row_length(layer, w.shape[1])
+    if not np.isfinite(w).all():
+        raise ValueError(f"layer {layer}: weight contains NaN/inf")
+    with np.errstate(over="ignore"):  # an f16 overflow is refused just below, by name
+        q = quants.quantize(w, GGMLQuantizationType.Q8_0)  # [d_out, nb * 34]
+    d_out, nb = w.shape[0], w.shape[1] // QK8_0
+    scales = np.ascontiguousarray(q.reshape(d_out, nb, 2 + QK8_0)[:, :, :2]).view(np.float16)  # [d_out, nb, 1]
+    if not np.isfinite(scales).all():
+        raise BadInput(f"layer {layer}: |w| up to {float(np.abs(w).max()):.4g} overflows Q8_0's f16 scale "
+                       f"(limit {127 * 65504:.4g}); this map cannot be written as GGUF Q8_0")
+    return q
+
+
+def check_row_length(layer: int, d_in: int) -> None:
+    if d_in % QK8_0:
+        raise BadInput(f"layer {layer}: d_in = {d_in} is not a multiple of {QK8_0}, which GGUF Q8_0 needs "
+                       f"(whole blocks of {QK8_0}); export this map as a release instead")
+
+
+def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """uint8 Q8_0 blocks [d_out, nb * 34] -> float32 [d_out, nb * 32] (gguf-py's decoder)."""
+    from gguf import GGMLQuantizationType, quants
+
+    return quants.dequantize(blocks, GGMLQuantizationType.Q8_0)
+
+
+# ---------------------------------------------------------------------------------------- write, read
+
+
+def encode_tensors(maps: dict[int, dict[str, np.ndarray]]) -> tuple[list, dict]:
+    """{layer: {weight f32, bias f32}} -> ([(name, array, ggml type name)] in layer order, error figures)."""
+    tensors, errors = [], {}
+    for layer in sorted(maps):
+        w, b = maps[layer]["weight"], np.asarray(maps[layer]["bias"])
+        q = q8_0(layer, w)
+        if b.dtype != np.float32 or b.shape != (w.shape[0],):
+            raise ValueError(f"layer {layer}: bias must be float32 [{w.shape[0]}], got {b.dtype} {tuple(b.shape)}")
+        err = np.abs(dequantize_q8_0(q) - w).max(initial=0.0)
+        errors[str(layer)] = {"max_abs": float(err), "max_rel": float(err / max(np.abs(w).max(initial=0.0), 1e-30))}
+        tensors += [(tensor_name(layer, "weight"), q, "Q8_0"), (tensor_name(layer, "bias"), b, "F32")]
+    return tensors, errors
+
+
+def write_gguf(path: Path, manifest: dict, tensors: list, provenance: dict[str, str] | None = None) -> None:
+    """Write the GGUF file (temp sibling, then rename). Same inputs -> same bytes: gguf-py writes no timestamps,
+    the keys go in sorted order after general.architecture and the tensors in layer order."""
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+    vt = {"str": GGUFValueType.STRING, "bool": GGUFValueType.BOOL, "i64": GGUFValueType.INT64,
+          "f64": GGUFValueType.FLOAT64, "u32": GGUFValueType.UINT32}
+    kv = {**manifest_metadata(manifest), **general_metadata(manifest, provenance)}
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    writer = GGUFWriter(tmp, ARCH)  # adds general.architecture first
+    try:
+        for key in sorted(kv):
+            t, value = kv[key]
+            if t.startswith("array:"):
+                writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=vt[t[6:]])
+            else:
+                writer.add_key_value(key, value, vt[t])
+        for name, arr, ggml_type in tensors:
+            writer.add_tensor(name, arr, raw_dtype=GGMLQuantizationType[ggml_type])
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def load_gguf(path: Path) -> tuple[dict, dict[int, dict[str, np.ndarray]]]:
+    """Read a ridgefill GGUF: (manifest facts, {layer: {"weight": float32 [d_out, d_in], "bias": float32}})."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, KeyError, OSError) as e:
+        raise BadInput(f"{path}: not a readable GGUF file ({e})") from None
+    kv = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    if kv.get("general.architecture") != ARCH or kv.get(K_FORMAT) != LAYOUT:
+        raise BadInput(f"{path}: not a ridgefill maps GGUF (architecture {kv.get('general.architecture')!r}, "
+                       f"{K_FORMAT} {kv.get(K_FORMAT)!r})")
+    parts: dict[int, dict[str, np.ndarray]] = {}
+    for t in reader.tensors:
+        m = _TENSOR_RE.match(t.name)
+        want = GGMLQuantizationType.Q8_0 if m and m.group(2) == "weight" else GGMLQuantizationType.F32
+        if m is None or t.tensor_type != want:
+            raise BadInput(f"{path}: unexpected tensor {t.name!r} ({t.tensor_type.name})")
+        data = dequantize_q8_0(np.asarray(t.data)) if want == GGMLQuantizationType.Q8_0 else np.array(t.data)
+        parts.setdefault(int(m.group(1)), {})[m.group(2)] = data.astype(np.float32, copy=False)
+    manifest = metadata_manifest(kv)
+    for layer, p in sorted(parts.items()):
+        if set(p) != {"weight", "bias"} or p["bias"].shape != (p["weight"].shape[0],):
+            raise BadInput(f"{path}: layer {layer} needs a weight and a bias of matching size")
+    if [x["index"] for x in manifest.get("layers", [])] != sorted(parts):
+        raise BadInput(f"{path}: {K_LAYERS} does not match the tensors' layers {sorted(parts)}")
+    return manifest, dict(sorted(parts.items()))
+
+
+# ------------------------------------------------------------------------------------------ the stage
+
+
+def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail: int = 512,
+                force: bool = False) -> tuple[Artifact, bool, Path | None]:
+    """Build (or reuse) the GGUF export artifact of a quantize/solve artifact or a release folder; copy it to
+    `out_path` (a .gguf file) if given. Returns (artifact, cached, path written or None)."""
+    from ridgefill.export import build
+
+    target = _check_target(Path(out_path)) if out_path is not None else None
+    folder = Path(ref)
+    maps = None
+    if (folder / release.MANIFEST).is_file():
+        manifest, maps = release.load_release(folder)  # verified; --tail does not apply: the release has its own
+        for layer, m in sorted(maps.items()):
+            check_row_length(layer, m["weight"].shape[1])
+        source, provenance = "release:" + hashlib.sha256(canonical_json(manifest).encode()).hexdigest(), {}
+        info = {"release_manifest_sha256": source.split(":")[1]}
+    else:
+        src = store.get(ref)
+        if src.stage in ("quantize", "solve"):
+            for layer, d_in in _source_row_lengths(src):
+                check_row_length(layer, d_in)
+        rel, _, _ = build.export(store, ref, None, out, tail=tail)
+        source = f"export/{rel.id}"
+        provenance = {"source_artifact": f"{src.stage}/{src.id}", "release_artifact": source}
+        info = {"source": src.id, "release": rel.id, **{k: rel.info[k] for k in ("solve", "capture") if k in rel.info}}
+    recipe = {"stage": "export", "version": FORMAT_VERSION, "format": "gguf", "source": source}
+    art = store.cached("export", recipe)
+    cached = art is not None
+    if not cached:
+        if maps is None:
+            manifest, maps = _load_release_artifact(rel)
+        tensors, errors = encode_tensors(maps)
+        with store.build("export", recipe) as b:
+            write_gguf(b.path / GGUF_FILE, manifest, tensors, provenance)
+            summary = {"format": "gguf", "split": manifest.get("split"), "files": [GGUF_FILE],
+                       "tensors": len(tensors), "bytes": (b.path / GGUF_FILE).stat().st_size,
+                       "q8_0_max_abs_error": max(e["max_abs"] for e in errors.values()),
+                       "q8_0_max_rel_error_worst": max(e["max_rel"] for e in errors.values())}
+            art = b.commit(info={**info, "gguf_py": _gguf_version(), "q8_0_errors": errors}, summary=summary)
+    copied = _copy_out(art, target, force, out) if target is not None else None
+    return art, cached, copied
+
+
+def _source_row_lengths(src: Artifact) -> list[tuple[int, int]]:
+    """(layer, d_in) of a quantize or solve artifact's maps, read before anything is built."""
+    if src.stage == "quantize":
+        from ridgefill.export.quantize import load_quant
+
+        return [(l, q["codes"].shape[1]) for l, q in sorted(load_quant(src).items())]
+    from ridgefill.solve.run import load_maps
+
+    return [(l, w.shape[1]) for l, (w, _) in sorted(load_maps(src).items())]
+
+
+def _load_release_artifact(rel: Artifact) -> tuple[dict, dict]:
+    """Load the store's release artifact as a user loads a release: its files (not artifact.json) in a folder."""
+    from ridgefill.export.build import manifest_files
+
+    with tempfile.TemporaryDirectory(prefix="ridgefill-gguf-") as tmp:
+        for name in manifest_files(rel.path):
+            shutil.copyfile(rel.path / name, Path(tmp) / name)
+        return release.load_release(Path(tmp))
+
+
+def _gguf_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return None
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == MAGIC
+
+
+def _check_target(path: Path) -> Path:
+    """--out must name a .gguf file; an existing one is only ever replaced if it is a GGUF file."""
+    if path.suffix.lower() != ".gguf":
+        raise BadInput(f"--out {path}: with --format gguf, --out names the .gguf file to write (e.g. maps.gguf)")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise BadInput(f"--out {path}: {path.parent} is not a directory")
+    if path.exists() or path.is_symlink():
+        if not path.is_file():
+            raise BadInput(f"--out {path} exists and is not a regular file")
+        if not _is_gguf(path):
+            # even --force only ever replaces a GGUF file, so a mistyped --out never destroys another file
+            raise BadInput(f"--out {path} exists and is not a GGUF file; refusing to replace it")
+    return path
+
+
+def _copy_out(art: Artifact, target: Path, force: bool, out: Output) -> Path:
+    """Copy the artifact's file to target (temp sibling, then rename). An identical file there is left alone."""
+    src = art.path / GGUF_FILE
+    if target.is_file():
+        if sha256_file(target) == art.manifest["files"][GGUF_FILE]["sha256"]:
+            out.info(f"{target} already holds this file; left alone")
+            return target
+        if not force:
+            raise BadInput(f"--out {target} holds a different GGUF file; pass --force to replace it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return target
