@@ -1,0 +1,56 @@
+"""`ridgefill push DIR --repo OWNER/NAME` and `ridgefill pull OWNER/NAME[@REV] --out DIR` (Hugging Face Hub).
+
+Without --json, stdout carries only the commit sha; the commit URL and status go to stderr.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, StoreOpt, output
+
+TokenOpt = Annotated[
+    Optional[str],
+    typer.Option("--token", show_default=False,
+                 help="Hub token (default: HF_TOKEN, else the token saved by `hf auth login`). Never printed."),
+]
+
+
+def push(
+    folder: Annotated[Path, typer.Argument(help="Release folder (verified before anything is uploaded).")],
+    repo: Annotated[str, typer.Option("--repo", help="Hub model repo OWNER/NAME (created if missing).")],
+    revision: Annotated[str, typer.Option("--revision", help="Branch to commit to (created if missing).")] = "main",
+    private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
+    commit_message: Annotated[Optional[str], typer.Option("--commit-message", help="Commit title.")] = None,
+    token: TokenOpt = None,
+    store_root: StoreOpt = DEFAULT_STORE,  # accepted like every command's; push reads only the folder
+    json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Upload a release folder to the Hub as one commit (no commit if the branch already holds it)."""
+    from ridgefill.export.hub import push as run
+
+    out = output(json)
+    res = run(folder, repo, revision=revision, private=private, commit_message=commit_message, token=token, out=out)
+    out.result(res, primary=res["commit"])
+
+
+def pull(
+    spec: Annotated[str, typer.Argument(metavar="OWNER/NAME[@REV]",
+                                        help="Hub repo, optionally @branch, tag or commit sha.")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder to write (created; verified before it appears).")],
+    force: Annotated[bool, typer.Option("--force", help="Replace a different release in --out.")] = False,
+    token: TokenOpt = None,
+    store_root: StoreOpt = DEFAULT_STORE,  # accepted like every command's; pull writes only --out
+    json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Download a release from the Hub: ridgefill.json, the files it lists and README.md, verified."""
+    from ridgefill.export.hub import pull as run
+
+    out = output(json)
+    res = run(spec, out_dir, token=token, force=force, out=out)
+    out.result(res, primary=res["commit"])

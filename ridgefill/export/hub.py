@@ -1,0 +1,350 @@
+"""Publish a release folder (`ridgefill-maps/1`, DESIGN.md §5) on the Hugging Face Hub, and fetch one back.
+
+`push(folder, repo_id)` verifies the folder with `release.verify_release` before anything leaves the machine,
+creates the repo (and the branch) if missing, and uploads the release as ONE commit: an addition for every
+file of the release (the manifest's files, ridgefill.json, README.md) and a deletion for every remote file the
+release no longer has (`.gitattributes` is kept: the Hub needs it). It is idempotent: the remote branch head
+is listed (`list_repo_tree`) and compared with the folder by the hashes git itself keeps — the sha256 of an LFS
+file's content (`lfs.sha256`), the git blob sha1 of a regular file (`blob_id`) — so byte-identical remote
+content means no commit, whichever way the Hub chose to store each file. The commit names the listed head as
+its parent, so a branch that moved in between is refused instead of overwritten.
+
+`pull("owner/name[@rev]", out)` resolves the revision to a commit sha once, downloads ridgefill.json at that
+commit, then exactly the files its manifest lists plus README.md (never `.gitattributes` or anything else),
+into a temporary sibling folder; it verifies that folder and only then renames it to `out`. A fresh,
+throw-away download cache is used each time, so what is verified is what the Hub serves now.
+
+huggingface_hub is imported inside the functions (`import ridgefill` stays light). Hub failures become
+one-line errors: a refused token exit 1 (the token never appears in a message), a missing repo / revision /
+release on pull exit 2 (BadInput), an unreachable endpoint exit 1 naming the endpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from ridgefill.errors import BadInput, RidgefillError
+from ridgefill.export import release
+
+KEEP_REMOTE = frozenset({".gitattributes"})  # never deleted by push, never downloaded by pull
+DEFAULT_REVISION = "main"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+_COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+
+
+# ------------------------------------------------------------------------------------------------ push
+
+
+def push(folder: Path, repo_id: str, *, revision: str = DEFAULT_REVISION, private: bool = False,
+         commit_message: str | None = None, token: str | None = None, out=None) -> dict:
+    """Upload a verified release folder as one commit; returns {repo, revision, commit, url, files, unchanged}."""
+    folder = Path(folder)
+    manifest = release.verify_release(folder)  # BadInput (exit 2) on the first problem; nothing sent yet
+    _check_repo_id(repo_id)
+    _check_branch(revision)
+    card = [release.CARD] if (folder / release.CARD).is_file() else []  # documentation: optional
+    names = sorted([*manifest["files"], release.MANIFEST, *card])
+    local = {name: _hashes(folder / name) for name in names}
+    for name in manifest["files"]:  # a file changed since verify_release read it
+        if local[name]["sha256"] != manifest["files"][name]:
+            raise BadInput(f"{name}: changed while preparing the push (sha256 no longer matches {release.MANIFEST})")
+
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, get_token
+
+    token = token or get_token()
+    if not token:
+        raise RidgefillError("no Hub token: pass --token, set HF_TOKEN or run `hf auth login`")
+    api = HfApi(token=token)
+    with _hub_errors(api.endpoint, repo_id, revision, token), _progress_bars(out):
+        api.create_repo(repo_id, repo_type="model", private=True if private else None, exist_ok=True)
+        if private and not getattr(api.repo_info(repo_id), "private", True) and out is not None:
+            out.warn(f"{repo_id} already exists and is public; --private only applies when the repo is created")
+        head = _branch_head(api, repo_id, revision)
+        remote = _remote_files(api, repo_id, head)
+        extra = sorted(p for p in remote if p not in local and p not in KEEP_REMOTE)
+        if head is not None and not extra and all(_same(local[n], remote.get(n)) for n in names):
+            return _pushed(api, repo_id, revision, head, names, unchanged=True, out=out)
+
+        ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(folder / n)) for n in names]
+        ops += [CommitOperationDelete(path_in_repo=p) for p in extra]
+        info = api.create_commit(repo_id, ops, commit_message=commit_message or _default_message(manifest),
+                                 revision=revision, parent_commit=head)
+        sha = info.oid
+        # What the Hub now holds must be what was verified (a file rewritten during the upload would not be).
+        after = _remote_files(api, repo_id, sha)
+        bad = [n for n in names if not _same(local[n], after.get(n))]
+        if bad or any(p not in local and p not in KEEP_REMOTE for p in after):
+            raise RidgefillError(f"commit {sha} on {repo_id} does not match the verified release "
+                                 f"({', '.join(bad) or 'extra files'}); was the folder modified during the push?")
+        return _pushed(api, repo_id, revision, sha, names, unchanged=sha == head, out=out, url=info.commit_url)
+
+
+def _pushed(api, repo_id: str, revision: str, sha: str, names: list[str], *, unchanged: bool, out,
+            url: str | None = None) -> dict:
+    url = url or f"{api.endpoint}/{repo_id}/commit/{sha}"
+    if out is not None:
+        if unchanged:
+            out.info(f"unchanged: {repo_id}@{revision} already at {sha}")
+        else:
+            out.info(f"[bold]push[/bold] {repo_id}@{revision}: {len(names)} file(s) in one commit")
+        out.info(url)
+    return {"repo": repo_id, "revision": revision, "commit": sha, "url": url, "files": names,
+            "unchanged": unchanged}
+
+
+def _branch_head(api, repo_id: str, revision: str) -> str | None:
+    """The commit sha the branch points at, creating the branch (from the default branch) if it is missing."""
+    refs = api.list_repo_refs(repo_id)
+    branches = {b.name: b.target_commit for b in refs.branches}
+    if revision in branches:
+        return branches[revision]
+    if revision in {t.name for t in refs.tags}:
+        raise BadInput(f"--revision {revision} is a tag on {repo_id}; push needs a branch")
+    if not branches:  # an empty repo: the commit itself creates the branch
+        return None
+    api.create_branch(repo_id, branch=revision, exist_ok=True)
+    refs = api.list_repo_refs(repo_id)
+    return {b.name: b.target_commit for b in refs.branches}[revision]
+
+
+def _remote_files(api, repo_id: str, sha: str | None) -> dict:
+    """{path: RepoFile} of every file at a commit (folders are listed through their files)."""
+    if sha is None:
+        return {}
+    from huggingface_hub.hf_api import RepoFile
+
+    return {f.path: f for f in api.list_repo_tree(repo_id, revision=sha, recursive=True) if isinstance(f, RepoFile)}
+
+
+def _hashes(path: Path) -> dict:
+    """size, sha256 and git blob sha1 of a file, in one read."""
+    size = path.stat().st_size
+    sha256, git = hashlib.sha256(), hashlib.sha1(f"blob {size}\0".encode())
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha256.update(block)
+            git.update(block)
+    return {"size": size, "sha256": sha256.hexdigest(), "git": git.hexdigest()}
+
+
+def _same(local: dict, remote) -> bool:
+    """Whether a remote RepoFile has exactly the local bytes: LFS files by their sha256, others by git sha1."""
+    if remote is None:
+        return False
+    if remote.lfs is not None:
+        return remote.lfs.sha256 == local["sha256"] and remote.lfs.size == local["size"]
+    return remote.blob_id == local["git"]
+
+
+def _default_message(manifest: dict) -> str:
+    model = (manifest.get("model") or {}).get("name")
+    split = manifest.get("split")
+    what = ", ".join(x for x in (model, f"split {split}" if split is not None else None) if x)
+    return f"Upload {release.FORMAT} release" + (f" ({what})" if what else "")
+
+
+# ------------------------------------------------------------------------------------------------ pull
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """`owner/name[@rev]` -> (repo_id, rev); rev defaults to main."""
+    repo_id, at, rev = spec.partition("@")
+    if at and not rev:
+        raise BadInput(f"{spec!r}: empty revision after '@'")
+    _check_repo_id(repo_id)
+    return repo_id, rev or DEFAULT_REVISION
+
+
+def pull(spec: str, out_dir: Path, *, token: str | None = None, force: bool = False, out=None) -> dict:
+    """Download a release into out_dir (verified, atomically); returns {repo, revision, commit, out, files}."""
+    repo_id, revision = parse_spec(spec)
+    out_dir = Path(out_dir)
+    _check_out(out_dir)  # before any network: a mistyped --out fails fast
+
+    from huggingface_hub import HfApi, get_token
+
+    token = token or get_token()
+    api = HfApi(token=token)
+    with _hub_errors(api.endpoint, repo_id, revision, token), _progress_bars(out):
+        sha = api.repo_info(repo_id, revision=revision).sha
+        where = f"{repo_id}@{revision}" + ("" if revision == sha else f" (commit {sha[:12]})")
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.pull-", dir=out_dir.parent))
+        try:
+            stage = work / "release"
+            stage.mkdir()
+            fetch = _fetcher(api, repo_id, sha, work / "cache", stage, token, where)
+            if not fetch(release.MANIFEST):
+                raise BadInput(f"{where}: no {release.MANIFEST} (not a ridgefill release)")
+            names = _listed(stage / release.MANIFEST, where)
+            for name in names:
+                if not fetch(name):
+                    raise BadInput(f"{name}: listed in {release.MANIFEST} but missing from {where}")
+            fetch(release.CARD)  # documentation: optional, never hashed
+            try:
+                release.verify_release(stage)
+            except BadInput as e:
+                raise BadInput(f"{e}; pulled from {where}, nothing written to {out_dir}") from None
+            files = sorted(p.name for p in stage.iterdir())
+            unchanged = _place(stage, out_dir, force)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    if out is not None:
+        status = "unchanged, already there" if unchanged else f"{len(files)} file(s) verified"
+        out.info(f"[bold]pull[/bold] {where} -> {out_dir}: {status}")
+    return {"repo": repo_id, "revision": revision, "commit": sha, "out": str(out_dir), "files": files}
+
+
+def _fetcher(api, repo_id: str, sha: str, cache: Path, stage: Path, token, where: str):
+    """fetch(name) downloads one file of the pinned commit into the stage; False when the Hub has no such file."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
+
+    def fetch(name: str) -> bool:
+        try:
+            path = hf_hub_download(repo_id, name, revision=sha, cache_dir=cache, token=token,
+                                   endpoint=api.endpoint)
+        except EntryNotFoundError:
+            return False
+        except HfHubHTTPError:
+            raise
+        except OSError as e:
+            if "onsistency check failed" in str(e):  # the body's size differs from the Hub's metadata
+                raise BadInput(f"{name}: downloaded size does not match the Hub's record for it in {where}") from None
+            raise
+        os.replace(os.path.realpath(path), stage / name)  # the blob leaves the throw-away cache
+        return True
+
+    return fetch
+
+
+def _listed(manifest_path: Path, where: str) -> list[str]:
+    """The manifest's file names, checked to be safe to download before any of them is fetched."""
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInput(f"{release.MANIFEST}: invalid JSON in {where} ({e})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
+        raise BadInput(f"{release.MANIFEST}: 'files' must be a non-empty object in {where}")
+    for name in files:
+        if not release.is_bare_name(name) or name in release.UNHASHED or name in KEEP_REMOTE:
+            raise BadInput(f"{release.MANIFEST}: files entry {name!r} is not a release file name (in {where})")
+    return sorted(files)
+
+
+def _check_out(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BadInput(f"--out {out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / release.MANIFEST).is_file():
+        raise BadInput(f"--out {out_dir} exists, is not empty and is not a release folder")
+
+
+def _place(stage: Path, out_dir: Path, force: bool) -> bool:
+    """Rename the verified stage to out_dir; True if out_dir already held exactly these files (left alone)."""
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        names = sorted(p.name for p in stage.iterdir())
+        if sorted(p.name for p in out_dir.iterdir()) == names and all(
+                (out_dir / n).is_file() and (out_dir / n).read_bytes() == (stage / n).read_bytes() for n in names):
+            return True
+        if not force:
+            raise BadInput(f"--out {out_dir} holds a different release; pass --force to replace it")
+    release._move_into_place(stage, out_dir)  # swap, with the old folder restored if the rename fails
+    return False
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def _check_repo_id(repo_id: str) -> None:
+    if not _REPO_ID.match(repo_id or "") or ".." in repo_id or "--" in repo_id or repo_id.endswith((".git", ".")):
+        raise BadInput(f"{repo_id!r} is not a Hub repo id (OWNER/NAME)")
+
+
+def _check_branch(revision: str) -> None:
+    if not revision or revision.startswith(("/", "refs/")) or ".." in revision or _COMMIT_SHA.match(revision):
+        raise BadInput(f"--revision {revision!r}: push needs a branch name")
+
+
+@contextlib.contextmanager
+def _progress_bars(out):
+    """huggingface_hub's own transfer bars only on a terminal, like ridgefill's progress (plain in CI logs);
+    an explicit HF_HUB_DISABLE_PROGRESS_BARS wins."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    toggle = (constants.HF_HUB_DISABLE_PROGRESS_BARS is None and not are_progress_bars_disabled()
+              and (out is None or not out.err.is_terminal))
+    if toggle:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if toggle:
+            enable_progress_bars()
+
+
+def _network_cause(e: BaseException | None) -> BaseException | None:
+    """The transport failure (no connection, timeout, DNS) in an exception's chain, from httpx/httpx2/requests
+    or the standard library; None if there is none."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        names = {c.__name__ for c in type(e).__mro__}
+        if isinstance(e, ConnectionError) or names & {"TransportError", "Timeout", "ConnectTimeout"}:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _one_line(e: BaseException, clean) -> str:
+    text = (getattr(e, "server_message", None) or str(e)).strip()
+    return clean(text.splitlines()[0]) if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def _hub_errors(endpoint: str, repo_id: str, revision: str, token: str | None):
+    """Turn huggingface_hub / transport exceptions into one-line ridgefill errors that never contain the token."""
+    from huggingface_hub.errors import (HfHubHTTPError, HFValidationError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    def clean(msg: str) -> str:
+        return msg.replace(token, "***") if token else msg
+
+    try:
+        yield
+    except RidgefillError as e:
+        raise type(e)(clean(str(e))) from None
+    except RevisionNotFoundError:
+        raise BadInput(f"{repo_id}@{revision}: revision not found on {endpoint}") from None
+    except RepositoryNotFoundError:
+        raise BadInput(f"{repo_id}: repository not found on {endpoint} (or private, and the token has no "
+                       "access to it)") from None
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else None
+        if status in (401, 403):
+            what = "not a valid token" if status == 401 else f"no write access to {repo_id}"
+            raise RidgefillError(f"Hub refused the token ({status}: {what}: {_one_line(e, clean)}); check --token, "
+                                 "HF_TOKEN or `hf auth login`") from None
+        if status == 412:
+            raise RidgefillError(f"{repo_id}@{revision} moved while pushing; run push again") from None
+        raise RidgefillError(f"Hub error {status} at {endpoint}: {_one_line(e, clean)}") from None
+    except OfflineModeIsEnabled:
+        raise RidgefillError(f"HF_HUB_OFFLINE is set; cannot reach the Hub at {endpoint}") from None
+    except HFValidationError as e:
+        raise BadInput(_one_line(e, clean)) from None
+    except Exception as e:
+        cause = _network_cause(e)
+        if cause is not None:
+            raise RidgefillError(f"cannot reach the Hub at {endpoint} ({type(cause).__name__}: "
+                                 f"{_one_line(cause, clean)})") from None
+        if type(e).__module__.startswith("huggingface_hub"):
+            raise RidgefillError(f"Hub client error at {endpoint}: {type(e).__name__}: {_one_line(e, clean)}") from None
+        raise
