@@ -8,7 +8,8 @@ import sys
 
 import typer
 
-from ridgefill.cli import artifacts, capture, eval, export, fold, quantize, solve
+from ridgefill.cli import artifacts, capture, eval, export, fold, quantize, release, solve
+from ridgefill.cli import hub
 
 app = typer.Typer(
     name="ridgefill",
@@ -22,7 +23,10 @@ app.command("solve")(solve.solve)
 app.command("quantize")(quantize.quantize)
 app.command("export")(export.export)
 app.command("verify")(export.verify)
+app.command("push")(hub.push)
+app.command("pull")(hub.pull)
 app.command("eval")(eval.eval_)
+app.command("release")(release.release)
 app.command("compact")(fold.compact)
 app.command("fold")(fold.fold)
 app.add_typer(artifacts.app, name="artifacts")

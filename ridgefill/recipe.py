@@ -1,0 +1,151 @@
+"""`ridgefill release RECIPE.toml`: the whole chain from one file, for CI.
+
+    model = "builtin:smollm2-135m"          # required
+    out = "release/smollm2-135m"            # release folder (relative paths: to the recipe file)
+
+    [capture]                               # CaptureConfig fields; data defaults to ["builtin:default"]
+    data = ["builtin:default"]
+    [solve]                                 # alphas, metric, split, chat_share
+    [quantize]                              # enabled = true (false: release the float maps)
+    [export]                                # tail
+    [eval]                                  # enabled, gate (a gate file) and EvalConfig fields
+    [push]                                  # repo (required to push), revision, private, commit_message
+
+capture -> solve -> quantize -> export -> eval (gate) -> push (only with `--push`). Every stage is the same function
+the single commands call, so each is a cache hit when its recipe did not change: a re-run with nothing changed
+loads no model; changing the alpha grid re-runs solve and the stages after it, not capture. The gate failing
+stops the run before push (exit 3).
+"""
+
+from __future__ import annotations
+
+import time
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from ridgefill.errors import BadInput
+from ridgefill.output import Output
+
+SECTIONS = {"capture", "solve", "quantize", "export", "eval", "push"}
+SOLVE_KEYS = {"alphas", "metric", "split", "chat_share"}
+PUSH_KEYS = {"repo", "revision", "private", "commit_message"}
+
+
+@dataclass
+class Recipe:
+    path: Path
+    model: str
+    out: Path
+    capture: dict
+    solve: dict
+    quantize: bool
+    tail: int | None
+    eval: dict | None  # None: no eval
+    gate: Path | None
+    push: dict | None
+
+
+def _known(table: dict, allowed: set, where: str) -> dict:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise BadInput(f"recipe [{where}]: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(allowed))})")
+    return table
+
+
+def load_recipe(path: Path) -> Recipe:
+    """Parse and check a recipe file; BadInput names the first problem."""
+    from ridgefill.capture.run import CaptureConfig
+    from ridgefill.evaluate.run import EvalConfig
+
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise BadInput(f"recipe '{path}' does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise BadInput(f"recipe '{path}': {e}") from None
+    _known(doc, SECTIONS | {"model", "out"}, "top level")
+    if not isinstance(doc.get("model"), str):
+        raise BadInput(f"recipe '{path}': 'model' (a model spec string) is required")
+    base = path.resolve().parent
+    rel = lambda p: (base / p).resolve()  # noqa: E731  (an absolute p stays itself)
+    name = doc["model"].removeprefix("builtin:").replace("/", "--")
+    cap = dict(_known(doc.get("capture", {}), {f.name for f in fields(CaptureConfig)} | {"data"}, "capture"))
+    cap.setdefault("data", ["builtin:default"])
+    if isinstance(cap["data"], str):
+        cap["data"] = [cap["data"]]
+    cap["data"] = [d if d.startswith("builtin:") else str(rel(d)) for d in cap["data"]]
+    ev = doc.get("eval", {})
+    _known(ev, {f.name for f in fields(EvalConfig)} | {"enabled", "gate"}, "eval")
+    quant = _known(doc.get("quantize", {}), {"enabled"}, "quantize")
+    exp = _known(doc.get("export", {}), {"tail"}, "export")
+    push = _known(doc["push"], PUSH_KEYS, "push") if "push" in doc else None
+    if push is not None and not isinstance(push.get("repo"), str):
+        raise BadInput("recipe [push]: 'repo' (OWNER/NAME) is required")
+    return Recipe(path=path, model=doc["model"], out=rel(doc.get("out", f"release/{name}")), capture=cap,
+                  solve=_known(doc.get("solve", {}), SOLVE_KEYS, "solve"), quantize=bool(quant.get("enabled", True)),
+                  tail=exp.get("tail"), eval=None if not ev.get("enabled", True) else
+                  {k: v for k, v in ev.items() if k not in ("enabled", "gate")},
+                  gate=rel(ev["gate"]) if ev.get("gate") and ev.get("enabled", True) else None, push=push)  # fmt: skip
+
+
+def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: str | None = None) -> dict:
+    """Run every stage; returns the JSON summary (a failed gate: summary["gate"]["passed"] is False, no push)."""
+    from ridgefill.capture.run import CaptureConfig, capture
+    from ridgefill.evaluate.gate import check_gate, load_gate
+    from ridgefill.evaluate.run import EvalConfig, evaluate, manifest_summary
+    from ridgefill.export import build
+    from ridgefill.export.quantize import quantize
+    from ridgefill.export.release import set_eval, verify_release
+    from ridgefill.solve.run import solve
+
+    if push and recipe.push is None:
+        raise BadInput(f"--push needs a [push] table with repo = \"OWNER/NAME\" in {recipe.path}")
+    rules = load_gate(recipe.gate) if recipe.gate else None  # a bad gate file fails before any work
+    start = time.perf_counter()
+    summary: dict = {"recipe": str(recipe.path), "model": recipe.model, "stages": {}}
+
+    def stage(name, fn):
+        t = time.perf_counter()
+        out.info(f"[bold]{name}[/bold] ...")
+        art, cached = fn()
+        summary["stages"][name] = {"id": art.id, "cached": cached, "seconds": round(time.perf_counter() - t, 2)}
+        out.info(f"[bold]{name}[/bold] {art.id} ({'cached' if cached else 'written'})")
+        return art
+
+    cap_cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in recipe.capture.items() if k != "data"}
+    cap = stage("capture", lambda: capture(store, recipe.model, recipe.capture["data"], CaptureConfig(**cap_cfg), out))
+    sol = stage("solve", lambda: solve(store, cap.id, out, **recipe.solve))
+    src = stage("quantize", lambda: quantize(store, sol.id, out)) if recipe.quantize else sol
+    tail = {"tail": recipe.tail} if recipe.tail else {}
+
+    def export():
+        art, cached, _ = build.export(store, src.id, recipe.out, out, force=True, **tail)
+        return art, cached
+
+    stage("export", export)
+    verify_release(recipe.out)
+    summary["release"] = str(recipe.out)
+    failed: list[str] = []
+    if recipe.eval is not None:
+        cfg = EvalConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recipe.eval.items()})
+        ev = stage("eval", lambda: evaluate(store, recipe.model, str(recipe.out), cfg, out))
+        set_eval(recipe.out, manifest_summary(ev.manifest["summary"], ev.id))
+        verify_release(recipe.out)
+        summary["eval"] = {"ceiling_speedup": ev.manifest["summary"]["ceiling_speedup"],
+                           "arms": manifest_summary(ev.manifest["summary"], ev.id)["arms"]}
+        if rules:
+            failed = check_gate(ev.manifest["summary"], rules)
+            summary["gate"] = {"file": str(recipe.gate), "passed": not failed, "failed": failed}
+    if push and not failed:
+        from ridgefill.export.hub import push as hub_push
+
+        p = recipe.push
+        t = time.perf_counter()
+        summary["push"] = hub_push(recipe.out, p["repo"], revision=p.get("revision", "main"),
+                                   private=bool(p.get("private", False)), commit_message=p.get("commit_message"),
+                                   token=token, out=out)
+        summary["stages"]["push"] = {"seconds": round(time.perf_counter() - t, 2)}
+    summary["seconds"] = round(time.perf_counter() - start, 2)
+    return summary

@@ -1,0 +1,136 @@
+"""`ridgefill release RECIPE`: the whole chain from one file on a tiny model; cache hits; gate; refusals."""
+
+import json
+
+import pytest
+
+from ridgefill.artifacts import Store
+from ridgefill.output import Output
+from ridgefill.recipe import load_recipe, run_recipe
+from clirun import cli
+
+EVAL = {"tail": 48, "scored": 16, "doc_tokens": 128, "lengths": [600], "documents": 2, "samples": 1,
+        "arms": ["exact", "ridgefill", "identity"]}
+
+
+def write_recipe(tmp, model, alphas=(1e-3,), gate=None, push=None, name="recipe"):
+    data = tmp / "data"
+    data.mkdir(exist_ok=True)
+    for i in range(5):
+        (data / f"d{i}.txt").write_text(f"document {i}: " + "the cat sat on the mat and looked around. " * (8 + i))
+    lines = [f'model = "{model}"', 'out = "rel"', "[capture]", 'data = ["data"]', "splits = [2]", "max_tokens = 64",
+             "held_out = 1", "[solve]", f"alphas = {list(alphas)}", "[eval]"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in EVAL.items()]
+    if gate:
+        (tmp / f"{name}-gate.toml").write_text(gate)
+        lines.append(f'gate = "{name}-gate.toml"')
+    if push:
+        lines += ["[push]", f'repo = "{push}"']
+    path = tmp / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, tiny_llama):
+    tmp = tmp_path_factory.mktemp("recipe")
+    path = write_recipe(tmp, tiny_llama, gate="[thresholds]\nkl_max = 1e9\n")
+    r = cli("release", path, "--store", tmp / "store", "--json")
+    assert r.returncode == 0, r.stderr
+    return tmp, path, json.loads(r.stdout)
+
+
+def test_recipe_runs_the_chain(first_run):
+    tmp, path, s = first_run
+    assert set(s["stages"]) == {"capture", "solve", "quantize", "export", "eval"}
+    assert not any(v["cached"] for v in s["stages"].values())
+    assert s["release"] == str(tmp / "rel") and s["gate"]["passed"] is True
+    man = json.loads((tmp / "rel" / "ridgefill.json").read_text())
+    assert man["eval"]["eval_id"] == s["stages"]["eval"]["id"] and man["split"] == 2
+    assert cli("verify", tmp / "rel").returncode == 0
+
+
+def test_rerun_is_all_cache_hits_without_a_model(first_run, monkeypatch):
+    tmp, path, s = first_run
+    import ridgefill.models
+    import ridgefill.models.load
+
+    def no(*a, **k):
+        raise AssertionError("a cached re-run must not load a model")
+
+    monkeypatch.setattr(ridgefill.models.load, "load_model", no)
+    monkeypatch.setattr(ridgefill.models, "load_model", no)
+    again = run_recipe(load_recipe(path), Store(tmp / "store"), Output(quiet=True))
+    assert all(v["cached"] for v in again["stages"].values())
+    assert {k: v["id"] for k, v in again["stages"].items()} == {k: v["id"] for k, v in s["stages"].items()}
+
+
+def test_changing_alphas_reruns_solve_not_capture(first_run):
+    tmp, path, s = first_run
+    path2 = write_recipe(tmp, load_recipe(path).model, alphas=(1.0,), name="alphas")  # other maps (the grid alone would not do:
+    # an eval is keyed by the maps' bytes, so a grid that picks the same alpha re-uses it)
+    again = run_recipe(load_recipe(path2), Store(tmp / "store"), Output(quiet=True))
+    assert again["stages"]["capture"] == {**again["stages"]["capture"], "id": s["stages"]["capture"]["id"], "cached": True}
+    for name in ("solve", "quantize", "export", "eval"):
+        assert again["stages"][name]["cached"] is False and again["stages"][name]["id"] != s["stages"][name]["id"]
+
+
+def test_push_to_a_local_hub(first_run, tiny_llama):
+    """--push after a passing gate: one commit on the (local, Hub-compatible) server holding the release."""
+    from hubserver import HubServer, Token
+    from test_hub import hub_env, remote_files
+
+    tmp, _, s = first_run
+    token = "hf_rfRECIPE_3c2b1a0f9e8d"
+    path = write_recipe(tmp, tiny_llama, gate="[thresholds]\nkl_max = 1e9\n", push="alice/tiny-maps", name="pushing")
+    with HubServer(tokens={token: Token("alice")}) as hub:
+        r = cli("release", path, "--push", "--store", tmp / "store", "--json", env=hub_env(hub, tmp / "hfhome", token))
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["push"]["repo"] == "alice/tiny-maps" and out["push"]["unchanged"] is False
+        assert remote_files(hub, "alice/tiny-maps") == {p.name: p.read_bytes() for p in sorted((tmp / "rel").iterdir())}
+        again = cli("release", path, "--push", "--store", tmp / "store", "--json", env=hub_env(hub, tmp / "hfhome", token))
+        assert json.loads(again.stdout)["push"] == {**out["push"], "unchanged": True}
+    assert token not in r.stdout + r.stderr + again.stdout + again.stderr
+
+
+def test_gate_failure_exits_3_and_does_not_push(first_run, tiny_llama):
+    tmp, _, _ = first_run  # same store: every stage is a cache hit, only the gate differs
+    path = write_recipe(tmp, tiny_llama, gate="[thresholds]\nkl_max = -1\n", push="me/never", name="failing")
+    r = cli("release", path, "--push", "--store", tmp / "store", "--json")
+    assert r.returncode == 3, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("Error: gate failed: kl_max: ridgefill kl = ")
+    s = json.loads(r.stdout)
+    assert s["gate"]["passed"] is False and "push" not in s
+
+
+@pytest.mark.parametrize("text, message", [
+    ('model = "x"\n[capture]\nwindow = 3\n', "recipe [capture]: unknown key(s) window"),
+    ('out = "rel"\n', "'model' (a model spec string) is required"),
+    ('model = "x"\n[push]\nprivate = true\n', "recipe [push]: 'repo' (OWNER/NAME) is required"),
+    ('model = "x"\n[stages]\n', "recipe [top level]: unknown key(s) stages"),
+    ('model = \n', "recipe '"),
+])
+def test_bad_recipes(tmp_path, text, message):
+    path = tmp_path / "r.toml"
+    path.write_text(text)
+    r = cli("release", path, "--store", tmp_path / "store")
+    assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "store").exists()
+
+
+def test_push_needs_a_push_table(tmp_path, tiny_llama):
+    path = write_recipe(tmp_path, tiny_llama)
+    r = cli("release", path, "--push", "--store", tmp_path / "store")
+    assert r.returncode == 2 and "--push needs a [push] table" in r.stderr
+    assert not (tmp_path / "store").exists()
+
+
+def test_example_recipes_load():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("smollm2-135m", "gemma3-270m"):
+        r = load_recipe(root / "examples" / "recipes" / f"{name}.toml")
+        assert r.model == f"builtin:{name}" and r.gate == root / "examples" / "gates" / f"{name}.toml"
+        assert r.gate.is_file() and r.out == root / "release" / name
