@@ -134,3 +134,17 @@ def test_example_recipes_load():
         r = load_recipe(root / "examples" / "recipes" / f"{name}.toml")
         assert r.model == f"builtin:{name}" and r.gate == root / "examples" / "gates" / f"{name}.toml"
         assert r.gate.is_file() and r.out == root / "release" / name
+
+
+def test_sample_ci_workflow():
+    """The sample workflow parses, caches the store and runs an example recipe that exists."""
+    from pathlib import Path
+
+    yaml = pytest.importorskip("yaml")
+    root = Path(__file__).resolve().parents[1]
+    wf = yaml.safe_load((root / "examples" / "ci" / "release.yml").read_text())
+    steps = wf["jobs"]["release"]["steps"]
+    assert any(s.get("uses", "").startswith("actions/cache") and s["with"]["path"] == "ridgefill-artifacts" for s in steps)
+    run = next(s["run"] for s in steps if "ridgefill release" in s.get("run", ""))
+    recipe = run.split("ridgefill release ")[1].split()[0]
+    assert (root / recipe).is_file() and "--push" in run
