@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 # tiny.py sits next to this file; make it importable whether or not tests/ is a package.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,3 +38,32 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", arch="qwen3")
+
+
+TINY_FIXTURES = {"llama": "tiny_llama", "gemma3_text": "tiny_gemma3", "qwen2": "tiny_qwen2", "qwen3": "tiny_qwen3"}
+_LOADED: dict = {}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread; several threads crawl when the machine is busy.
+    Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def lm_of(request, tmp_path_factory):
+    """arch -> LoadedModel of the tiny model (loaded once per session)."""
+    from ridgefill.models import load_model, resolve_model
+
+    def get(arch):
+        if arch not in _LOADED:
+            path = request.getfixturevalue(TINY_FIXTURES[arch])
+            store = tmp_path_factory.mktemp("store")
+            _LOADED[arch] = load_model(resolve_model(str(path), store_root=store), store_root=store)
+        return _LOADED[arch]
+
+    return get

@@ -12,35 +12,11 @@ import torch
 
 from ridgefill.errors import BadInput
 from ridgefill.evaluate.runtime import ARMS, SlotCache, ceiling, greedy, prefill
-from ridgefill.models import load_model, resolve_model
+from conftest import TINY_FIXTURES
 
-FIXTURES = {"llama": "tiny_llama", "gemma3_text": "tiny_gemma3", "qwen2": "tiny_qwen2", "qwen3": "tiny_qwen3"}
-ALL = list(FIXTURES)
+ALL = list(TINY_FIXTURES)
 MAIN = ["llama", "gemma3_text"]  # Gemma's tiny config has sliding_window=8, so a 20-row input slides
-_LOADED = {}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; several threads crawl when the machine is busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def lm_of(request, tmp_path_factory):
-    """arch -> LoadedModel (loaded once per session)."""
-
-    def get(arch):
-        if arch not in _LOADED:
-            path = request.getfixturevalue(FIXTURES[arch])
-            store = tmp_path_factory.mktemp("store")
-            _LOADED[arch] = load_model(resolve_model(str(path), store_root=store), store_root=store)
-        return _LOADED[arch]
-
-    return get
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tokens(n, seed=0):
