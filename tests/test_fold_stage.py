@@ -162,3 +162,20 @@ def test_compact_refuses_missing_context_and_non_attention_model(tiny_llama, tmp
     ctx.write_text(CONTEXT)
     r = cli("compact", mamba, "--context", ctx, "--store", tmp_path / "st")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "mamba" in r.stderr
+
+
+def test_cache_files_round_trip(folded):
+    """Reading a cache file and writing it back gives the same bytes."""
+    from ridgefill.artifacts import tensors
+
+    _, _, store, comp, fold_ = folded
+    for ident in (comp["id"], fold_["id"]):
+        art = Store(store).get(ident)
+        raw, meta = tensors.load(art.file(cmp.CACHE))
+        dtype = meta["dtype"]
+        layers = cmp.load_cache(art)
+        arrays = {f"layer.{l}.{k}": cmp.to_dtype(a, dtype) if k in ("keys", "values") else a
+                  for l, d in layers.items() for k, a in d.items()}  # fmt: skip
+        out = store / f"{ident}.safetensors"
+        tensors.save(out, arrays, meta)
+        assert out.read_bytes() == art.file(cmp.CACHE).read_bytes()
