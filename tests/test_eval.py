@@ -77,6 +77,8 @@ def test_eval_rows_arm(release, tiny_llama):
     assert set(s["arms"]) == {"exact", "ridgefill+rows"} and "dnll" in s["arms"]["ridgefill+rows"]
     r = cli("eval", tiny_llama, sol.id, *TINY, "--arms", "exact", "--arms", "rows", "--store", st.root)
     assert r.returncode == 2 and "unknown arm 'rows'" in r.stderr
+    r = cli("eval", tiny_llama, sol.id, *TINY, "--tasks", "single", "--tasks", "haystack", "--store", st.root)
+    assert r.returncode == 2 and "unknown needle task(s) haystack" in r.stderr
 
 
 def test_check_gate_by_hand():

@@ -50,16 +50,16 @@ def test_chain_on_real_model(tmp_path, small_corpus, model, split, layers):
     assert man["model"]["num_layers"] == layers and man["split"] == split
     assert cli("verify", out).returncode == 0
 
-    # eval, every arm, small settings (Gemma's 512-row window slides at 768 tokens); a gate that cannot pass
+    # eval, every arm, small settings (Gemma's 512-row window slides at 640 tokens); a gate that cannot pass
     gate = tmp_path / "gate.toml"
     gate.write_text('arm = "ridgefill+rows"\n[thresholds]\ntop1_min = 1.01\n')
     arms = [a for arm in ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows") for a in ("--arms", arm)]
-    r = cli("eval", model, out, *arms, "--tail", 128, "--scored", 64, "--doc-tokens", 512, "--documents", 2,
-            "--lengths", 768, "--gate", gate, "--store", store, "--json")
+    r = cli("eval", model, out, *arms, "--tail", 128, "--scored", 64, "--doc-tokens", 384, "--documents", 2,
+            "--lengths", 640, "--depths", 0.5, "--tasks", "single", "--gate", gate, "--store", store, "--json")
     assert r.returncode == 3, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("Error: gate failed: top1_min: ridgefill+rows top1 = ")
     s = json.loads(r.stdout)["summary"]
-    assert s["documents"] == 2 and s["samples"] == 6  # 3 tasks x 2 depths at one length
+    assert s["documents"] == 2 and s["samples"] == 1  # one single needle at depth 0.5
     for arm in ("ridgefill", "identity", "nofill", "ridgefill+rows"):
         a = s["arms"][arm]
         assert 0 <= a["needle"] <= 100 and a["kl"] > 0 and 0 < a["top1"] < 1 and a["prefill_s"] > 0

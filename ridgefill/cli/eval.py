@@ -16,6 +16,8 @@ def eval_(
     arms: Annotated[Optional[list[str]], typer.Option("--arms", help="exact, ridgefill, identity, nofill, ridgefill+rows (repeatable; default: all but +rows).")] = None,
     tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = 512,
     lengths: Annotated[Optional[list[int]], typer.Option("--lengths", help="Needle context lengths (repeatable).")] = None,
+    depths: Annotated[Optional[list[float]], typer.Option("--depths", help="Needle depths in the context (repeatable).")] = None,
+    tasks: Annotated[Optional[list[str]], typer.Option("--tasks", help="single, multikey, multivalue (repeatable).")] = None,
     samples: Annotated[int, typer.Option("--samples", help="Needle samples per (length, depth, task).")] = 1,
     documents: Annotated[int, typer.Option("--documents", help="Long documents for the NLL figures.")] = 4,
     doc_tokens: Annotated[int, typer.Option("--doc-tokens", help="Length of each long document.")] = 2048,
@@ -35,7 +37,9 @@ def eval_(
 
     out = output(json)
     rules = load_gate(gate) if gate else None
-    cfg = EvalConfig(arms=tuple(arms or DEFAULT_ARMS), tail=tail, lengths=tuple(lengths or (2048, 4096)), samples=samples,
+    default = EvalConfig()
+    cfg = EvalConfig(arms=tuple(arms or DEFAULT_ARMS), tail=tail, lengths=tuple(lengths or default.lengths),
+                     depths=tuple(depths or default.depths), tasks=tuple(tasks or default.tasks), samples=samples,
                      documents=documents, doc_tokens=doc_tokens, scored=scored, seed=seed)
     st = store(store_root)
     art, cached = evaluate(st, model, source, cfg, out)

@@ -89,6 +89,13 @@ def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output
     for a in cfg.arms:
         if a not in ARMS:
             raise BadInput(f"unknown arm '{a}' (choose from {', '.join(ARMS)})")
+    from ridgefill.evaluate.needles import TASKS
+
+    bad = [t for t in cfg.tasks if t not in TASKS]
+    if bad:
+        raise BadInput(f"unknown needle task(s) {', '.join(bad)} (choose from {', '.join(TASKS)})")
+    if not all(0 <= d <= 1 for d in cfg.depths):
+        raise BadInput(f"needle depths must lie in [0, 1], got {list(cfg.depths)}")
     if "exact" not in cfg.arms:
         raise BadInput("--arms must include exact: every figure is measured against it")
     if not 0 < cfg.scored < cfg.tail or cfg.tail >= min(cfg.lengths + (cfg.doc_tokens,)):
