@@ -169,7 +169,7 @@ def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
     def boom(tmp, out):
         raise OSError("disk full")
 
-    monkeypatch.setattr(release, "_move_into_place", boom)
+    monkeypatch.setattr(release, "move_into_place", boom)
     with pytest.raises(OSError):
         write(tmp_path / "r")
     assert list(tmp_path.iterdir()) == []

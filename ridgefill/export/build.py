@@ -33,7 +33,7 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
     if src.stage not in ("quantize", "solve"):
         raise BadInput(f"artifact {src.id} is a {src.stage} artifact; export takes a quantize or solve artifact")
     if out_dir is not None:
-        _check_out(out_dir)
+        release.check_out_dir(out_dir)
     sol = store.get(src.info["solve"], stage="solve") if src.stage == "quantize" else src
     cap = store.get(sol.info["capture"], stage="capture")
     recipe = {"stage": "export", "version": FORMAT_VERSION, "source": f"{src.stage}/{src.id}", "tail": tail}
@@ -111,14 +111,6 @@ def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list
 def _for_card(manifest: dict, src: Artifact) -> dict:
     proj = {"dtype": "int8", "group_size": 128} if src.stage == "quantize" else {"dtype": "f32"}
     return {**manifest, "format": release.FORMAT, "projector": proj}
-
-
-def _check_out(out_dir: Path) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise BadInput(f"--out {out_dir} exists and is not a directory")
-    # Even --force only ever replaces a release folder, so a mistyped --out never deletes other files.
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / release.MANIFEST).is_file():
-        raise BadInput(f"--out {out_dir} exists, is not empty and is not a release folder")
 
 
 def _copy_out(art: Artifact, out_dir: Path, force: bool) -> Path:

@@ -166,7 +166,7 @@ def pull(spec: str, out_dir: Path, *, token: str | None = None, force: bool = Fa
     """Download a release into out_dir (verified, atomically); returns {repo, revision, commit, out, files}."""
     repo_id, revision = parse_spec(spec)
     out_dir = Path(out_dir)
-    _check_out(out_dir)  # before any network: a mistyped --out fails fast
+    release.check_out_dir(out_dir)  # before any network: a mistyped --out fails fast
 
     from huggingface_hub import HfApi, get_token
 
@@ -240,13 +240,6 @@ def _listed(manifest_path: Path, where: str) -> list[str]:
     return sorted(files)
 
 
-def _check_out(out_dir: Path) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise BadInput(f"--out {out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / release.MANIFEST).is_file():
-        raise BadInput(f"--out {out_dir} exists, is not empty and is not a release folder")
-
-
 def _place(stage: Path, out_dir: Path, force: bool) -> bool:
     """Rename the verified stage to out_dir; True if out_dir already held exactly these files (left alone)."""
     if out_dir.is_dir() and any(out_dir.iterdir()):
@@ -256,7 +249,7 @@ def _place(stage: Path, out_dir: Path, force: bool) -> bool:
             return True
         if not force:
             raise BadInput(f"--out {out_dir} holds a different release; pass --force to replace it")
-    release._move_into_place(stage, out_dir)  # swap, with the old folder restored if the rename fails
+    release.move_into_place(stage, out_dir)  # swap, with the old folder restored if the rename fails
     return False
 
 

@@ -212,14 +212,24 @@ def write_release(
         _write_file(tmp / MAPS_FILE, blob)
         _write_file(tmp / MANIFEST, text.encode())
         _write_file(tmp / CARD, card.encode("utf-8"))
-        _move_into_place(tmp, out_dir)
+        move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return json.loads(text)
 
 
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse an --out that a release may not go to: a file, or a non-empty folder that is not a release (even
+    --force only ever replaces a release folder, so a mistyped --out never deletes other files)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BadInput(f"--out {out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
+        raise BadInput(f"--out {out_dir} exists, is not empty and is not a release folder")
+
+
+def move_into_place(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished folder tmp to out_dir, swapping out an old one (restored if the rename fails)."""
     if out_dir.is_dir() and not any(out_dir.iterdir()):
         out_dir.rmdir()
     if not out_dir.exists():
