@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -38,3 +38,15 @@ def done(out, stage: str, art, cached: bool, extra: dict | None = None) -> None:
     out.info(f"[bold]{stage}[/bold] {art.id} ({status}) -> {art.path}")
     out.result({"stage": stage, "id": art.id, "cached": cached, "path": str(art.path),
                 "summary": art.manifest.get("summary", {}), **(extra or {})}, primary=art.id)
+
+# Where a model runs (ridgefill/models/device.py): on every command that runs one.
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto (first CUDA device, else CPU), cpu, cuda or cuda:N.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="Model dtype: auto (bfloat16 on a GPU, float32 on CPU), float32, bfloat16, float16.")]
+DeviceMapOpt = Annotated[
+    Optional[str],
+    typer.Option("--device-map", help="'auto': spread the model over GPUs, CPU memory and disk with accelerate."),
+]
+MaxMemoryOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--max-memory", help="With --device-map: DEVICE=SIZE per device, e.g. 0=20GiB, cpu=64GiB (repeatable)."),
+]
