@@ -49,7 +49,7 @@ def store_with_capture(tmp_path_factory, tiny_llama):
     (tmp / "f.txt").write_text("print('hello')\nx = 1\n" * 30)
     store = tmp / "store"
     r = cli("capture", tiny_llama, "--data", tmp / "d.txt", "--data", tmp / "e.txt", "--data", tmp / "f.txt",
-            "--split", 2, "--held-out", 1, "--max-tokens", 64, "--store", store, "--json")
+            "--split", 2, "--held-out", 1, "--chunk", 64, "--store", store, "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["stage"] == "capture" and doc["cached"] is False
@@ -59,7 +59,7 @@ def store_with_capture(tmp_path_factory, tiny_llama):
 def test_capture_rerun_is_cached_and_stdout_is_the_id(store_with_capture, tiny_llama):
     store, cid, tmp = store_with_capture
     r = cli("capture", tiny_llama, "--data", tmp / "d.txt", "--data", tmp / "e.txt", "--data", tmp / "f.txt",
-            "--split", 2, "--held-out", 1, "--max-tokens", 64, "--store", store)
+            "--split", 2, "--held-out", 1, "--chunk", 64, "--store", store)
     assert r.returncode == 0
     assert r.stdout == cid + "\n"
     assert "(cached)" in r.stderr

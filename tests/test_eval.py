@@ -24,7 +24,7 @@ def release(tmp_path_factory, tiny_llama):
     for i in range(5):
         (data / f"d{i}.txt").write_text(f"document {i}: " + "the cat sat on the mat and looked around. " * (8 + i))
     st = Store(tmp / "store")
-    cap, _ = capture(st, str(tiny_llama), [str(data)], CaptureConfig(splits=(2,), max_tokens=64, held_out=1), Output(quiet=True))
+    cap, _ = capture(st, str(tiny_llama), [str(data)], CaptureConfig(splits=(2,), chunk=64, held_out=1), Output(quiet=True))
     sol, _ = solve(st, cap.id, Output(quiet=True), alphas=[1e-3])
     rel = tmp / "release"
     r = cli("export", sol.id, "--out", rel, "--store", st.root)

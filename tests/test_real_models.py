@@ -27,7 +27,7 @@ def small_corpus(tmp_path_factory):
 def test_chain_on_real_model(tmp_path, small_corpus, model, split, layers):
     store = tmp_path / "store"
     r = cli("capture", model, "--data", small_corpus, "--held-out", 2, "--held-out-rows", 256,
-            "--max-tokens", 512, "--store", store, "--json")
+            "--chunk", 512, "--store", store, "--json")
     assert r.returncode == 0, r.stderr
     cap = json.loads(r.stdout)
     assert cap["summary"]["splits"] == [split]  # the default split for this model

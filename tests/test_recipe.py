@@ -18,7 +18,7 @@ def write_recipe(tmp, model, alphas=(1e-3,), gate=None, push=None, name="recipe"
     data.mkdir(exist_ok=True)
     for i in range(5):
         (data / f"d{i}.txt").write_text(f"document {i}: " + "the cat sat on the mat and looked around. " * (8 + i))
-    lines = [f'model = "{model}"', 'out = "rel"', "[capture]", 'data = ["data"]', "splits = [2]", "max_tokens = 64",
+    lines = [f'model = "{model}"', 'out = "rel"', "[capture]", 'data = ["data"]', "splits = [2]", "chunk = 64",
              "held_out = 1", "[solve]", f"alphas = {list(alphas)}", "[eval]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in EVAL.items()]
     if gate:

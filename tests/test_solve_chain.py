@@ -27,7 +27,7 @@ def chain(tmp_path_factory, tiny_llama):
         (data / f"d{i}.txt").write_text(t)
     store = tmp / "store"
     cap, _ = capture(Store(store), str(tiny_llama), [str(data)],
-                     CaptureConfig(splits=(2,), max_tokens=48, held_out=2, held_out_rows=64), Output(quiet=True))
+                     CaptureConfig(splits=(2,), chunk=48, held_out=2, held_out_rows=64), Output(quiet=True))
     r = cli("solve", cap.id, "--store", store, "--alpha", "1e-4", "--alpha", "0.01", "--alpha", "1", "--json")
     assert r.returncode == 0, r.stderr
     solve = json.loads(r.stdout)

@@ -1,10 +1,18 @@
 """`ridgefill capture`: one pass of the model over calibration text, accumulating ridge statistics.
 
-Work is cut into units (one window of one document, raw or chat-templated). After each unit the unit's
-moments are merged into the running totals in a fixed order, so the result depends only on the input.
-Every `checkpoint_every` seconds the totals and the index of the next unit go to `.work-<id>/state`, one
-file written by rename; after a crash (even `kill -9`) the same command resumes from there and finishes
-with statistics byte-identical to an uninterrupted run, counting no unit twice.
+Each document is one unit of work, fed chunk by chunk through the model's KV cache (capture/forward.py), so
+every row keeps its whole left context; only the document's first row (an attention sink with outsized
+activations) is left out of the fit. `max_length` truncates documents (default: the model's context).
+
+Units are grouped into blocks that depend on the input alone (contiguous, balanced by tokens). A block's
+statistics are merged from empty, unit by unit and chunk by chunk, and the blocks are merged into the totals in
+block order. Under torchrun the ranks compute blocks round-robin and rank 0 merges them in that same order
+(capture/dist.py), so the artifact is the same bytes whatever the number of processes.
+
+Every `checkpoint_every` seconds the totals, the current block's partial statistics and the position reached go
+to `.work-<id>/state.safetensors` (one file, written by rename); after a crash (even `kill -9`) the same command
+resumes there (a torchrun run at its last finished round) and writes statistics byte-identical to an
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -19,27 +27,36 @@ import numpy as np
 from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts import tensors
 from ridgefill.capture.corpus import Corpus, read_corpus, split_held_out
-from ridgefill.capture.stats import Moments, merge, moments_of
+from ridgefill.capture.dist import World
+from ridgefill.capture.forward import PRODUCT_DTYPES
+from ridgefill.capture.stats import Moments, merge, merge_into
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 
-FORMAT_VERSION = 1
-SKIP_FIRST = 1  # the first row of every window is an attention sink with outsized activations: not fitted
+FORMAT_VERSION = 2  # 2: whole documents through the KV cache (was: independent windows), blocks, float32 products
+SKIP_FIRST = 1  # a document's first row is an attention sink with outsized activations: not fitted
+MAX_BLOCKS = 64  # blocks of work; a torchrun world keeps at most this many ranks busy
 STATS = "stats.safetensors"
 HELDOUT = "heldout.safetensors.zst"
 COUNTS = "token_counts.safetensors"
 DOCS = "documents.json"
+STATE = "state.safetensors"
 
 
 @dataclass(frozen=True)
 class CaptureConfig:
     splits: tuple[int, ...] = ()  # empty: the model's default split
     chat: bool = False
-    max_tokens: int = 1024
+    chunk: int = 1024  # tokens per forward through the KV cache
+    max_length: int | None = None  # truncate documents; None: the model's context
     held_out: int = 4
     held_out_rows: int = 2048
     seed: int = 0
-    dtype: str = "float32"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (the recipe records the kind)
+    dtype: str = "auto"  # model dtype: auto | float32 | bfloat16 | float16
+    product_dtype: str = "float32"  # the per-chunk centred products (totals are float64 either way)
+    device_map: str | None = None  # "auto": spread the model with accelerate
+    max_memory: tuple[str, ...] = ()  # with device_map: DEVICE=SIZE
     trust_remote_code: bool = False
 
 
@@ -47,10 +64,9 @@ class CaptureConfig:
 class Unit:
     doc: int
     variant: str  # "raw" | "chat"
-    start: int
-    end: int
+    tokens: int
     held: bool
-    keep: list[int] = field(default_factory=list)  # held-out rows kept (window positions)
+    keep: list[int] = field(default_factory=list)  # held-out rows kept (document positions)
 
 
 def capture(
@@ -61,86 +77,237 @@ def capture(
     out: Output,
     checkpoint_every: float = 30.0,
     after_unit: Callable[[int], None] | None = None,
-) -> tuple[Artifact, bool]:
-    """Run (or find cached) the capture. Returns the artifact and whether it was a cache hit."""
-    from ridgefill.models import resolve_model
+) -> tuple[Artifact | None, bool]:
+    """Run (or find cached) the capture. Returns the artifact and whether it was a cache hit.
 
-    if cfg.max_tokens < 2:
-        raise BadInput("--max-tokens must be at least 2")
+    Under torchrun every rank calls this; rank 0 returns the artifact, the others return (None, cached)."""
+    from ridgefill.models import resolve_model
+    from ridgefill.models.device import device_kind, parse_max_memory, resolve_device, resolve_dtype
+
+    world = World()
+    if cfg.chunk < 2:
+        raise BadInput(f"--chunk must be at least 2 tokens (got {cfg.chunk})")
+    if cfg.max_length is not None and cfg.max_length < 2:
+        raise BadInput(f"--max-length must be at least 2 tokens (got {cfg.max_length})")
     if cfg.held_out_rows < 0:
         raise BadInput("--held-out-rows must be >= 0")
-    ref = resolve_model(model, store_root=store.root)
-    splits = tuple(sorted(set(cfg.splits))) or (ref.default_split,)
-    for s in splits:
-        if not 0 < s < ref.num_layers:
-            raise BadInput(f"split {s} is out of range: the model has {ref.num_layers} layers (use 1..{ref.num_layers - 1})")
-    corpus = read_corpus(data)
-    if corpus.replaced:
-        out.warn(f"{corpus.files_with_replacements} file(s) had non-UTF-8 bytes; {corpus.replaced} replaced with U+FFFD")
-    calib, held = split_held_out(corpus.documents, cfg.held_out, cfg.seed)
-    recipe = {
-        "stage": "capture",
-        "version": FORMAT_VERSION,
-        "model": ref.fingerprint,
-        "data": corpus.digest,
-        **{k: v for k, v in asdict(cfg).items() if k not in ("splits", "trust_remote_code")},
-        "splits": list(splits),
-        "skip_first": SKIP_FIRST,
-    }
-    hit = store.cached("capture", recipe)
-    if hit is not None:
-        return hit, True
+    if cfg.product_dtype not in PRODUCT_DTYPES:
+        raise BadInput(f"unknown product dtype '{cfg.product_dtype}' (choose {' or '.join(PRODUCT_DTYPES)})")
+    if cfg.device_map is not None and world.distributed:
+        raise BadInput("--device-map cannot be combined with torchrun: every rank would spread its own copy of the "
+                       "model over the same devices (use one process, or --device per rank)")
+    max_memory = parse_max_memory(list(cfg.max_memory))
+    if max_memory and cfg.device_map is None:
+        raise BadInput("--max-memory needs --device-map auto")
+    device = resolve_device(cfg.device)
+    if world.distributed and device_kind(device) == "cuda":
+        device = f"cuda:{world.local_rank}"  # one GPU per local rank
+    dtype = resolve_dtype(cfg.dtype, device)
+    world.start()
+    try:
+        with world.rank0_first():  # a hub download or a GGUF assembly happens once, on rank 0
+            ref = resolve_model(model, store_root=store.root)
+        splits = tuple(sorted(set(cfg.splits))) or (ref.default_split,)
+        for s in splits:
+            if not 0 < s < ref.num_layers:
+                raise BadInput(f"split {s} is out of range: the model has {ref.num_layers} layers (use 1..{ref.num_layers - 1})")
+        corpus = read_corpus(data)
+        if corpus.replaced:
+            out.warn(f"{corpus.files_with_replacements} file(s) had non-UTF-8 bytes; {corpus.replaced} replaced with U+FFFD")
+        calib, held = split_held_out(corpus.documents, cfg.held_out, cfg.seed)
+        recipe = {
+            "stage": "capture",
+            "version": FORMAT_VERSION,
+            "model": ref.fingerprint,
+            "data": corpus.digest,
+            "splits": list(splits),
+            "chat": cfg.chat,
+            "chunk": cfg.chunk,
+            "max_length": cfg.max_length,
+            "held_out": cfg.held_out,
+            "held_out_rows": cfg.held_out_rows,
+            "seed": cfg.seed,
+            "device": device_kind(device),
+            "dtype": dtype,
+            "product_dtype": cfg.product_dtype,
+            "skip_first": SKIP_FIRST,
+        }
+        from ridgefill.artifacts import recipe_id
 
+        world.agree("capture id", recipe_id(recipe))
+        hit = store.cached("capture", recipe) if world.writer else None
+        if world.broadcast_int(int(hit is not None)):
+            return hit, True
+        return _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, device, dtype, max_memory, world,
+                    out, checkpoint_every, after_unit)
+    finally:
+        world.close()
+
+
+def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, device, dtype, max_memory, world, out,
+         checkpoint_every, after_unit):
+    from ridgefill.capture.forward import chunk_moments, document_chunks, exact_float32
     from ridgefill.models import load_model
 
     t0 = time.perf_counter()
-    lm = load_model(ref, store_root=store.root, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    extra = {"device_map": cfg.device_map, "max_memory": max_memory} if cfg.device_map else {}
+    with world.rank0_first():  # the dequantized GGUF cache is written once, by rank 0
+        lm = load_model(ref, store_root=store.root, dtype=dtype, device=device,
+                        trust_remote_code=cfg.trust_remote_code, **extra)
     load_s = time.perf_counter() - t0
-    ids = _tokenize(lm.tokenizer, corpus, cfg.chat)
+    context = int(getattr(lm.model.config.get_text_config(), "max_position_embeddings", 0) or 0) or None
+    max_length = cfg.max_length or context
+    ids = _tokenize(lm.tokenizer, corpus, cfg.chat, max_length)
     units = _units(ids, calib, held, cfg)
+    blocks = _blocks(units)
     lo = min(splits)
     layers = list(range(lo, ref.num_layers))  # every input we need: split states and late-layer inputs
+    variants = ("raw", "chat") if cfg.chat else ("raw",)
+    keys = [(v, s) for v in variants for s in splits]
     d = ref.hidden_size
+    empty = lambda: {kv: Moments.empty(ref.num_layers - kv[1], d, d) for kv in keys}  # noqa: E731
+    held_like = {f"hidden.{l}": ((d,), np.float32) for l in layers} | {"doc": ((), np.int32), "pos": ((), np.int32)}
+    in_device = _input_device(lm)
+    t_fwd = 0.0
+    tokens_done = 0
 
-    with store.build("capture", recipe) as build:
-        state = _State.resume(build.work, build.id, splits, ref.num_layers, d, cfg.chat, layers)
-        if state.next_unit:
+    def run_unit(u: Unit, part: dict, held_rows: dict) -> dict:
+        """Feed one document; merge its chunks into `part` (per (variant, split)); collect kept rows."""
+        nonlocal t_fwd, tokens_done
+        t = time.perf_counter()
+        doc_ids = ids[u.variant][u.doc]
+        for start, hs in document_chunks(lm, doc_ids, layers, cfg.chunk, in_device):
+            rows = len(hs[lo])
+            if u.held:
+                keep = [p - start for p in u.keep if start <= p < start + rows]
+                if keep:
+                    for l in layers:
+                        held_rows[f"hidden.{l}"].append(hs[l][keep].float().cpu().numpy())
+                    held_rows["doc"].append(np.full(len(keep), u.doc, dtype=np.int32))
+                    held_rows["pos"].append(np.asarray(keep, dtype=np.int32) + start)
+                continue
+            skip = SKIP_FIRST if start == 0 else 0
+            if rows - skip < 1:
+                continue
+            for s in splits:
+                x = hs[s][skip:]  # [n, d]
+                ys = [hs[l][skip:] for l in range(s, ref.num_layers)]  # k x [n, d]
+                part[(u.variant, s)] = merge_into(part[(u.variant, s)], chunk_moments(x, ys, cfg.product_dtype))
+        t_fwd += time.perf_counter() - t
+        tokens_done += u.tokens
+        return part
+
+    def new_held() -> dict:
+        return {k: [] for k in held_like}
+
+    with store.build("capture", recipe) if world.writer else _NoBuild(recipe) as build, exact_float32():
+        state = _State.load(build.work, build.id, keys, empty, world) if world.writer else _State(empty())
+        state.next_block = world.broadcast_int(state.next_block)
+        if world.distributed:  # a torchrun run restarts the unfinished block from its beginning
+            state.drop_partial(empty(), blocks)
+        if state.next_unit and world.writer:
             out.info(f"resuming capture {build.id} at unit {state.next_unit}/{len(units)}")
-        t_fwd, last_ckpt = 0.0, time.perf_counter()
-        tokens_done = 0
-        with out.progress("capture", total=len(units)) as bar:
-            for i in range(state.next_unit, len(units)):
-                u = units[i]
-                t = time.perf_counter()
-                hs = _forward(lm, ids[u.variant][u.doc][u.start : u.end], layers)
-                t_fwd += time.perf_counter() - t
-                state.add(u, hs, splits, lo)
-                state.next_unit = i + 1
-                tokens_done += u.end - u.start
-                bar.update(i + 1, tokens_done, f"unit {i + 1}/{len(units)} · doc {u.doc + 1}/{len(corpus.documents)}")
-                if time.perf_counter() - last_ckpt >= checkpoint_every or checkpoint_every <= 0:
-                    state.save(build.work, build.id)
-                    last_ckpt = time.perf_counter()
-                if after_unit is not None:
-                    after_unit(i)
+        last_ckpt = time.perf_counter()
+
+        def checkpoint(force: bool = False) -> None:
+            nonlocal last_ckpt
+            if world.writer and (force or checkpoint_every <= 0 or time.perf_counter() - last_ckpt >= checkpoint_every):
+                state.save(build.work, build.id)
+                last_ckpt = time.perf_counter()
+
+        with (out if world.writer else Output(quiet=True)).progress("capture", total=len(units)) as bar:
+            if not world.distributed:
+                for b in range(state.next_block, len(blocks)):
+                    for i in range(max(blocks[b][0], state.next_unit), blocks[b][1]):
+                        held_rows = new_held()
+                        run_unit(units[i], state.part, held_rows)
+                        state.add_held(held_rows, partial=True)
+                        state.next_unit = i + 1
+                        if i + 1 == blocks[b][1]:
+                            state.finish_block(empty())
+                        bar.update(i + 1, tokens_done, f"doc {i + 1}/{len(units)} · block {b + 1}/{len(blocks)}")
+                        checkpoint()
+                        if after_unit is not None:
+                            after_unit(i)
+            else:
+                W = world.size
+                for first in range(state.next_block, len(blocks), W):
+                    b = first + world.rank
+                    mine = None
+                    if b < len(blocks):
+                        part, held_rows = empty(), new_held()
+                        for i in range(*blocks[b]):
+                            run_unit(units[i], part, held_rows)
+                        mine = ([part[k] for k in keys], _concat(held_rows))
+                        world.fault_point(b)
+                    if world.writer:
+                        results = [mine] + [world.recv_block(r, [state.total[k] for k in keys], held_like)
+                                            for r in range(1, W) if first + r < len(blocks)]
+                        for moments, held_rows in results:
+                            for k, m in zip(keys, moments):
+                                state.total[k] = merge_into(state.total[k], m)
+                            state.add_held({k: [a] for k, a in held_rows.items()}, partial=False)
+                        state.next_block = min(first + W, len(blocks))
+                        state.next_unit = blocks[state.next_block - 1][1]
+                        bar.update(state.next_unit, tokens_done * W, f"block {state.next_block}/{len(blocks)} · {W} ranks")
+                        checkpoint()
+                    elif mine is not None:
+                        world.send_block(*mine)
+                world.barrier()
+        if not world.writer:
+            return None, False
         state.write_outputs(build.path, splits, layers, ref.num_layers)
         _write_counts(build.path / COUNTS, ids["raw"], calib, _vocab_size(lm))
         _write_docs(build.path / DOCS, corpus, ids, calib, held)
         n_calib_tokens = int(sum(len(ids["raw"][i]) for i in calib))
+        truncated = [i for i in range(len(corpus.documents)) if ids["full_length"][i] > len(ids["raw"][i])]
         summary = {
             "splits": list(splits),
-            "rows": {f"{v}.split{s}": int(state.moments[v][s].n) for v in state.moments for s in splits},
+            "rows": {f"{v}.split{s}": int(state.total[(v, s)].n) for v, s in keys},
             "calibration_documents": len(calib),
             "calibration_tokens": n_calib_tokens,
             "held_out_documents": len(held),
             "held_out_rows": int(state.held_rows()),
+            "max_length": max_length,
+            "max_length_from": "--max-length" if cfg.max_length else "the model's context",
+            "truncated_documents": len(truncated),
+            "longest_document": int(max(ids["full_length"])),
+            "blocks": len(blocks),
+            "processes": world.size,
             "forward_tokens_per_s": round(tokens_done / t_fwd, 1) if t_fwd else None,
         }
         info = {"model_spec": model, "trust_remote_code": cfg.trust_remote_code, "model": _model_info(ref),
                 "data": data, "num_layers": ref.num_layers, "hidden_size": d, "layers": layers,
-                "layer_kinds": {str(i): k for i, k in enumerate(lm.adapter.layer_kinds)}}
+                "layer_kinds": {str(i): k for i, k in enumerate(lm.adapter.layer_kinds)},
+                "device": device, "device_map": cfg.device_map}
         art = build.commit(info=info, summary=summary, timings={"model_load_s": round(load_s, 3), "forward_s": round(t_fwd, 3)})
     return art, False
+
+
+class _NoBuild:
+    """What a rank other than 0 has instead of a Build: an id and nothing on disk."""
+
+    def __init__(self, recipe: dict):
+        from ridgefill.artifacts import recipe_id
+
+        self.id, self.work = recipe_id(recipe), None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _input_device(lm):
+    """Where the token ids go: the embedding's device (its execution device under accelerate's dispatch)."""
+    emb = lm.adapter.base.embed_tokens
+    hook = getattr(emb, "_hf_hook", None)
+    dev = getattr(hook, "execution_device", None)
+    if dev is not None:
+        return dev
+    w = emb.weight
+    return "cpu" if w.device.type == "meta" else w.device
 
 
 def _model_info(ref) -> dict:
@@ -152,124 +319,129 @@ def _vocab_size(lm) -> int:
     return max(len(lm.tokenizer), int(getattr(lm.model.config, "vocab_size", 0) or 0))
 
 
-def _tokenize(tok, corpus: Corpus, chat: bool) -> dict[str, list[np.ndarray]]:
-    """Token ids per document as int32 arrays (4 bytes a token: the only thing that grows with the corpus)."""
-    ids32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
-    texts = [d.text for d in corpus.documents]
-    ids = {"raw": [ids32(tok(t, add_special_tokens=True)["input_ids"]) for t in texts]}
+def _tokenize(tok, corpus: Corpus, chat: bool, max_length: int | None) -> dict[str, list]:
+    """Token ids per document as int32 arrays (4 bytes a token: the only thing that grows with the corpus),
+    truncated to `max_length`; "full_length" keeps each raw document's untruncated length for the report."""
+    cut = lambda x: np.asarray(x[:max_length] if max_length else x, dtype=np.int32)  # noqa: E731
+    raw = [tok(d.text, add_special_tokens=True)["input_ids"] for d in corpus.documents]
+    ids = {"raw": [cut(x) for x in raw], "full_length": [len(x) for x in raw]}
     if chat:
         if not getattr(tok, "chat_template", None):
             raise BadInput("--chat: the model's tokenizer has no chat template")
         ids["chat"] = []
-        for t in texts:
-            enc = tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True)
-            ids["chat"].append(ids32(enc["input_ids"] if hasattr(enc, "keys") else enc))
+        for d in corpus.documents:
+            enc = tok.apply_chat_template([{"role": "user", "content": d.text}], tokenize=True)
+            ids["chat"].append(cut(enc["input_ids"] if hasattr(enc, "keys") else enc))
     return ids
 
 
-def _units(ids: dict[str, list[np.ndarray]], calib: list[int], held: list[int], cfg: CaptureConfig) -> list[Unit]:
-    units = []
-    for held_phase, docs in ((False, calib), (True, held)):
-        for variant in ids:
-            if held_phase and variant != "raw":
-                continue  # held-out rows are scored on raw text only
-            for doc in docs:
-                n = len(ids[variant][doc])
-                for start in range(0, n, cfg.max_tokens):
-                    end = min(n, start + cfg.max_tokens)
-                    if end - start > SKIP_FIRST:
-                        units.append(Unit(doc, variant, start, end, held_phase))
-    # Held-out rows: an even share per document, evenly spaced over its usable rows.
-    held_units = [u for u in units if u.held]
-    if held_units and cfg.held_out_rows:
+def _units(ids: dict[str, list], calib: list[int], held: list[int], cfg: CaptureConfig) -> list[Unit]:
+    """Calibration documents (raw, then chat), then held-out documents (raw): one unit each."""
+    units = [Unit(doc, v, len(ids[v][doc]), False) for v in ("raw", "chat") if v in ids for doc in calib]
+    units = [u for u in units if u.tokens > SKIP_FIRST]
+    # Held-out rows: an even share per document, evenly spaced over its usable rows (never row 0).
+    if held and cfg.held_out_rows:
         quota = -(-cfg.held_out_rows // len(held))  # ceil
         for doc in held:
-            mine = [u for u in held_units if u.doc == doc]
-            rows = [(u, p) for u in mine for p in range(SKIP_FIRST, u.end - u.start)]
-            take = np.unique(np.linspace(0, len(rows) - 1, num=min(quota, len(rows))).round().astype(int)) if rows else []
-            for j in take:
-                u, p = rows[j]
-                u.keep.append(p)
-    return [u for u in units if not u.held or u.keep]
+            n = len(ids["raw"][doc])
+            if n <= SKIP_FIRST:
+                continue
+            take = np.unique(np.linspace(SKIP_FIRST, n - 1, num=min(quota, n - SKIP_FIRST)).round().astype(int))
+            units.append(Unit(doc, "raw", n, True, [int(p) for p in take]))
+    return units
 
 
-def _forward(lm, token_ids: np.ndarray, layers: list[int]) -> dict[int, np.ndarray]:
-    """Inputs of `layers` for one window, as float32 numpy [seq, d]."""
-    import torch
+def _blocks(units: list[Unit]) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges of units, about equal in tokens, at most MAX_BLOCKS: fixed by the input."""
+    total = sum(u.tokens for u in units)
+    count = min(MAX_BLOCKS, len(units))
+    if count == 0:
+        return []
+    # Unit i goes to the block its token midpoint falls in.
+    edges, before = [], 0
+    for u in units:
+        edges.append(min(count - 1, int((before + u.tokens / 2) * count / total)))
+        before += u.tokens
+    blocks, start = [], 0
+    for i in range(1, len(units) + 1):
+        if i == len(units) or edges[i] != edges[i - 1]:
+            blocks.append((start, i))
+            start = i
+    return blocks
 
-    from ridgefill.capture.hooks import StopForward, layer_inputs
 
-    x = torch.from_numpy(token_ids.astype(np.int64))[None]  # [1, seq]
-    with torch.inference_mode(), layer_inputs(lm.adapter.layers, layers) as seen:
-        try:
-            lm.adapter.base(input_ids=x, use_cache=False)
-        except StopForward:
-            pass
-    return {l: seen[l][0].float().numpy() for l in layers}
+def _concat(held_rows: dict) -> dict[str, np.ndarray]:
+    return {k: np.concatenate(v) for k, v in held_rows.items() if v}
 
 
 class _State:
-    """Running totals plus held-out rows; saved and restored exactly (float64, one file)."""
+    """Totals over finished blocks, the current block's partial statistics, held-out rows; saved exactly."""
 
-    def __init__(self, splits, num_layers, d, chat, layers):
-        variants = ("raw", "chat") if chat else ("raw",)
-        self.moments = {v: {s: Moments.empty(num_layers - s, d, d) for s in splits} for v in variants}
-        self.held: dict[str, list[np.ndarray]] = {f"hidden.{l}": [] for l in layers}
-        self.held.update(doc=[], pos=[])
+    def __init__(self, total: dict):
+        self.total = total  # {(variant, split): Moments} over blocks < next_block
+        self.part = {k: Moments.empty(len(m.yy), len(m.mean_x), m.mean_y.shape[1]) for k, m in total.items()}  # same shapes
+        self.held: dict[str, list[np.ndarray]] = {}  # rows of finished blocks
+        self.part_held: dict[str, list[np.ndarray]] = {}  # rows of the current block
+        self.next_block = 0
         self.next_unit = 0
 
     @classmethod
-    def resume(cls, work: Path, run_id: str, splits, num_layers, d, chat, layers) -> "_State":
-        st = cls(splits, num_layers, d, chat, layers)
-        f = work / "state.safetensors"
+    def load(cls, work: Path, run_id: str, keys, empty, world: World) -> "_State":
+        st = cls(empty())
+        f = work / STATE
         if f.is_file():
             arrays, meta = tensors.load(f)
             if meta.get("id") == run_id:
-                for v in st.moments:
-                    for s in splits:
-                        st.moments[v][s] = Moments.from_arrays(arrays, f"{v}.split{s}")
-                for k in st.held:
-                    if f"held.{k}" in arrays:
-                        st.held[k] = [arrays[f"held.{k}"]]
-                st.next_unit = int(meta["next_unit"])
+                for v, s in keys:
+                    st.total[(v, s)] = Moments.from_arrays(arrays, f"total.{v}.split{s}")
+                    st.part[(v, s)] = Moments.from_arrays(arrays, f"part.{v}.split{s}")
+                for name in arrays:
+                    for prefix, into in (("held.", st.held), ("partheld.", st.part_held)):
+                        if name.startswith(prefix):
+                            into[name.removeprefix(prefix)] = [arrays[name]]
+                st.next_block, st.next_unit = int(meta["next_block"]), int(meta["next_unit"])
         return st
 
-    def add(self, u: Unit, hs: dict[int, np.ndarray], splits, lo: int) -> None:
-        if u.held:
-            if u.keep:
-                for l, h in hs.items():
-                    self.held[f"hidden.{l}"].append(h[u.keep])
-                self.held["doc"].append(np.full(len(u.keep), u.doc, dtype=np.int32))
-                self.held["pos"].append(np.asarray(u.keep, dtype=np.int32) + u.start)
-            return
-        for s in splits:
-            x = hs[s][SKIP_FIRST:]  # [n, d]
-            ys = np.stack([hs[l][SKIP_FIRST:] for l in range(s, s + len(self.moments[u.variant][s].yy))])  # [k, n, d]
-            self.moments[u.variant][s] = merge(self.moments[u.variant][s], moments_of(x, ys))
+    def drop_partial(self, empty: dict, blocks) -> None:
+        self.part, self.part_held = empty, {}
+        self.next_unit = blocks[self.next_block - 1][1] if self.next_block else 0
+
+    def add_held(self, rows: dict[str, list[np.ndarray]], partial: bool) -> None:
+        into = self.part_held if partial else self.held
+        for k, v in rows.items():
+            if v:
+                into.setdefault(k, []).extend(v)
+
+    def finish_block(self, empty: dict) -> None:
+        for k, m in self.part.items():
+            self.total[k] = merge_into(self.total[k], m)
+        self.add_held(self.part_held, partial=False)
+        self.part, self.part_held = empty, {}
+        self.next_block += 1
 
     def held_rows(self) -> int:
-        return int(sum(len(a) for a in self.held["doc"]))
+        return int(sum(len(a) for a in self.held.get("doc", [])))
 
-    def _arrays(self) -> dict[str, np.ndarray]:
+    def _arrays(self, which: dict) -> dict[str, np.ndarray]:
         arrays: dict[str, np.ndarray] = {}
-        for v, per in self.moments.items():
-            for s, m in per.items():
-                arrays.update(m.to_arrays(f"{v}.split{s}"))
+        for (v, s), m in which.items():
+            arrays.update(m.to_arrays(f"{v}.split{s}"))
         return arrays
-
-    def _held_arrays(self) -> dict[str, np.ndarray]:
-        return {k: np.concatenate(v) for k, v in self.held.items() if v}
 
     def save(self, work: Path, run_id: str) -> None:
         work.mkdir(parents=True, exist_ok=True)
-        arrays = self._arrays()
-        arrays.update({f"held.{k}": a for k, a in self._held_arrays().items()})
-        tensors.save(work / "state.safetensors", arrays, {"id": run_id, "next_unit": str(self.next_unit)})
+        arrays = {f"total.{k}": a for k, a in self._arrays(self.total).items()}
+        arrays |= {f"part.{k}": a for k, a in self._arrays(self.part).items()}
+        arrays |= {f"held.{k}": a for k, a in _concat(self.held).items()}
+        arrays |= {f"partheld.{k}": a for k, a in _concat(self.part_held).items()}
+        meta = {"id": run_id, "next_block": str(self.next_block), "next_unit": str(self.next_unit)}
+        tensors.save(work / STATE, arrays, meta)
 
     def write_outputs(self, path: Path, splits, layers, num_layers) -> None:
-        meta = {"splits": ",".join(map(str, splits)), "variants": ",".join(self.moments), "num_layers": str(num_layers)}
-        tensors.save(path / STATS, self._arrays(), meta)
-        held = self._held_arrays()
+        variants = list(dict.fromkeys(v for v, _ in self.total))
+        meta = {"splits": ",".join(map(str, splits)), "variants": ",".join(variants), "num_layers": str(num_layers)}
+        tensors.save(path / STATS, self._arrays(self.total), meta)
+        held = _concat(self.held)
         if held:
             tensors.save_zst(path / HELDOUT, held, {"layers": ",".join(map(str, layers))})
 

@@ -1,4 +1,4 @@
-"""`ridgefill capture MODEL --data PATH... --split S`."""
+"""`ridgefill capture MODEL --data PATH... --split S` (also under `torchrun ... -m ridgefill capture`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, ModelArg, StoreOpt, done, output, store
+from ridgefill.cli.common import (DEFAULT_STORE, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, JsonOpt, MaxMemoryOpt,
+                                  ModelArg, StoreOpt, done, output, store)
 
 
 def capture(
@@ -14,28 +15,37 @@ def capture(
     data: Annotated[Optional[list[str]], typer.Option("--data", help="Text file, directory of .txt/.jsonl, .jsonl with a 'text' field, or builtin:default (the default). Repeatable.")] = None,
     split: Annotated[Optional[list[int]], typer.Option("--split", help="Split layer S (repeatable: one pass serves several). Default: half depth, 3/8 with QK-norm.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Also capture a chat-templated copy of each document (kept apart).")] = False,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Cut documents into windows of this many tokens.")] = 1024,
+    chunk: Annotated[int, typer.Option("--chunk", help="Feed documents through the KV cache this many tokens at a time.")] = 1024,
+    max_length: Annotated[Optional[int], typer.Option("--max-length", help="Truncate documents to this many tokens (default: the model's context).")] = None,
     held_out: Annotated[int, typer.Option("--held-out", help="Documents kept out of the statistics for scoring.")] = 4,
     held_out_rows: Annotated[int, typer.Option("--held-out-rows", help="Rows sampled from the held-out documents.")] = 2048,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out choice.")] = 0,
-    dtype: Annotated[str, typer.Option("--dtype", help="Model dtype for the forward.")] = "float32",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    product_dtype: Annotated[str, typer.Option("--product-dtype", help="Per-chunk products on the device: float32 (TF32 off) or float64. Totals are float64 either way.")] = "float32",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own Python code (off unless given).")] = False,
-    checkpoint_every: Annotated[float, typer.Option("--checkpoint-every", help="Seconds between resumable checkpoints (0: after every window).")] = 30.0,
+    checkpoint_every: Annotated[float, typer.Option("--checkpoint-every", help="Seconds between resumable checkpoints (0: after every document).")] = 30.0,
     store_root: StoreOpt = DEFAULT_STORE,
     json: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Run MODEL over calibration text and accumulate the ridge statistics (resumable)."""
+    """Run MODEL over calibration text and accumulate the ridge statistics (resumable; torchrun shards it)."""
     from ridgefill.capture.run import CaptureConfig, capture as run
 
     out = output(json)
-    cfg = CaptureConfig(splits=tuple(split or ()), chat=chat, max_tokens=max_tokens, held_out=held_out,
-                        held_out_rows=held_out_rows, seed=seed, dtype=dtype,
+    cfg = CaptureConfig(splits=tuple(split or ()), chat=chat, chunk=chunk, max_length=max_length, held_out=held_out,
+                        held_out_rows=held_out_rows, seed=seed, device=device, dtype=dtype,
+                        product_dtype=product_dtype, device_map=device_map, max_memory=tuple(max_memory or ()),
                         trust_remote_code=trust_remote_code)
     art, cached = run(store(store_root), model, list(data or ["builtin:default"]), cfg, out, checkpoint_every)
+    if art is None:  # a torchrun rank other than 0: rank 0 reports
+        return
     s = art.manifest["summary"]
     if not cached:
         out.info(f"{s['calibration_documents']} documents, {s['calibration_tokens']} tokens, splits "
                  f"{', '.join(map(str, s['splits']))}, {s['held_out_rows']} held-out rows, "
-                 f"{s['forward_tokens_per_s']} tok/s")
+                 f"{s['forward_tokens_per_s']} tok/s; documents truncated at {s['max_length']} tokens "
+                 f"({s['max_length_from']}): {s['truncated_documents']}")
     done(out, "capture", art, cached)

@@ -1,0 +1,203 @@
+"""Capture at scale: chunked prefill through the KV cache, float32 products, blocks, torchrun worlds."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ridgefill.artifacts import Store, tensors
+from ridgefill.capture.run import COUNTS, DOCS, HELDOUT, STATS, CaptureConfig, Unit, _blocks, capture
+from ridgefill.capture.stats import Moments
+from ridgefill.output import Output
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Long enough that a document spans many chunks (the tiny models' context is 256 tokens).
+LONG = [
+    "A ridge map predicts the late layers from the split state; the tail runs every layer exactly. " * 9,
+    "def step(x, w, b):\n    y = x @ w.T + b\n    return y / (1 + abs(y))\n" * 7,
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and punctuation .,;:!?()[]{} come back again and again. " * 8,
+    "The quick brown fox jumps over the lazy dog while the cat sleeps by the warm fire. " * 9,
+    "for i in range(10):\n    total += i * i\nprint(total)\n" * 10,
+]
+ARGS = ["--split", 1, "--split", 2, "--held-out", 1, "--held-out-rows", 30]
+
+
+@pytest.fixture
+def long_corpus(tmp_path):
+    d = tmp_path / "long"
+    d.mkdir()
+    for i, t in enumerate(LONG):
+        (d / f"doc{i}.txt").write_text(t)
+    return d
+
+
+def quiet():
+    return Output(quiet=True)
+
+
+def stats_of(art, key):
+    arrays, _ = tensors.load(art.file(STATS))
+    return Moments.from_arrays(arrays, key)
+
+
+def rel_err(a: Moments, b: Moments) -> float:
+    assert a.n == b.n
+    return max(np.linalg.norm(getattr(a, f) - getattr(b, f)) / np.linalg.norm(getattr(b, f))
+               for f in ("mean_x", "cxx", "mean_y", "cxy", "yy"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_chunked_equals_one_shot(tmp_path, request, long_corpus, arch):
+    """Small chunks through the cache (Gemma: across its 8-token sliding window) equal one forward per document."""
+    model = request.getfixturevalue({"llama": "tiny_llama", "gemma3_text": "tiny_gemma3"}[arch])
+    cfg = dict(splits=(1, 2), held_out=1, held_out_rows=30, product_dtype="float64")
+    one, _ = capture(Store(tmp_path / "a"), str(model), [str(long_corpus)], CaptureConfig(chunk=4096, **cfg), quiet())
+    many, _ = capture(Store(tmp_path / "b"), str(model), [str(long_corpus)], CaptureConfig(chunk=7, **cfg), quiet())
+    assert one.id != many.id  # the chunk is part of the recipe
+    docs = json.loads(one.file(DOCS).read_text())
+    assert max(d["tokens"] for d in docs) > 5 * 7
+    for s in (1, 2):
+        assert rel_err(stats_of(many, f"raw.split{s}"), stats_of(one, f"raw.split{s}")) <= 1e-5
+    a, _ = tensors.load_zst(one.file(HELDOUT))
+    b, _ = tensors.load_zst(many.file(HELDOUT))
+    np.testing.assert_array_equal(a["pos"], b["pos"])
+    np.testing.assert_allclose(b["hidden.3"], a["hidden.3"], rtol=1e-4, atol=1e-5)
+
+
+def test_max_length_truncates_and_reports(tmp_path, tiny_llama, long_corpus):
+    art, _ = capture(Store(tmp_path / "s"), str(tiny_llama), [str(long_corpus)],
+                     CaptureConfig(splits=(2,), chunk=16, max_length=40, held_out=1), quiet())
+    docs = json.loads(art.file(DOCS).read_text())
+    assert max(d["tokens"] for d in docs) == 40
+    s = art.manifest["summary"]
+    assert s["max_length"] == 40 and s["max_length_from"] == "--max-length" and s["truncated_documents"] == 5
+    assert s["rows"]["raw.split2"] == 4 * 39  # every row of every (truncated) calibration document but the first
+    default, _ = capture(Store(tmp_path / "d"), str(tiny_llama), [str(long_corpus)],
+                         CaptureConfig(splits=(2,), chunk=64, held_out=1), quiet())
+    assert default.manifest["summary"]["max_length"] == 256  # the tiny model's context
+    assert default.manifest["summary"]["max_length_from"] == "the model's context"
+
+
+def test_float32_products_solve_like_float64(tmp_path, tiny_llama, long_corpus):
+    """Products in float32 (the default) give maps whose held-out score equals the all-float64 path within 1e-4."""
+    from ridgefill.solve.run import solve
+
+    store = Store(tmp_path / "s")
+    scores = {}
+    for pd in ("float32", "float64"):
+        cap, _ = capture(store, str(tiny_llama), [str(long_corpus)],
+                         CaptureConfig(splits=(2,), chunk=32, held_out=1, held_out_rows=60, product_dtype=pd), quiet())
+        maps, _ = solve(store, cap.id, quiet(), alphas=[1e-3])
+        scores[pd] = maps.manifest["summary"]["score"]
+    assert abs(scores["float32"] - scores["float64"]) <= 1e-4
+
+
+def test_model_dtype_and_device_kind_are_in_the_id(tmp_path, tiny_llama, long_corpus):
+    store = Store(tmp_path / "s")
+    f32, _ = capture(store, str(tiny_llama), [str(long_corpus)], CaptureConfig(splits=(2,), chunk=64, held_out=1), quiet())
+    bf16, _ = capture(store, str(tiny_llama), [str(long_corpus)],
+                      CaptureConfig(splits=(2,), chunk=64, held_out=1, dtype="bfloat16"), quiet())
+    assert f32.recipe["device"] == bf16.recipe["device"] == "cpu"
+    assert (f32.recipe["dtype"], bf16.recipe["dtype"]) == ("float32", "bfloat16")
+    assert f32.id != bf16.id
+    # bf16 forward, float64 totals: close to the float32 statistics, not equal
+    err = rel_err(stats_of(bf16, "raw.split2"), stats_of(f32, "raw.split2"))
+    assert 0 < err < 0.1
+
+
+def test_blocks_are_contiguous_balanced_and_fixed_by_the_work():
+    units = [Unit(i, "raw", n, False) for i, n in enumerate([500, 20, 20, 20, 400, 10, 300, 300, 5, 90])]
+    blocks = _blocks(units)
+    assert blocks[0][0] == 0 and blocks[-1][1] == len(units)
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(blocks, blocks[1:]))
+    assert blocks == _blocks(units)
+    # 10 blocks of ~166 tokens; a unit goes where its token midpoint falls, so the small ones share a block
+    assert blocks == [(0, 1), (1, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 10)]
+    many = [Unit(i, "raw", 100, False) for i in range(640)]
+    assert _blocks(many) == [(10 * j, 10 * j + 10) for j in range(64)]
+
+
+# -- torchrun --------------------------------------------------------------------------------------------------
+
+
+def torchrun(nproc, model, data, store, *extra, env=None, nnodes=None):
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    if nnodes:
+        args += nnodes
+    else:
+        args += ["--standalone"]
+    args += ["-m", "ridgefill", "capture", str(model), "--data", str(data), "--chunk", "16",
+             "--checkpoint-every", "0", "--store", str(store), *map(str, ARGS), *map(str, extra)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
+
+
+def files_of(path):
+    return {name: (path / name).read_bytes() for name in (STATS, HELDOUT, COUNTS, DOCS)}
+
+
+def test_torchrun_1_2_3_processes_give_the_same_artifact(tmp_path, tiny_llama, long_corpus):
+    from clirun import cli
+
+    r = cli("capture", tiny_llama, "--data", long_corpus, "--chunk", 16, *ARGS, "--store", tmp_path / "s1")
+    assert r.returncode == 0, r.stderr
+    ref_id = r.stdout.strip()
+    ref = files_of(tmp_path / "s1" / "capture" / ref_id)
+    for n in (2, 3):
+        p = torchrun(n, tiny_llama, long_corpus, tmp_path / f"s{n}")
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        assert out.strip() == ref_id  # only rank 0 prints the id
+        arts = list((tmp_path / f"s{n}" / "capture").iterdir())
+        assert [a.name for a in arts] == [ref_id]
+        assert files_of(arts[0]) == ref
+        assert json.loads((arts[0] / "artifact.json").read_text())["summary"]["processes"] == n
+
+
+def test_torchrun_rank_death_fails_clearly_and_the_rerun_resumes(tmp_path, tiny_llama, long_corpus):
+    from clirun import cli
+
+    r = cli("capture", tiny_llama, "--data", long_corpus, "--chunk", 16, *ARGS, "--store", tmp_path / "ref")
+    ref_id = r.stdout.strip()
+    store = tmp_path / "s"
+    # rank 1 dies (like kill -9) right after computing block 3: the second round of a 2-process world
+    p = torchrun(2, tiny_llama, long_corpus, store, env={"RIDGEFILL_FAULT": "1:3"})
+    _, err = p.communicate(timeout=300)
+    assert p.returncode != 0
+    assert "Error: torchrun: rank 0 lost contact with another rank (" in err
+    assert "Re-run the same command to resume from the last checkpoint." in err
+    assert not (store / "capture" / ref_id).exists()
+    assert (store / "capture" / f".work-{ref_id}" / "state.safetensors").is_file()
+    p = torchrun(2, tiny_llama, long_corpus, store)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert f"resuming capture {ref_id} at unit 2/" in err  # after round 1 (blocks 0 and 1), not from scratch
+    assert files_of(store / "capture" / ref_id) == files_of(tmp_path / "ref" / "capture" / ref_id)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_nodes_that_disagree_on_the_command_are_refused(tmp_path, tiny_llama, long_corpus):
+    """Two 'machines' (--nnodes 2 on localhost), one of which asks for another split: exit 2, nothing written."""
+    port = free_port()
+    nodes = lambda rank: ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",  # noqa: E731
+                          "--master-port", str(port)]
+    store = tmp_path / "s"
+    a = torchrun(1, tiny_llama, long_corpus, store, nnodes=nodes(0))
+    b = torchrun(1, tiny_llama, long_corpus, store, "--split", 3, nnodes=nodes(1))
+    _, err_a = a.communicate(timeout=300)
+    _, err_b = b.communicate(timeout=300)
+    assert a.returncode != 0 and b.returncode != 0
+    line = ("Error: torchrun: ranks disagree on the command (capture id of rank 1 differs from rank 0's); run the "
+            "same command, data and model on every rank")
+    assert line in err_a.splitlines() and line in err_b.splitlines()
+    assert not (store / "capture").exists() or not any((store / "capture").iterdir())
