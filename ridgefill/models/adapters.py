@@ -14,9 +14,17 @@ has separate RoPE for sliding and full-attention layers).
     q = ad.q(l, x)                             # [rows, heads, head_dim]
     cos, sin = ad.rotary(positions, layer=l)   # [rows, head_dim]
     k_rot = ad.apply_rope(k, cos, sin)         # what lands in the cache
+
+Devices: a model may be dispatched by accelerate over several devices and disk (`load_model(device_map=...)`).
+`kv` and `q` call a layer's sub-modules directly, so they move their input to the layer's device first
+(`layer_device`): its execution device when accelerate placed it (whose hooks then load offloaded weights for each
+sub-module call), else where its weights are. Results stay on that device; callers move them where they need.
+`device` is where the token embeddings run (the model's input device); `dtype` never reads weight values.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -68,24 +76,37 @@ class Adapter:
         """The factor on q.k in this layer's softmax (1/sqrt(head_dim), or Gemma's query_pre_attn_scalar)."""
         return float(self.attn(l).scaling)
 
+    # -- where things run -----------------------------------------------------------------------------------
+
     @property
     def dtype(self) -> torch.dtype:
+        """The model's dtype. Only the weight's dtype is read: a disk-offloaded weight sits on the `meta` device
+        with its real dtype, which accelerate loads it in."""
         return self.layers[0].input_layernorm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].input_layernorm.weight.device
+        """Where the model's input goes: the device the token embeddings compute on."""
+        return module_device(self.base.embed_tokens, torch.device("cpu"))
+
+    def layer_device(self, l: int) -> torch.device:
+        """Where layer `l` computes (with accelerate's dispatch each layer may sit on another device, or on disk)."""
+        return module_device(self.layers[l], self.device)
+
+    def module_device(self, module) -> torch.device:
+        return module_device(module, self.device)
 
     # -- what a layer writes -------------------------------------------------------------------------------
 
     def kv(self, l: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values layer `l` writes to its cache for input `x`, before RoPE.
 
-        x: [rows, d] (any leading dims work), usually float32; it is cast to the model's dtype first, as the
-        residual stream would be. Returns k, v: [rows, kv_heads, head_dim] in the model's dtype.
+        x: [rows, d] (any leading dims work), usually float32, on any device; it is cast to the model's dtype
+        and moved to the layer's device first, as the residual stream would be. Returns k, v:
+        [rows, kv_heads, head_dim] in the model's dtype, on the layer's device.
         """
         with torch.inference_mode():
-            x = x.to(device=self.device, dtype=self.dtype)
+            x = x.to(device=self.layer_device(l), dtype=self.dtype)
             h = self.input_norm(l)(x)  # [rows, d]
             heads = (*h.shape[:-1], self.num_kv_heads, self.head_dim)
             k = self.k_proj(l)(h).view(heads)  # [rows, kv_heads * head_dim] -> [rows, kv_heads, head_dim]
@@ -93,15 +114,16 @@ class Adapter:
             if norm is not None:
                 k = norm(k)  # RMS over head_dim, per head
             v = self.v_proj(l)(h).view(heads)  # [rows, kv_heads, head_dim]
-        return k, v
+        return k, v.to(k.device)
 
     def q(self, l: int, x: torch.Tensor) -> torch.Tensor:
         """Queries of layer `l` for input `x` [rows, d], before RoPE: input norm -> q_proj (-> q_norm).
 
-        Returns [rows, heads, head_dim] in the model's dtype; query head h reads KV head h // (heads // kv_heads).
+        Returns [rows, heads, head_dim] in the model's dtype on the layer's device; query head h reads KV head
+        h // (heads // kv_heads).
         """
         with torch.inference_mode():
-            x = x.to(device=self.device, dtype=self.dtype)
+            x = x.to(device=self.layer_device(l), dtype=self.dtype)
             h = self.input_norm(l)(x)
             q = self.attn(l).q_proj(h).view(*h.shape[:-1], self.num_heads, self.head_dim)
             norm = getattr(self.attn(l), "q_norm", None) if self.has_qk_norm else None
@@ -116,12 +138,14 @@ class Adapter:
         """(cos, sin), each [rows, head_dim], from the model's own rotary embedding for `layer`'s kind.
 
         positions: int tensor or list [rows]. layer=None means a full-attention layer. dtype defaults to the
-        model's dtype, which is what the layers use (the module computes in float32, then casts).
+        model's dtype, which is what the layers use (the module computes in float32, then casts). They are on
+        the rotary module's device.
         """
         kind = FULL if layer is None else self.layer_kinds[layer]
+        device = self.module_device(self.base.rotary_emb)
         with torch.inference_mode():
-            pos = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, rows]
-            probe = torch.empty(0, dtype=dtype or self.dtype, device=self.device)  # only its dtype/device are read
+            pos = torch.as_tensor(positions, dtype=torch.long).to(device).reshape(1, -1)  # [1, rows]
+            probe = torch.empty(0, dtype=dtype or self.dtype, device=device)  # only its dtype/device are read
             cos, sin = self._rope_module_call(probe, pos, kind)  # [1, rows, head_dim]
         return cos[0], sin[0]
 
@@ -129,7 +153,7 @@ class Adapter:
     def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate k [rows, heads, head_dim] by (cos, sin) [rows, head_dim], as transformers' apply_rotary_pos_emb
         does (rotate_half convention: the two halves of head_dim are the pair)."""
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [rows, 1, head_dim], broadcast over heads
+        cos, sin = cos.to(k.device)[:, None, :], sin.to(k.device)[:, None, :]  # [rows, 1, head_dim], over heads
         half = k.shape[-1] // 2
         rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
         return k * cos + rotated * sin
@@ -157,6 +181,25 @@ class Gemma3Adapter(Adapter):
     def _rope_module_call(self, x, position_ids, kind):
         # Gemma3RotaryEmbedding keeps one inverse-frequency table per layer kind (local 1e4, global 1e6).
         return self.base.rotary_emb(x, position_ids, kind)
+
+
+def module_device(module, fallback: torch.device | None = None) -> torch.device | None:
+    """Where `module` computes.
+
+    A model dispatched by accelerate (`device_map`) carries an `AlignDevicesHook` (`module._hf_hook`, possibly
+    inside a `SequentialHook`) on every placed block, and with offloading on every sub-module holding weights: its
+    `execution_device` is where the hook moves inputs and, for offloaded weights, loads them (their parameters
+    sit on the `meta` device in between). Without a hook, the module computes where its weights are: the first
+    parameter or buffer not on `meta`. `fallback` when neither says (a module with no tensors)."""
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+        where = getattr(h, "execution_device", None)
+        if where is not None:
+            return torch.device("cuda", where) if isinstance(where, int) else torch.device(where)
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return fallback
 
 
 ADAPTERS = {cls.model_type: cls for cls in (Adapter, Qwen2Adapter, Qwen3Adapter, Gemma3Adapter)}

@@ -12,6 +12,7 @@ torch is imported inside the functions: `ridgefill --help` must not pay for it.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from ridgefill.errors import BadInput
 
@@ -70,3 +71,122 @@ def parse_max_memory(items: list[str] | None) -> dict | None:
             key = key.removeprefix("cuda:")
         out[int(key) if key.isdigit() else key] = size
     return out
+
+
+def recipe_fields(device: str, dtype: str, dtype_key: str = "dtype") -> dict:
+    """What a stage's recipe records about where its numbers were computed.
+
+    Nothing for a CPU run in float32: every artifact made before devices were an option was made exactly so,
+    and keeping those recipes as they were keeps their ids (a store's cache stays valid). Any other run records
+    the device kind and the model dtype, so its id differs. `dtype_key` names the dtype field where a stage's
+    recipe already uses `dtype` for something else (compact: the cache dtype; quantize: int8)."""
+    kind = device_kind(device)
+    if (kind, dtype) == ("cpu", "float32"):
+        return {}
+    return {"device": kind, dtype_key: dtype}
+
+
+def recorded(recipe: dict, dtype_key: str = "dtype") -> tuple[str, str]:
+    """(device kind, model dtype) an upstream artifact was made with; absent fields mean cpu / float32."""
+    return recipe.get("device", "cpu"), recipe.get(dtype_key, "float32")
+
+
+def check_device_map(device_map, max_memory, device: str) -> tuple[str | dict | None, dict | None]:
+    """Check `--device-map` / `--max-memory` against the resolved device; returns (device_map, max_memory dict).
+
+    device_map: None, "auto" (accelerate spreads the model over the GPUs, CPU memory and disk) or, from Python, an
+    explicit {module name: device} dict. max_memory: accelerate's {GPU index | "cpu" | "disk": size} or the CLI's
+    DEVICE=SIZE strings; "disk" is ridgefill's own limit (accelerate has none): the part of the model placed on
+    disk must fit in it, so `disk=0` forbids disk offload. With `--device cpu` no GPU is used, so naming one is
+    refused."""
+    if isinstance(max_memory, (list, tuple)):
+        max_memory = parse_max_memory(list(max_memory))
+    if max_memory is not None and not isinstance(max_memory, dict):
+        raise BadInput(f"--max-memory: expected DEVICE=SIZE items, got {max_memory!r}")
+    if device_map is None:
+        if max_memory:
+            raise BadInput("--max-memory only applies with --device-map auto")
+        return None, None
+    if isinstance(device_map, str):
+        if device_map.strip().lower() != "auto":
+            raise BadInput(f"unknown device map '{device_map}' (only 'auto' is supported: accelerate places the "
+                           "model over the GPUs, CPU memory and disk)")
+        device_map = "auto"
+    elif not isinstance(device_map, dict) or not device_map:
+        raise BadInput(f"a device map is 'auto' or a non-empty {{module: device}} dict, got {device_map!r}")
+    memory: dict | None = None
+    if max_memory:
+        from accelerate.utils import convert_file_size_to_int
+
+        memory = {}
+        for key, size in max_memory.items():
+            if isinstance(key, str) and key.startswith("cuda:") and key[5:].isdigit():
+                key = int(key[5:])
+            if isinstance(key, int):
+                _check_gpu(key, device, "--max-memory")
+            elif key not in ("cpu", "disk"):
+                raise BadInput(f"--max-memory: unknown device '{key}' (use a GPU index, cpu or disk)")
+            try:
+                memory[key] = convert_file_size_to_int(size)
+            except (ValueError, TypeError):
+                raise BadInput(f"--max-memory {key}={size}: not a size (e.g. 20GiB, 500MB or a number of bytes)") from None
+    if isinstance(device_map, dict):
+        for name, where in device_map.items():
+            if isinstance(where, int) or (isinstance(where, str) and _CUDA.match(where)):
+                _check_gpu(where if isinstance(where, int) else int(where.partition(":")[2] or 0), device,
+                           f"device map entry '{name}'")
+            elif str(where) not in ("cpu", "disk"):
+                raise BadInput(f"device map entry '{name}': unknown device '{where}' (a GPU index, cuda:N, cpu or disk)")
+    return device_map, memory
+
+
+def _check_gpu(index: int, device: str, what: str) -> None:
+    import torch
+
+    if device_kind(device) != "cuda":
+        raise BadInput(f"{what} names GPU {index} but the model runs on the CPU (--device {device})")
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise BadInput(f"{what} names GPU {index}: this machine has {count} CUDA device(s)")
+
+
+@dataclass(frozen=True)
+class Where:
+    """A resolved place to run a model: device (`cpu` / `cuda:N`), dtype, and an optional accelerate placement."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    device_map: str | dict | None = None
+    max_memory: dict | None = None
+
+    @property
+    def kind(self) -> str:
+        return device_kind(self.device)
+
+    def recipe(self, dtype_key: str = "dtype") -> dict:
+        return recipe_fields(self.device, self.dtype, dtype_key)
+
+    def load_args(self) -> dict:
+        """Keyword arguments of `load_model`."""
+        return {"device": self.device, "dtype": self.dtype, "device_map": self.device_map, "max_memory": self.max_memory}
+
+    def describe(self) -> str:
+        text = f"{self.device}, {self.dtype}"
+        return text + (f", device map {self.device_map if isinstance(self.device_map, str) else 'given'}"
+                       if self.device_map is not None else "")
+
+
+def where(device: str = "auto", dtype: str = "auto", device_map=None, max_memory=None) -> Where:
+    """Resolve and check `--device`, `--dtype`, `--device-map`, `--max-memory` together (BadInput, one line)."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    dm, mm = check_device_map(device_map, max_memory, dev)
+    return Where(device=dev, dtype=dt, device_map=dm, max_memory=mm)
+
+
+def mixed_warning(what: str, made: tuple[str, str], now: Where) -> str | None:
+    """One warning line when a stage computes on another device kind or dtype than its upstream artifact."""
+    if made == (now.kind, now.dtype):
+        return None
+    return (f"{what} was made on {made[0]} in {made[1]}; this run computes on {now.kind} in {now.dtype}: "
+            f"its figures mix the two (pass --device {made[0]} --dtype {made[1]} to match)")

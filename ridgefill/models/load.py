@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
+import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,26 @@ class LoadedModel:
     source: Path | None = None  # the directory transformers read (the GGUF cache for .gguf refs)
     seconds: float = 0.0  # wall time of this load, including building the GGUF cache
     built_cache: bool = False  # True when this load dequantized a GGUF and wrote the cache
+    device: str = "cpu"  # the device asked for (with a device map: where the first modules compute)
+    dtype: str = "float32"
+    device_map: dict | None = None  # accelerate's placement {module: device | "cpu" | "disk"} when dispatched
+    offload_dir: Path | None = None  # accelerate's offload folder, removed on release() / garbage collection / exit
+    _cleanup: Any = field(default=None, repr=False)
+
+    def placement(self) -> dict:
+        """What an artifact's info records about where this model ran."""
+        info: dict = {"device": self.device, "dtype": self.dtype}
+        if self.device_map is not None:
+            counts: dict = {}
+            for where in self.device_map.values():
+                counts[str(where)] = counts.get(str(where), 0) + 1
+            info["device_map"] = dict(sorted(counts.items()))  # modules per place
+        return info
+
+    def release(self) -> None:
+        """Drop the offload folder now (it goes anyway when the model is garbage collected or the process ends)."""
+        if self._cleanup is not None:
+            self._cleanup()
 
 
 def load_model(
@@ -48,15 +71,28 @@ def load_model(
     store_root: Path,
     dtype: str = "float32",
     device: str = "cpu",
+    device_map=None,
+    max_memory=None,
     trust_remote_code: bool = False,
 ) -> LoadedModel:
-    """Load `ref` in `dtype` on `device`. GGUF refs go through (and fill) the dequantized cache in the store."""
+    """Load `ref` in `dtype` on `device` (resolved strings, see ridgefill.models.device). GGUF refs go through (and
+    fill) the dequantized cache in the store.
+
+    device_map="auto" (or, from Python, an explicit {module: device} dict) places the model with accelerate over
+    the GPUs, CPU memory and disk instead, within `max_memory` ({GPU index | "cpu" | "disk": size}, or the CLI's
+    DEVICE=SIZE strings); the map is computed here on an empty (meta) model first, so a model that cannot be
+    placed is refused before any weight is read. Disk-offloaded weights are read from the model's own
+    safetensors files where possible; anything accelerate writes goes to `<store>/offload/<pid>-<n>/`, removed
+    when the model is released, garbage collected or the process ends (a folder left by a killed process is
+    removed by the next load)."""
     import torch
 
     from ridgefill.models.adapters import adapter_for
+    from ridgefill.models.device import check_device_map
 
     if dtype not in DTYPES:
         raise BadInput(f"unknown dtype '{dtype}' (choose one of: {', '.join(DTYPES)})")
+    device_map, max_memory = check_device_map(device_map, max_memory, device)
     _quiet_transformers()
     start = time.perf_counter()
     built = False
@@ -66,13 +102,24 @@ def load_model(
         source = ref.path
     # Only pass trust_remote_code when asked, so transformers' own default (off) holds otherwise.
     extra = {"trust_remote_code": True} if trust_remote_code else {}
-    model, tokenizer = _from_pretrained(source, dtype=getattr(torch, dtype), **extra)
-    if model.config.model_type != ref.model_type:
-        raise RidgefillError(f"{source} loaded as '{model.config.model_type}', expected '{ref.model_type}'")
-    try:
-        model.to(device)
-    except (RuntimeError, AssertionError) as exc:  # e.g. "cuda" on a CPU-only torch
-        raise BadInput(f"cannot use device '{device}': {exc}") from exc
+    placement, offload, cleanup = None, None, None
+    if device_map is None:
+        model, tokenizer = _from_pretrained(source, dtype=getattr(torch, dtype), **extra)
+        _check_type(model.config, ref, source)
+        try:
+            model.to(device)
+        except (RuntimeError, AssertionError) as exc:  # e.g. "cuda" on a CPU-only torch
+            raise BadInput(f"cannot use device '{device}': {exc}") from exc
+    else:
+        placement = _device_map(source, ref, getattr(torch, dtype), device, device_map, max_memory, extra)
+        offload, cleanup = _offload_dir(Path(store_root))
+        try:
+            model, tokenizer = _from_pretrained(source, dtype=getattr(torch, dtype), device_map=placement,
+                                                offload_folder=str(offload), **extra)
+        except BaseException:
+            cleanup()
+            raise
+        weakref.finalize(model, cleanup)
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(
@@ -83,7 +130,113 @@ def load_model(
         source=Path(source),
         seconds=time.perf_counter() - start,
         built_cache=built,
+        device=device,
+        dtype=dtype,
+        device_map=placement,
+        offload_dir=offload,
+        _cleanup=cleanup,
     )
+
+
+def _check_type(config, ref: ModelRef, source) -> None:
+    if config.model_type != ref.model_type:
+        raise RidgefillError(f"{source} loaded as '{config.model_type}', expected '{ref.model_type}'")
+
+
+def _device_map(source: Path, ref: ModelRef, dtype, device: str, device_map, max_memory: dict | None, extra) -> dict:
+    """The explicit {module: device} placement to load with, computed on an empty model; BadInput if none fits."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # transformers' own copies of accelerate's planners: the same map from_pretrained(device_map="auto") computes.
+    from transformers.integrations.accelerate import (compute_module_sizes, get_balanced_memory, get_max_memory,
+                                                      infer_auto_device_map)
+
+    from ridgefill.models.device import device_kind
+
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True, **extra)
+    except ValueError as exc:
+        raise BadInput(f"cannot load model from {source}: {_first_line(exc)}") from exc
+    _check_type(config, ref, source)
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+    if isinstance(device_map, dict):
+        placement = {str(k): (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in device_map.items()}
+        from accelerate.utils import check_device_map as accelerate_check
+
+        try:
+            accelerate_check(empty, placement)
+        except ValueError as exc:
+            raise BadInput(f"device map: {_first_line(exc)}") from exc
+    else:
+        no_split = sorted(getattr(empty, "_no_split_modules", None) or [])
+        if not no_split:
+            raise BadInput(f"--device-map auto: {type(empty).__name__} does not name the modules that must stay on "
+                           "one device (no _no_split_modules); load it without a device map")
+        memory = dict(max_memory or {})
+        limit = memory.pop("disk", None)
+        if not memory and device_kind(device) != "cuda":  # --device cpu: the CPU's memory and disk, no GPU
+            memory = {k: v for k, v in get_max_memory().items() if not isinstance(k, int)}
+        try:
+            memory = get_balanced_memory(empty, max_memory=memory or None, no_split_module_classes=set(no_split))
+            placement = dict(infer_auto_device_map(empty, max_memory=memory, no_split_module_classes=set(no_split),
+                                                   no_placement_params=getattr(empty, "_no_placement_params", None)))
+        except (ValueError, RuntimeError) as exc:
+            raise BadInput(f"--device-map auto: {_first_line(exc)}") from exc
+        if limit is not None:
+            sizes = compute_module_sizes(empty)[0]
+            on_disk = sum(sizes[name] for name, where in placement.items() if where == "disk")
+            if on_disk > limit:
+                raise BadInput(f"the model does not fit in --max-memory: {_size(on_disk)} of it would go to disk, "
+                               f"more than disk={_size(limit)}")
+    return placement
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+_OFFLOADS = itertools.count()
+
+
+def _offload_dir(store_root: Path) -> tuple[Path, Any]:
+    """A fresh `<store>/offload/<pid>-<n>/` and a function that removes it (idempotent). Folders of processes
+    that no longer exist (killed before they could clean up) are removed first."""
+    root = store_root / "offload"
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.iterdir():
+        pid = old.name.partition("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    path = root / f"{os.getpid()}-{next(_OFFLOADS)}"
+    path.mkdir()
+
+    def cleanup(path=path, root=root):
+        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            root.rmdir()  # only when empty
+
+    return path, cleanup
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _quiet_transformers() -> None:
@@ -92,6 +245,9 @@ def _quiet_transformers() -> None:
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+    # accelerate's "Some parameters are on the meta device because they were offloaded" notice on every
+    # dispatched load: the placement is in the artifact's info instead.
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
 
 
 def gguf_cache_dir(ref: ModelRef, *, store_root: Path) -> tuple[Path, bool]:
@@ -144,14 +300,14 @@ def _dequantize_gguf(ref: ModelRef, out: Path) -> None:
     (out / SOURCE_FILE).write_text(json.dumps(source, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _from_pretrained(source: Path, *, dtype, **extra):
+def _from_pretrained(source: Path, *, dtype, device_map=None, offload_folder=None, **extra):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    placed = {"device_map": device_map, "offload_folder": offload_folder} if device_map is not None else {}
     # local_files_only: a directory is all we read; never fall back to the network.
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True, **extra)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True, **placed, **extra)
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra)
     except ValueError as exc:  # e.g. custom code without trust_remote_code; transformers' message is multi-line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise BadInput(f"cannot load model from {source}: {first}") from exc
+        raise BadInput(f"cannot load model from {source}: {_first_line(exc)}") from exc
     return model, tokenizer
