@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, ModelArg, StoreOpt, done, output, store
+from ridgefill.cli.common import (DEFAULT_STORE, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, JsonOpt, MaxMemoryOpt,
+                                  ModelArg, StoreOpt, done, output, store)
 
 
 def eval_(
@@ -24,6 +25,10 @@ def eval_(
     scored: Annotated[int, typer.Option("--scored", help="Scored stretch: the last tokens of each document.")] = 256,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     gate: Annotated[Optional[Path], typer.Option("--gate", help="TOML thresholds; exit 3 when one fails.")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
     store_root: StoreOpt = DEFAULT_STORE,
     json: JsonOpt = False,
     debug: DebugOpt = False,
@@ -42,7 +47,8 @@ def eval_(
                      depths=tuple(depths or default.depths), tasks=tuple(tasks or default.tasks), samples=samples,
                      documents=documents, doc_tokens=doc_tokens, scored=scored, seed=seed)
     st = store(store_root)
-    art, cached = evaluate(st, model, source, cfg, out)
+    art, cached = evaluate(st, model, source, cfg, out, device=device, dtype=dtype, device_map=device_map,
+                           max_memory=max_memory)
     s = art.manifest["summary"]
     t = Table(title=f"eval {art.id}: {s['samples']} needle samples, {s['documents']} documents; ceiling x{s['ceiling_speedup']:.2f}")
     for c in ("arm", "needle %", "ΔNLL", "ΔNLL novel", "ΔNLL key", "KL", "top-1", "prefill s", "speed-up"):

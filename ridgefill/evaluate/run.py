@@ -11,7 +11,7 @@ Paired bootstrap intervals per document / per sample; measured prefill time per 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -83,9 +83,14 @@ def load_source(store: Store, source: str) -> MapsSource:
     return MapsSource(maps, split, art.info["model"]["fingerprint"], f"{art.stage}:{art.id}", calib, None)
 
 
-def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output) -> tuple[Artifact, bool]:
+def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output, *, device: str = "auto",
+             dtype: str = "auto", device_map=None, max_memory=None) -> tuple[Artifact, bool]:
+    """Run (or find cached) the eval. device / dtype / device_map / max_memory: see ridgefill.models.device; the
+    device kind and model dtype are part of the recipe (nothing is added for cpu / float32)."""
     from ridgefill.models import resolve_model
+    from ridgefill.models.device import where
 
+    place = where(device, dtype, device_map, max_memory)
     for a in cfg.arms:
         if a not in ARMS:
             raise BadInput(f"unknown arm '{a}' (choose from {', '.join(ARMS)})")
@@ -106,20 +111,25 @@ def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output
         raise BadInput(f"'{source}' was fitted on a different model (fingerprint {src.fingerprint[:12]}) "
                        f"than '{model}' ({ref.fingerprint[:12]})")
     recipe = {"stage": "eval", "version": FORMAT_VERSION, "model": ref.fingerprint, "maps": src.ident,
-              **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}}
+              **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}, **place.recipe()}
     hit = store.cached("eval", recipe)
     if hit is not None:
         return hit, True
 
     from ridgefill.models import load_model
 
-    lm = load_model(ref, store_root=store.root)
+    lm = load_model(ref, store_root=store.root, **place.load_args())
+    out.info(f"model on {place.describe()}")
+    from ridgefill.evaluate.runtime import maps_on_devices
+
+    src = replace(src, maps=maps_on_devices(lm, src.maps, range(src.split, ref.num_layers)))  # once, not per prefill
     results = {"split": src.split, "num_layers": ref.num_layers, "tail": cfg.tail,
                "documents": _documents(lm, src, cfg, out), "needles": _needles(lm, src, cfg, out)}
     results["summary"] = summarize(results, cfg)
     with store.build("eval", recipe) as build:
         write_json(build.path / RESULTS, results)
-        art = build.commit(info={"model_spec": model, "source": source}, summary=results["summary"])
+        art = build.commit(info={"model_spec": model, "source": source, "placement": lm.placement()},
+                           summary=results["summary"])
     return art, False
 
 
@@ -150,22 +160,27 @@ def _documents(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
             pick = slice(T - K - 1, T - 1)  # tail rows whose next-token prediction is a scored token
             exact = prefill(lm, ids, "exact", split=src.split, tail=T)
             tail_only = prefill(lm, ids[N - T :], "exact", split=src.split, tail=T)  # context cut to the tail
-            le = exact.logits[pick].numpy()
+            le = _host(exact.logits[pick])
             nll_exact = metrics.token_nll(le, targets)
-            key = metrics.key_mask(nll_exact, metrics.token_nll(tail_only.logits[pick].numpy(), targets))
+            key = metrics.key_mask(nll_exact, metrics.token_nll(_host(tail_only.logits[pick]), targets))
             novel = metrics.novel_mask(ids.numpy(), N - K)
             probe = range(N - K - PROBE_ROWS, N - K)  # "+rows": the stretch just before the scored tokens
             row = {"name": d.name, "tokens": N, "seconds": {"exact": exact.seconds}}
             for j, arm in enumerate(cfg.arms):
                 if arm != "exact":
                     res = prefill(lm, ids, arm, **_fill_args(src, arm, T, probe))
-                    la = res.logits[pick].numpy()
+                    la = _host(res.logits[pick])
                     row[arm] = metrics.doc_summary(nll_exact, metrics.token_nll(la, targets),
                                                    metrics.kl_exact_arm(le, la), metrics.top1_agree(le, la), novel, key)
                     row["seconds"][arm] = res.seconds
                 bar.update(i * len(cfg.arms) + j + 1, (i + 1) * N, f"doc {i + 1}/{len(docs)} · {arm}")
             rows.append(row)
     return rows
+
+
+def _host(logits):
+    """Logits (float32, on the model's head device) as a float32 numpy array on the host."""
+    return logits.float().cpu().numpy()
 
 
 def _needles(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:

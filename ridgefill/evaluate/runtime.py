@@ -32,6 +32,11 @@ cache does), so decoding continues with the stock model at positions N, N+1, ...
 
 In sliding-window late layers only the prefix rows that some query (or the final cache) can see are filled:
 rows more than a window behind the first query row get no keys at all.
+
+Devices. The same code runs on a CPU, a GPU, and a model that accelerate spread over several devices and disk
+(`load_model(device_map=...)`): the inputs go to the embeddings' device, each layer's key/value slots are made on
+that layer's device (`Adapter.layer_device`) and everything a layer reads is moved there first. Logits come back
+on the head's device, in float32; `seconds` waits for queued GPU work before it stops the clock.
 """
 
 from __future__ import annotations
@@ -81,9 +86,10 @@ class _Slots:
         self.keys, self.values, self.slots = keys, values, slots  # [1, kv_heads, N, head_dim] x2, [Q]
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
-        self.keys[:, :, self.slots] = key_states.to(self.keys.dtype)
-        self.values[:, :, self.slots] = value_states.to(self.values.dtype)
-        return self.keys, self.values
+        self.keys[:, :, self.slots] = key_states.to(self.keys.device, self.keys.dtype)
+        self.values[:, :, self.slots] = value_states.to(self.values.device, self.values.dtype)
+        # (a no-op unless the attention computes on another device than the layer's slots live on)
+        return self.keys.to(key_states.device), self.values.to(value_states.device)
 
 
 def _mask(q_pos, kv_valid, window, impl: str, dtype):
@@ -98,7 +104,8 @@ def _mask(q_pos, kv_valid, window, impl: str, dtype):
     if impl == "sdpa":
         return allowed
     # eager (and anything else that adds the mask to the scores)
-    return torch.where(allowed, torch.zeros((), dtype=dtype), torch.tensor(torch.finfo(dtype).min, dtype=dtype))
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device))
 
 
 def _check(lm, n: int, arm: str, split: int, tail: int, maps, exact_rows) -> list[int]:
@@ -130,9 +137,11 @@ def _check(lm, n: int, arm: str, split: int, tail: int, maps, exact_rows) -> lis
 
 
 def _logits(lm, hidden: torch.Tensor) -> torch.Tensor:
-    """The model's own final norm, head and (Gemma) soft-capping on hidden [rows, d] -> [rows, vocab] float32."""
-    model, base = lm.model, lm.adapter.base
-    logits = model.lm_head(base.norm(hidden))
+    """The model's own final norm, head and (Gemma) soft-capping on hidden [rows, d] -> [rows, vocab] float32,
+    on the head's device."""
+    model, ad = lm.model, lm.adapter
+    normed = ad.base.norm(hidden.to(ad.module_device(ad.base.norm)))
+    logits = model.lm_head(normed.to(ad.module_device(model.lm_head)))
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap
@@ -166,6 +175,9 @@ def prefill(
             raise BadInput(f"probe rows must be prompt positions in 0..{n - 1}")
         select = (round(row_share * n), probe)
     ids = ids.to(lm.adapter.device)
+    if arm.startswith("ridgefill"):
+        maps = maps_on_devices(lm, maps, range(split, lm.adapter.num_layers))  # before the clock starts
+    _sync()
     start = time.perf_counter()
     with torch.no_grad():
         if arm == "exact":
@@ -174,9 +186,30 @@ def prefill(
             cache = getattr(out, "cache", None)  # 5.x name; `past_key_values` is a deprecated alias
         else:
             logits, cache, rows = _fill(lm, ids, arm, split, tail, maps, rows, select)
+    _sync()  # a GPU runs asynchronously: the clock stops when its work is done
     seconds = time.perf_counter() - start
     return PrefillResult(logits=logits, cache=cache, seconds=seconds, arm=arm, split=split, tail=tail,
                          num_rows=n, exact_rows=rows)  # fmt: skip
+
+
+def _sync() -> None:
+    """Wait for queued GPU work (a no-op without CUDA), so that wall time measures the computation."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def maps_on_devices(lm, maps: dict, layers) -> dict:
+    """{layer: (W, b)} as float32 tensors on each late layer's device (numpy arrays or tensors anywhere in).
+
+    `prefill` calls it before its clock starts; a caller running many prefills with the same maps can call it
+    once (tensors already in place are not copied again)."""
+    ad = lm.adapter
+    out = dict(maps)
+    for l in layers:
+        dev = ad.layer_device(l)
+        W, b = maps[l]
+        out[l] = (torch.as_tensor(W, dtype=torch.float32).to(dev), torch.as_tensor(b, dtype=torch.float32).to(dev))
+    return out
 
 
 class _Layers:
@@ -191,22 +224,31 @@ class _Layers:
         self.window = getattr(ad.config, "sliding_window", None)
 
     def rope(self, hidden, pos) -> dict:
-        """{layer kind: (cos, sin) [1, len(pos), head_dim]} at positions `pos`."""
+        """{layer kind: (cos, sin) [1, len(pos), head_dim]} at positions `pos` (on the rotary module's device)."""
+        dev = self.ad.module_device(self.ad.base.rotary_emb)
+        hidden, pos = hidden.to(dev), pos.to(dev)
         return {kind: self.ad._rope_module_call(hidden, pos[None], kind) for kind in set(self.ad.layer_kinds)}
 
     def run(self, l, h, q_pos, rope, keys, values, kv_valid=None, every_row=False, mask=None, slots=None):
         """Layer `l` on rows h [1, Q, d] at positions q_pos [Q] ((cos, sin) of those rows in `rope`); the rows'
         keys/values land in `slots` (default: their positions) of keys/values [1, kv_heads, n, head_dim];
-        kv_valid [n] marks the slots attention may read (or pass a ready additive `mask`)."""
+        kv_valid [n] marks the slots attention may read (or pass a ready additive `mask`).
+
+        keys/values live on the layer's device (`Adapter.layer_device`); everything else is moved there, and
+        the layer's output [1, Q, d] stays there."""
         kind = self.ad.layer_kinds[l]
+        dev = keys.device
+        q_pos = q_pos.to(dev)
         if mask is not None:
-            pass
+            mask = mask.to(dev)
         elif every_row and self.impl == "sdpa" and kind != SLIDING:
             mask = None  # all rows, in order: sdpa's own is_causal path, as the stock prefill takes
         else:
-            mask = _mask(q_pos, kv_valid, self.window if kind == SLIDING else None, self.impl, self.ad.dtype)
-        return self.ad.layers[l](h, attention_mask=mask, position_embeddings=rope[kind], position_ids=q_pos[None],
-                                 cache=_Slots(keys, values, q_pos if slots is None else slots))  # fmt: skip
+            mask = _mask(q_pos, kv_valid.to(dev), self.window if kind == SLIDING else None, self.impl, self.ad.dtype)
+        cos, sin = rope[kind]
+        slots = q_pos if slots is None else slots.to(dev)
+        return self.ad.layers[l](h.to(dev), attention_mask=mask, position_embeddings=(cos.to(dev), sin.to(dev)),
+                                 position_ids=q_pos[None], cache=_Slots(keys, values, slots))  # fmt: skip
 
 
 class SlotCache:
@@ -216,19 +258,22 @@ class SlotCache:
     layers: per decoder layer a dict with "keys", "values" [kv_heads, n, head_dim] (post-RoPE), "positions"
     [kv_heads, n] int (-1: an empty slot, never attended) and optionally "bias" [kv_heads, n] float32 (added to
     s q.k, as an attention-biased compacted cache has). The "nofill" arm's cache is one (holes are empty slots);
-    so are the compacted caches of `ridgefill.fold`."""
+    so are the compacted caches of `ridgefill.fold`. Each layer's tensors are kept on that layer's device."""
 
     def __init__(self, lm, layers: list[dict], next_position: int):
         ad = lm.adapter
         self.lm, self.next_position = lm, int(next_position)
 
-        def t(x, dtype):  # torch tensors or numpy arrays (copied: steps append to them)
-            return torch.tensor(np.asarray(x), dtype=dtype) if not isinstance(x, torch.Tensor) else x.to(dtype)
+        def t(x, dtype, dev):  # torch tensors (any device) or numpy arrays
+            x = x if isinstance(x, torch.Tensor) else torch.tensor(np.asarray(x))
+            return x.to(device=dev, dtype=dtype)
 
-        self.layers = [{"keys": t(d["keys"], ad.dtype)[None], "values": t(d["values"], ad.dtype)[None],
-                        "positions": t(d["positions"], torch.long),
-                        "bias": None if d.get("bias") is None else t(d["bias"], torch.float32)}
-                       for d in layers]  # fmt: skip
+        self.layers = []
+        for l, d in enumerate(layers):
+            dev = ad.layer_device(l)
+            self.layers.append({"keys": t(d["keys"], ad.dtype, dev)[None], "values": t(d["values"], ad.dtype, dev)[None],
+                                "positions": t(d["positions"], torch.long, dev),
+                                "bias": None if d.get("bias") is None else t(d["bias"], torch.float32, dev)})
 
     def _mask(self, l: int, p: int) -> torch.Tensor:
         """[1, heads, 1, n] additive mask of one query at position p (its own new slot last)."""
@@ -238,8 +283,8 @@ class SlotCache:
         window = getattr(ad.config, "sliding_window", None)
         if ad.layer_kinds[l] == SLIDING and window:
             allowed &= p - pos < window
-        bias = torch.zeros(pos.shape) if d["bias"] is None else d["bias"]
-        m = torch.where(allowed, bias, torch.tensor(torch.finfo(torch.float32).min))
+        bias = torch.zeros(pos.shape, device=pos.device) if d["bias"] is None else d["bias"]
+        m = torch.where(allowed, bias, torch.tensor(torch.finfo(torch.float32).min, device=pos.device))
         m = m.repeat_interleave(ad.num_heads // ad.num_kv_heads, dim=0)  # KV head -> its query heads
         return m[None, :, None, :].to(ad.dtype)
 
@@ -255,9 +300,9 @@ class SlotCache:
                 kv, n = d["positions"].shape
                 d["keys"] = torch.cat([d["keys"], d["keys"].new_zeros(1, kv, 1, ad.head_dim)], dim=2)
                 d["values"] = torch.cat([d["values"], d["values"].new_zeros(1, kv, 1, ad.head_dim)], dim=2)
-                d["positions"] = torch.cat([d["positions"], torch.full((kv, 1), p)], dim=1)
+                d["positions"] = torch.cat([d["positions"], d["positions"].new_full((kv, 1), p)], dim=1)
                 if d["bias"] is not None:
-                    d["bias"] = torch.cat([d["bias"], torch.zeros(kv, 1)], dim=1)
+                    d["bias"] = torch.cat([d["bias"], d["bias"].new_zeros(kv, 1)], dim=1)
                 h = layers.run(l, h, q_pos, rope, d["keys"], d["values"], mask=self._mask(l, p),
                                slots=torch.tensor([n]))  # fmt: skip
         self.next_position += 1
@@ -283,9 +328,11 @@ def _attention_received(ad, l, x, pos, keys, window) -> torch.Tensor:
     """Attention each key slot receives from the rows x [P, d] at positions pos [P] in layer l, summed over
     heads and rows: [n] float32. keys [1, kv_heads, n, head_dim] hold the layer's post-RoPE keys."""
     kind = ad.layer_kinds[l]
-    cos, sin = ad._rope_module_call(x, pos[None], kind)
-    q = ad.apply_rope(ad.q(l, x), cos[0], sin[0]).float()  # [P, heads, hd]
-    k = keys[0].float().repeat_interleave(ad.num_heads // ad.num_kv_heads, dim=0)  # [heads, n, hd]
+    q = ad.q(l, x)  # on the layer's device, like keys
+    pos = pos.to(q.device)
+    cos, sin = ad._rope_module_call(x.to(q.device), pos[None], kind)
+    q = ad.apply_rope(q, cos[0], sin[0]).float()  # [P, heads, hd]
+    k = keys[0].to(q.device).float().repeat_interleave(ad.num_heads // ad.num_kv_heads, dim=0)  # [heads, n, hd]
     scores = ad.attention_scaling(l) * torch.einsum("phd,hnd->hpn", q, k)  # [heads, P, n]
     kv = torch.arange(k.shape[1], device=k.device)[None, :]
     allowed = kv <= pos[:, None]
@@ -300,16 +347,18 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select):
 
     model, ad = lm.model, lm.adapter
     layers = _Layers(lm)
+    # Positions, masks and row indices live on the input device and move to each layer's device (with a device
+    # map every layer may sit on another one); each layer's key/value slots are made on its own device.
     device, dtype = ad.device, ad.dtype
     n, L = int(ids.shape[0]), ad.num_layers
     prefix = n - tail
     all_pos = torch.arange(n, device=device)
     kv_shape = (1, ad.num_kv_heads, n, ad.head_dim)
 
-    def new_slots():
-        return torch.zeros(kv_shape, dtype=dtype, device=device)
+    def new_slots(l):
+        return torch.zeros(kv_shape, dtype=dtype, device=ad.layer_device(l))
 
-    hidden = base_hidden = ad.base.embed_tokens(ids[None])  # [1, N, d]; Gemma's embedding applies its own scale
+    hidden = base_hidden = ad.base.embed_tokens(ids[None].to(device))  # [1, N, d]; Gemma's embedding scales
     rope = layers.rope(base_hidden, all_pos)  # [1, N, hd] per layer kind
     received = torch.zeros(n, device=device) if select else None
 
@@ -317,13 +366,13 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select):
     # Early layers: every row, exactly.
     every = torch.ones(n, dtype=torch.bool, device=device)
     for l in range(split):
-        keys, values = new_slots(), new_slots()
+        keys, values = new_slots(l), new_slots(l)
         layer_in = hidden
         hidden = layers.run(l, hidden, all_pos, rope, keys, values, every, every_row=True)
         kv_store.append((keys, values))
         if select:
-            probe = torch.tensor(select[1], device=device)
-            received += _attention_received(ad, l, layer_in[0, probe], probe, keys, layers.window)
+            probe = torch.tensor(select[1], device=layer_in.device)
+            received += _attention_received(ad, l, layer_in[0, probe], probe, keys, layers.window).to(device)
     h_split = hidden[0]  # [N, d]: the split state
     if select:  # "+rows": the most-attended prefix rows become exact rows
         order = torch.argsort(-received[:prefix], stable=True)  # ties: earlier position first
@@ -331,18 +380,19 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select):
 
     # Late layers: the query rows (exact rows + tail) run; the filled rows only write keys/values.
     q_pos = torch.tensor(rows + list(range(prefix, n)), dtype=torch.long, device=device)
-    q_rope = {kind: (cos[:, q_pos], sin[:, q_pos]) for kind, (cos, sin) in rope.items()}
+    q_rope = {kind: (cos[:, q_pos.to(cos.device)], sin[:, q_pos.to(sin.device)]) for kind, (cos, sin) in rope.items()}
     is_fill = torch.zeros(n, dtype=torch.bool, device=device)
     is_fill[:prefix] = True
     if rows:
         is_fill[torch.tensor(rows, device=device)] = False
     fill_pos = all_pos[is_fill] if arm != "nofill" else all_pos[:0]
     first_query = int(q_pos[0])
-    hq = hidden[:, q_pos]  # [1, Q, d]
+    hq = hidden[:, q_pos.to(hidden.device)]  # [1, Q, d]
     x_split = h_split.float()
     valid_store = [every] * split
     for l in range(split, L):
-        keys, values = new_slots(), new_slots()
+        dev = ad.layer_device(l)
+        keys, values = new_slots(l), new_slots(l)
         kv_valid = torch.zeros(n, dtype=torch.bool, device=device)
         kv_valid[q_pos] = True
         kind = ad.layer_kinds[l]
@@ -350,17 +400,19 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select):
         if kind == SLIDING and layers.window:
             pos = pos[pos > first_query - layers.window]  # older rows are outside every query's window
         if pos.numel():
-            x = x_split[pos]  # [F, d]
+            x = x_split[pos.to(x_split.device)].to(dev)  # [F, d] float32, on the layer's device
             if arm.startswith("ridgefill"):
                 W, b = maps[l]
-                W = torch.as_tensor(W, dtype=torch.float32, device=device)
-                b = torch.as_tensor(b, dtype=torch.float32, device=device)
+                W = torch.as_tensor(W, dtype=torch.float32, device=dev)  # in place already (maps_on_devices)
+                b = torch.as_tensor(b, dtype=torch.float32, device=dev)
                 x = x @ W.T + b
-            k, v = ad.kv(l, x)  # [F, kv_heads, head_dim], before RoPE
+            k, v = ad.kv(l, x)  # [F, kv_heads, head_dim], before RoPE, on the layer's device
             cos, sin = rope[kind]
-            k = ad.apply_rope(k, cos[0, pos], sin[0, pos])
-            keys[0, :, pos] = k.transpose(0, 1).to(dtype)
-            values[0, :, pos] = v.transpose(0, 1).to(dtype)
+            at = pos.to(cos.device)
+            k = ad.apply_rope(k, cos[0, at], sin[0, at])
+            at = pos.to(dev)
+            keys[0, :, at] = k.transpose(0, 1).to(dev, dtype)
+            values[0, :, at] = v.transpose(0, 1).to(dev, dtype)
             kv_valid[pos] = True
         hq = layers.run(l, hq, q_pos, q_rope, keys, values, kv_valid)
         kv_store.append((keys, values))
