@@ -142,7 +142,8 @@ def test_slot_cache_bias_equals_duplicated_keys(tiny_llama, tmp_path):
     (["--budget", 1], "--budget must be a share strictly between 0 and 1, got 1.0"),
     (["--budget", 0.001], "keeps no key"),
     (["--source", "echo"], "unknown query source 'echo'"),
-    (["--dtype", "int8"], "unknown cache dtype 'int8'"),
+    (["--cache-dtype", "int8"], "unknown cache dtype 'int8'"),
+    (["--dtype", "int8"], "unknown dtype 'int8' (choose one of: auto, float32, bfloat16, float16)"),  # the model's
 ])
 def test_compact_refusals(tiny_llama, context, tmp_path, args, message):
     r = cli("compact", tiny_llama, "--context", context, *args, "--store", tmp_path / "st")

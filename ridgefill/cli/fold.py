@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, ModelArg, StoreOpt, done, output, store
+from ridgefill.cli.common import (DEFAULT_STORE, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, JsonOpt, MaxMemoryOpt,
+                                  ModelArg, StoreOpt, done, output, store)
 
 
 def compact(
@@ -18,8 +19,12 @@ def compact(
     holdout: Annotated[float, typer.Option("--holdout", help="Held-out share of query tokens (scored, never fitted).")] = 0.2,
     cap: Annotated[int, typer.Option("--cap", help="At most this many query tokens (subsampled with --seed).")] = 4096,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    dtype: Annotated[str, typer.Option("--dtype", help="Cache dtype: bfloat16, float16 or float32.")] = "bfloat16",
+    cache_dtype: Annotated[str, typer.Option("--cache-dtype", help="Cache dtype: bfloat16, float16 or float32.")] = "bfloat16",
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own code.")] = False,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
     store_root: StoreOpt = DEFAULT_STORE,
     json: JsonOpt = False,
     debug: DebugOpt = False,
@@ -28,8 +33,9 @@ def compact(
     from ridgefill.fold.compact import CompactConfig, compact as run
 
     out = output(json)
-    cfg = CompactConfig(budget=budget, source=source, holdout=holdout, cap=cap, seed=seed, dtype=dtype)
-    art, cached = run(store(store_root), model, context, cfg, out, trust_remote_code=trust_remote_code)
+    cfg = CompactConfig(budget=budget, source=source, holdout=holdout, cap=cap, seed=seed, dtype=cache_dtype)
+    art, cached = run(store(store_root), model, context, cfg, out, trust_remote_code=trust_remote_code, device=device,
+                      dtype=dtype, device_map=device_map, max_memory=max_memory)
     s = art.manifest["summary"]
     out.info(f"{s['context_tokens']} context tokens, {s['kept_per_head']} keys kept per head in layers "
              f"{s['compacted_layers']}; median held-out output error of the biased cache {s['am_held_median']:.4f}")
@@ -42,6 +48,10 @@ def fold(
     question: Annotated[Optional[str], typer.Option("--question", help="Text after the context for the plain-cache check.")] = None,
     answer_tokens: Annotated[int, typer.Option("--answer-tokens", help="Greedy answer length of the check.")] = 24,
     model: Annotated[Optional[str], typer.Option("--model", help="The compact's model from another place (same fingerprint).")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
     store_root: StoreOpt = DEFAULT_STORE,
     json: JsonOpt = False,
     debug: DebugOpt = False,
@@ -53,7 +63,8 @@ def fold(
 
     out = output(json)
     cfg = FoldConfig(rho=rho, answer_tokens=answer_tokens, **({"question": question} if question is not None else {}))
-    art, cached = run(store(store_root), compact_id, cfg, out, model=model)
+    art, cached = run(store(store_root), compact_id, cfg, out, model=model, device=device, dtype=dtype,
+                      device_map=device_map, max_memory=max_memory)
     s = art.manifest["summary"]
     t = Table(title=f"fold {art.id}: median output error vs the full cache ({s['heads']} heads); answer KL")
     for c in ("arm", "fit", "held-out", "worst (layer/head)", "KL", "answer = full"):

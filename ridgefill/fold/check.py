@@ -27,15 +27,17 @@ class _Stock:
         ad = lm.adapter
         self.lm, self.p = lm, next_position
         self.cache = DynamicCache(config=lm.model.config)
-        for l, d in enumerate(layers):
-            k = torch.as_tensor(d["keys"], dtype=ad.dtype)[None]  # [1, kv_heads, n, hd]
-            self.cache.update(k, torch.as_tensor(d["values"], dtype=ad.dtype)[None], l)
+        for l, d in enumerate(layers):  # each layer's cache on the device that layer computes on
+            dev = ad.layer_device(l)
+            k = torch.as_tensor(d["keys"], dtype=ad.dtype).to(dev)[None]  # [1, kv_heads, n, hd]
+            self.cache.update(k, torch.as_tensor(d["values"], dtype=ad.dtype).to(dev)[None], l)
 
     def step(self, token: int):
         import torch
 
+        dev = self.lm.adapter.device
         with torch.inference_mode():
-            o = self.lm.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[self.p]]),
+            o = self.lm.model(input_ids=torch.tensor([[token]], device=dev), position_ids=torch.tensor([[self.p]], device=dev),
                               cache=self.cache, use_cache=True)  # fmt: skip
         self.cache, self.p = o.cache, self.p + 1
         return o.logits[0, -1].float()
@@ -63,9 +65,9 @@ def _run(make, question: list[int], forced: list[int] | None, max_new: int, eos)
     for t in question:
         logits = c.step(t)
     if forced is not None:
-        rows = [logits.numpy()]
+        rows = [logits.float().cpu().numpy()]
         for t in forced[:-1]:
-            rows.append(c.step(t).numpy())
+            rows.append(c.step(t).float().cpu().numpy())
         return forced, np.stack(rows)
     toks = []
     nxt = int(logits.argmax())
@@ -79,7 +81,7 @@ def plain_cache_check(lm, ids, cc, biased: dict, folded: dict, drop: dict, cfg, 
     from ridgefill.evaluate.runtime import SlotCache
 
     n, L = int(len(ids)), lm.adapter.num_layers
-    full = {l: {"keys": cc.keys[l].numpy(), "values": cc.values[l].numpy(),
+    full = {l: {"keys": cc.keys[l].cpu().numpy(), "values": cc.values[l].cpu().numpy(),
                 "positions": np.broadcast_to(np.arange(n), cc.keys[l].shape[:2])} for l in range(L)}  # fmt: skip
     makers = {
         "full": lambda: _Stock(lm, _layers(full, L, False), n),

@@ -31,6 +31,7 @@ FORMAT_VERSION = 1
 CACHE = "cache.safetensors"
 CONTEXT = "context.safetensors"
 REPORT = "report.json"
+MODEL_DTYPE = "model_dtype"  # the recipe's name for the model dtype (`dtype` there is the cache dtype)
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -41,7 +42,7 @@ class CompactConfig:
     holdout: float = 0.2  # held-out share of query tokens (scored, never fitted)
     cap: int = 4096  # at most this many query tokens
     seed: int = 0
-    dtype: str = "bfloat16"  # cache dtype
+    dtype: str = "bfloat16"  # cache dtype (`--cache-dtype`; the field keeps its name, so recipes and ids do too)
     box: float = 3.0  # |beta| <= box
 
 
@@ -86,11 +87,16 @@ def read_context(path: Path) -> tuple[str, str]:
 
 
 def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Output,
-            trust_remote_code: bool = False) -> tuple[Artifact, bool]:  # fmt: skip
+            trust_remote_code: bool = False, *, device: str = "auto", dtype: str = "auto", device_map=None,
+            max_memory=None) -> tuple[Artifact, bool]:  # fmt: skip
+    """Run (or find cached) the compaction. `dtype` is the model's (cfg.dtype is the cache's): it and the device
+    kind go into the recipe as `model_dtype` / `device` (nothing for cpu / float32)."""
     from ridgefill.fold.math import CACHE_DTYPES
     from ridgefill.fold.queries import SOURCES
     from ridgefill.models import resolve_model
+    from ridgefill.models.device import where
 
+    place = where(device, dtype, device_map, max_memory)
     if cfg.source not in SOURCES:
         raise BadInput(f"unknown query source '{cfg.source}' (choose one of: {', '.join(SOURCES)})")
     if cfg.dtype not in CACHE_DTYPES:
@@ -104,7 +110,7 @@ def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Ou
     text, sha = read_context(context)
     ref = resolve_model(model, store_root=store.root)
     recipe = {"stage": "compact", "version": FORMAT_VERSION, "model": ref.fingerprint, "context_sha256": sha,
-              **asdict(cfg)}
+              **asdict(cfg), **place.recipe(MODEL_DTYPE)}
     hit = store.cached("compact", recipe)
     if hit is not None:
         return hit, True
@@ -113,7 +119,8 @@ def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Ou
 
     from ridgefill.models import load_model
 
-    lm = load_model(ref, store_root=store.root, trust_remote_code=trust_remote_code)
+    lm = load_model(ref, store_root=store.root, trust_remote_code=trust_remote_code, **place.load_args())
+    out.info(f"model on {place.describe()}")
     ids = torch.tensor(lm.tokenizer(text)["input_ids"], dtype=torch.long)
     r = budget_rows(cfg.budget, len(ids))
     kinds = lm.adapter.layer_kinds
@@ -128,7 +135,7 @@ def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Ou
                 heads += rows
             else:  # sliding-window layers keep their whole cache
                 n = cc.keys[l].shape[1]
-                layer = {"keys": cc.keys[l].numpy(), "values": cc.values[l].numpy(),
+                layer = {"keys": cc.keys[l].cpu().numpy(), "values": cc.values[l].cpu().numpy(),
                          "positions": np.broadcast_to(np.arange(n, dtype=np.int32), cc.keys[l].shape[:2])}
             arrays |= {f"layer.{l}.{name}": to_dtype(a, cfg.dtype) if name in ("keys", "values") else
                        np.ascontiguousarray(a) for name, a in layer.items()}  # fmt: skip
@@ -144,7 +151,8 @@ def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Ou
         write_json(build.path / REPORT, report)
         art = build.commit(info={"model_spec": model, "model": {"name": ref.name, "fingerprint": ref.fingerprint},
                                  "context": {"path": str(context), "sha256": sha, "tokens": len(ids)},
-                                 "trust_remote_code": trust_remote_code}, summary=summary)  # fmt: skip
+                                 "trust_remote_code": trust_remote_code, "placement": lm.placement()},
+                           summary=summary)  # fmt: skip
     return art, False
 
 
@@ -166,8 +174,8 @@ def compact_layer(l: int, cc, rq, s: float, r: int, cfg: CompactConfig) -> tuple
     fit_q, held_q = rq.layers[l]
     keys, values, positions, betas, rows = [], [], [], [], []
     for h in range(cc.keys[l].shape[0]):
-        K, V = cc.keys[l][h].numpy(), cc.values[l][h].numpy()  # [N, hd]
-        Q, Qh = fit_q[h].numpy(), held_q[h].numpy()
+        K, V = cc.keys[l][h].cpu().numpy(), cc.values[l][h].cpu().numpy()  # [N, hd] float32
+        Q, Qh = fit_q[h].cpu().numpy(), held_q[h].cpu().numpy()
         keep = select_keys(Q, K, s, r)
         fit = fit_log_weights(Q, K, keep, s, box=cfg.box)
         k = round_to(K[keep], cfg.dtype)

@@ -39,15 +39,24 @@ class FoldConfig:
     bootstrap: int = 2000
 
 
-def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: str | None = None) -> tuple[Artifact, bool]:
+def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: str | None = None, *,
+         device: str = "auto", dtype: str = "auto", device_map=None, max_memory=None) -> tuple[Artifact, bool]:
+    """Run (or find cached) the fold. The model recomputes the compact's reference queries: a warning says so when
+    it runs on another device kind or dtype than the compact did. Device kind and model dtype go into the recipe
+    (nothing for cpu / float32)."""
     from ridgefill.models import load_model, resolve_model
+    from ridgefill.models.device import mixed_warning, recorded, where
 
+    place = where(device, dtype, device_map, max_memory)
     comp = store.get(compact_ref, stage="compact")
     if not cfg.rho > 0 or cfg.ridge < 0:
         raise BadInput(f"--rho must be > 0 and --ridge >= 0 (got {cfg.rho}, {cfg.ridge})")
     if cfg.answer_tokens < 1:
         raise BadInput(f"--answer-tokens must be at least 1, got {cfg.answer_tokens}")
-    recipe = {"stage": "fold", "version": FORMAT_VERSION, "compact": comp.id, **asdict(cfg)}
+    recipe = {"stage": "fold", "version": FORMAT_VERSION, "compact": comp.id, **asdict(cfg), **place.recipe()}
+    warning = mixed_warning(f"compact {comp.id}", recorded(comp.recipe, cmp.MODEL_DTYPE), place)
+    if warning:
+        out.warn(warning)
     hit = store.cached("fold", recipe)
     if hit is not None:
         return hit, True
@@ -60,7 +69,9 @@ def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: st
 
     import torch
 
-    lm = load_model(ref, store_root=store.root, trust_remote_code=comp.info.get("trust_remote_code", False))
+    lm = load_model(ref, store_root=store.root, trust_remote_code=comp.info.get("trust_remote_code", False),
+                    **place.load_args())
+    out.info(f"model on {place.describe()}")
     ccfg = cmp.CompactConfig(**{k: comp.recipe[k] for k in asdict(cmp.CompactConfig())})
     ids = torch.tensor(cmp.load_context(comp))
     cc, rq = cmp.prepare(lm, ids, ccfg, out)
@@ -89,7 +100,8 @@ def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: st
         write_json(build.path / REPORT, report)
         write_json(build.path / CHECK, check)
         art = build.commit(info={"compact": comp.id, "model_spec": spec, "model": comp.info["model"],
-                                 "context": comp.info["context"]}, summary=summary)  # fmt: skip
+                                 "context": comp.info["context"], "placement": lm.placement()},
+                           summary=summary)  # fmt: skip
     return art, False
 
 
@@ -107,8 +119,8 @@ def fold_layer(l: int, layer: dict, cc, rq, s: float, dtype: str, cfg: FoldConfi
     fit_q, held_q = rq.layers[l]
     fk, fv, us, dv, rows = [], [], [], [], []
     for h in range(layer["keys"].shape[0]):
-        K, V = cc.keys[l][h].numpy(), cc.values[l][h].numpy()  # the full cache [N, hd]
-        Q, Qh = fit_q[h].numpy(), held_q[h].numpy()
+        K, V = cc.keys[l][h].cpu().numpy(), cc.values[l][h].cpu().numpy()  # the full cache [N, hd] float32
+        Q, Qh = fit_q[h].cpu().numpy(), held_q[h].cpu().numpy()
         k, v, beta, pos = layer["keys"][h], layer["values"][h], layer["beta"][h], layer["positions"][h]
         target = attention_output(Q, K, V, s)
         u = fold_direction(Q, cfg.rho)
