@@ -6,11 +6,16 @@ from typing import Annotated
 
 import typer
 
-from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, StoreOpt, done, output, store
+from ridgefill.cli.common import (DEFAULT_STORE, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, JsonOpt, MaxMemoryOpt,
+                                  StoreOpt, done, output, store)
 
 
 def quantize(
     maps: Annotated[str, typer.Argument(help="Solve artifact id (or unique prefix).")],
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
     store_root: StoreOpt = DEFAULT_STORE,
     json: JsonOpt = False,
     debug: DebugOpt = False,
@@ -23,7 +28,8 @@ def quantize(
     from ridgefill.export.quantize import REPORT, quantize as run
 
     out = output(json)
-    art, cached = run(store(store_root), maps, out)
+    art, cached = run(store(store_root), maps, out, device=device, dtype=dtype, device_map=device_map,
+                      max_memory=max_memory)
     report = jsonlib.loads(art.file(REPORT).read_text())
     t = Table(title="int8 error / max|w|")
     t.add_column("layer", justify="right")

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, StoreOpt, done, output, store
+from ridgefill.cli.common import (DEFAULT_STORE, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, JsonOpt, MaxMemoryOpt,
+                                  StoreOpt, done, output, store)
 
 
 def solve(
@@ -17,6 +18,10 @@ def solve(
     alpha: Annotated[Optional[list[float]], typer.Option("--alpha", help="Alpha grid (repeatable). Default 1e-5 ... 1.")] = None,
     metric: Annotated[str, typer.Option("--metric", help="Held-out selection metric: kv (K/V cosine) or input (input cosine).")] = "kv",
     chat_share: Annotated[Optional[float], typer.Option("--chat-share", help="Weight of chat-template rows when the capture has them.")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
     store_root: StoreOpt = DEFAULT_STORE,
     json: JsonOpt = False,
     debug: DebugOpt = False,
@@ -26,7 +31,7 @@ def solve(
 
     out = output(json)
     art, cached = run(store(store_root), capture, out, model=model, split=split, alphas=alpha, metric=metric,
-                      chat_share=chat_share)
+                      chat_share=chat_share, device=device, dtype=dtype, device_map=device_map, max_memory=max_memory)
     report = jsonlib.loads(art.file(REPORT).read_text())
     out.table(grid_table(report))
     out.table(layer_table(report))

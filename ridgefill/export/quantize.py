@@ -26,20 +26,27 @@ QUANT = "quant.safetensors"
 REPORT = "report.json"
 
 
-def quantize(store: Store, maps_ref: str, out: Output, group: int = int8.GROUP_SIZE) -> tuple[Artifact, bool]:
-    from ridgefill.solve.run import load_maps
+def quantize(store: Store, maps_ref: str, out: Output, group: int = int8.GROUP_SIZE, *, device: str = "auto",
+             dtype: str = "auto", device_map=None, max_memory=None) -> tuple[Artifact, bool]:
+    """Run (or find cached) the quantization. device / dtype / device_map / max_memory place the model that
+    re-scores the maps; its device kind and dtype go into the recipe as `device` / `model_dtype` (`dtype` there
+    is int8; nothing is added for cpu / float32)."""
+    from ridgefill.models.device import where
+    from ridgefill.solve.run import load_maps, warn_if_mixed
 
     from ridgefill.capture.run import load_stats
 
+    place = where(device, dtype, device_map, max_memory)
     sol = store.get(maps_ref, stage="solve")
     recipe = {"stage": "quantize", "version": FORMAT_VERSION, "solve": sol.id, "dtype": "int8", "group_size": group,
-              "bias_correction": True}
+              "bias_correction": True, **place.recipe("model_dtype")}
     hit = store.cached("quantize", recipe)
     if hit is not None:
         return hit, True
     store.verify(sol)
     maps = load_maps(sol)
     cap = store.get(sol.info["capture"], stage="capture")
+    warn_if_mixed(cap, place, out)
     mean_x = load_stats(cap, sol.recipe["split"], sol.recipe["chat_share"]).mean_x
     arrays, qmaps, errors = {}, {}, {}
     for l, (w, b) in maps.items():
@@ -50,7 +57,7 @@ def quantize(store: Store, maps_ref: str, out: Output, group: int = int8.GROUP_S
         arrays[tensor_name(l, CODES)] = codes
         arrays[tensor_name(l, SCALES)] = tensors.BF16(scale_bits)
         arrays[tensor_name(l, BIAS)] = tensors.BF16(bias_bits)
-    before, after = _scores(store, cap, sol, maps, qmaps)
+    before, after = _scores(store, cap, sol, maps, qmaps, place, out)
     report = {"group_size": group, "max_rel_error": errors, "max_rel_error_worst": max(errors.values()),
               "heldout_float": before, "heldout_int8": after}
     with store.build("quantize", recipe) as build:
@@ -71,14 +78,15 @@ def quantize_map(w: np.ndarray, b: np.ndarray, mean_x: np.ndarray, group: int = 
     return codes, scale_bits, int8.f32_to_bf16_bits(bias)
 
 
-def _scores(store: Store, cap: Artifact, sol: Artifact, maps: dict, qmaps: dict) -> tuple[dict, dict]:
+def _scores(store: Store, cap: Artifact, sol: Artifact, maps: dict, qmaps: dict, place, out: Output) -> tuple[dict, dict]:
     """Held-out score of the float maps and of the decoded int8 maps, on the capture's held-out rows."""
     from ridgefill.capture.run import load_heldout
     from ridgefill.solve.run import check_model, open_model
     from ridgefill.solve.score import Scorer, objective
 
     ref = check_model(cap, store, None)
-    lm = open_model(cap, store, ref)
+    lm = open_model(cap, store, ref, place)
+    out.info(f"scoring on {place.describe()}")
     split = sol.manifest["summary"]["split"]
     scorer = Scorer(lm.adapter, load_heldout(cap), split, ref.num_layers)
     metric = sol.recipe["metric"]

@@ -33,11 +33,24 @@ def check_model(cap: Artifact, store: Store, model: str | None):
     return ref
 
 
-def open_model(cap: Artifact, store: Store, ref):
-    """Load the captured model, with the capture's own trust_remote_code choice."""
+def open_model(cap: Artifact, store: Store, ref, place=None):
+    """Load the captured model, with the capture's own trust_remote_code choice, where `place` says
+    (a ridgefill.models.device.Where; default the CPU in float32)."""
     from ridgefill.models import load_model
+    from ridgefill.models.device import Where
 
-    return load_model(ref, store_root=store.root, trust_remote_code=cap.info.get("trust_remote_code", False))
+    place = place or Where()
+    return load_model(ref, store_root=store.root, trust_remote_code=cap.info.get("trust_remote_code", False),
+                      **place.load_args())
+
+
+def warn_if_mixed(cap: Artifact, place, out: Output) -> None:
+    """One warning line when the held-out rows were captured on another device kind or dtype than we score on."""
+    from ridgefill.models.device import mixed_warning, recorded
+
+    warning = mixed_warning(f"capture {cap.id}", recorded(cap.recipe), place)
+    if warning:
+        out.warn(warning)
 
 
 def pick_split(cap: Artifact, split: int | None) -> int:
@@ -60,9 +73,19 @@ def solve(
     alphas: list[float] | None = None,
     metric: str = "kv",
     chat_share: float | None = None,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    device_map=None,
+    max_memory=None,
 ) -> tuple[Artifact, bool]:
+    """Run (or find cached) the solve. device / dtype / device_map / max_memory place the model that scores the
+    held-out rows (ridgefill.models.device); its device kind and dtype go into the recipe (nothing for cpu /
+    float32), and a warning says so when they differ from the capture's."""
     from ridgefill.capture.run import load_heldout, load_stats
+    from ridgefill.models.device import where
 
+    place = where(device, dtype, device_map, max_memory)
     alphas = sorted(set(alphas or DEFAULT_ALPHAS))
     for a in alphas:
         if not a > 0 or not np.isfinite(a):
@@ -73,7 +96,8 @@ def solve(
     ref = check_model(cap, store, model)
     split = pick_split(cap, split)
     recipe = {"stage": "solve", "version": FORMAT_VERSION, "capture": cap.id, "model": ref.fingerprint,
-              "split": split, "alphas": alphas, "metric": metric, "chat_share": chat_share}
+              "split": split, "alphas": alphas, "metric": metric, "chat_share": chat_share, **place.recipe()}
+    warn_if_mixed(cap, place, out)
     hit = store.cached("solve", recipe)
     if hit is not None:
         return hit, True
@@ -86,7 +110,8 @@ def solve(
     t = time.perf_counter()
     e = decompose(m)
     t_eig = time.perf_counter() - t
-    lm = open_model(cap, store, ref)
+    lm = open_model(cap, store, ref, place)
+    out.info(f"scoring on {place.describe()}")
     scorer = Scorer(lm.adapter, held, split, ref.num_layers)
 
     grid, t_maps, t_score = [], 0.0, 0.0
@@ -121,8 +146,8 @@ def solve(
         write_json(build.path / REPORT, report)
         summary = {"split": split, "alpha": best["alpha"], "score": best["score"],
                    "fitted": fitted["mean"], "identity": identity["mean"], "layers": layers}
-        art = build.commit(info={"capture": cap.id, "model": cap.info["model"], "model_spec": cap.info["model_spec"]},
-                           summary=summary)
+        art = build.commit(info={"capture": cap.id, "model": cap.info["model"], "model_spec": cap.info["model_spec"],
+                                 "placement": lm.placement()}, summary=summary)
     return art, False
 
 

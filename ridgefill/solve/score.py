@@ -4,6 +4,9 @@ For each late layer, compare what it would write to its cache from the predicted
 writes from the true input: the cosine of keys (input norm, k_proj, k_norm; per KV head; RoPE is a
 rotation and does not change it) and of values, averaged over rows and heads. Also the plain cosine of
 predicted vs true layer input, relative squared error and explained variance.
+
+The model computes the keys and values on its own device in its own dtype (bfloat16 on a GPU by default); they
+come back to the host and every score is computed there in float64.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ class Scorer:
     def _kv(self, l: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         import torch
 
-        k, v = self.adapter.kv(l, torch.from_numpy(x.astype(np.float32)))
-        return k.double().numpy(), v.double().numpy()  # [R, kv_heads, head_dim]
+        k, v = self.adapter.kv(l, torch.from_numpy(x.astype(np.float32)))  # on the layer's device, model dtype
+        return k.cpu().double().numpy(), v.cpu().double().numpy()  # [R, kv_heads, head_dim], float64 on the host
 
     def layer_scores(self, l: int, y_hat: np.ndarray) -> dict[str, float]:
         y = self.y[l]
