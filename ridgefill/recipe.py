@@ -2,6 +2,10 @@
 
     model = "builtin:smollm2-135m"          # required
     out = "release/smollm2-135m"            # release folder (relative paths: to the recipe file)
+    device = "auto"                         # optional, for every stage that runs the model: auto | cpu | cuda[:N]
+    dtype = "auto"                          # optional model dtype: auto | float32 | bfloat16 | float16
+    device_map = "auto"                     # optional: spread a model too big for one device (accelerate)
+    max_memory = { 0 = "20GiB", cpu = "64GiB" }   # optional, with device_map
 
     [capture]                               # CaptureConfig fields; data defaults to ["builtin:default"]
     data = ["builtin:default"]
@@ -14,20 +18,22 @@
 capture -> solve -> quantize -> export -> eval (gate) -> push (only with `--push`). Every stage is the same function
 the single commands call, so each is a cache hit when its recipe did not change: a re-run with nothing changed
 loads no model; changing the alpha grid re-runs solve and the stages after it, not capture. The gate failing
-stops the run before push (exit 3).
+stops the run before push (exit 3). The top-level device / dtype / device_map / max_memory are resolved once and
+given to solve, quantize and eval, and to capture unless its own table sets them.
 """
 
 from __future__ import annotations
 
 import time
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 
 SECTIONS = {"capture", "solve", "quantize", "export", "eval", "push"}
+PLACE_KEYS = ("device", "dtype", "device_map", "max_memory")  # optional top-level keys: where the model runs
 SOLVE_KEYS = {"alphas", "metric", "split", "chat_share"}
 PUSH_KEYS = {"repo", "revision", "private", "commit_message"}
 
@@ -44,6 +50,7 @@ class Recipe:
     eval: dict | None  # None: no eval
     gate: Path | None
     push: dict | None
+    place: dict = field(default_factory=dict)  # the top-level PLACE_KEYS given
 
 
 def _known(table: dict, allowed: set, where: str) -> dict:
@@ -65,9 +72,17 @@ def load_recipe(path: Path) -> Recipe:
         raise BadInput(f"recipe '{path}' does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise BadInput(f"recipe '{path}': {e}") from None
-    _known(doc, SECTIONS | {"model", "out"}, "top level")
+    _known(doc, SECTIONS | {"model", "out", *PLACE_KEYS}, "top level")
     if not isinstance(doc.get("model"), str):
         raise BadInput(f"recipe '{path}': 'model' (a model spec string) is required")
+    place = {k: doc[k] for k in PLACE_KEYS if k in doc}
+    for k in ("device", "dtype", "device_map"):
+        if k in place and not isinstance(place[k], str):
+            raise BadInput(f"recipe '{path}': '{k}' must be a string")
+    if "max_memory" in place:
+        if not isinstance(place["max_memory"], dict):
+            raise BadInput(f"recipe '{path}': 'max_memory' must be a table of DEVICE = SIZE (e.g. {{ cpu = \"64GiB\" }})")
+        place["max_memory"] = [f"{k}={v}" for k, v in place["max_memory"].items()]  # the CLI's DEVICE=SIZE form
     base = path.resolve().parent
     rel = lambda p: (base / p).resolve()  # noqa: E731  (an absolute p stays itself)
     name = doc["model"].removeprefix("builtin:").replace("/", "--")
@@ -87,7 +102,8 @@ def load_recipe(path: Path) -> Recipe:
                   solve=_known(doc.get("solve", {}), SOLVE_KEYS, "solve"), quantize=bool(quant.get("enabled", True)),
                   tail=exp.get("tail"), eval=None if not ev.get("enabled", True) else
                   {k: v for k, v in ev.items() if k not in ("enabled", "gate")},
-                  gate=rel(ev["gate"]) if ev.get("gate") and ev.get("enabled", True) else None, push=push)  # fmt: skip
+                  gate=rel(ev["gate"]) if ev.get("gate") and ev.get("enabled", True) else None, push=push,
+                  place=place)  # fmt: skip
 
 
 def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: str | None = None) -> dict:
@@ -103,6 +119,12 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
     if push and recipe.push is None:
         raise BadInput(f"--push needs a [push] table with repo = \"OWNER/NAME\" in {recipe.path}")
     rules = load_gate(recipe.gate) if recipe.gate else None  # a bad gate file fails before any work
+    from ridgefill.models.device import where
+
+    p = recipe.place
+    # Resolved once (a bad device fails before any work), given to every stage that runs the model.
+    w = where(p.get("device", "auto"), p.get("dtype", "auto"), p.get("device_map"), p.get("max_memory"))
+    place = {"device": w.device, "dtype": w.dtype, "device_map": p.get("device_map"), "max_memory": p.get("max_memory")}
     start = time.perf_counter()
     summary: dict = {"recipe": str(recipe.path), "model": recipe.model, "stages": {}}
 
@@ -115,9 +137,13 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
         return art
 
     cap_cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in recipe.capture.items() if k != "data"}
+    capture_fields = {f.name for f in fields(CaptureConfig)}
+    for k in PLACE_KEYS:  # capture runs where the rest does, unless its own table says otherwise
+        if k in capture_fields and k not in cap_cfg and (k in ("device", "dtype") or k in p):
+            cap_cfg[k] = tuple(place[k]) if isinstance(place[k], list) else place[k]
     cap = stage("capture", lambda: capture(store, recipe.model, recipe.capture["data"], CaptureConfig(**cap_cfg), out))
-    sol = stage("solve", lambda: solve(store, cap.id, out, **recipe.solve))
-    src = stage("quantize", lambda: quantize(store, sol.id, out)) if recipe.quantize else sol
+    sol = stage("solve", lambda: solve(store, cap.id, out, **recipe.solve, **place))
+    src = stage("quantize", lambda: quantize(store, sol.id, out, **place)) if recipe.quantize else sol
     tail = {"tail": recipe.tail} if recipe.tail else {}
 
     def export():
@@ -130,7 +156,7 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
     failed: list[str] = []
     if recipe.eval is not None:
         cfg = EvalConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recipe.eval.items()})
-        ev = stage("eval", lambda: evaluate(store, recipe.model, str(recipe.out), cfg, out))
+        ev = stage("eval", lambda: evaluate(store, recipe.model, str(recipe.out), cfg, out, **place))
         set_eval(recipe.out, manifest_summary(ev.manifest["summary"], ev.id))
         verify_release(recipe.out)
         summary["eval"] = {"ceiling_speedup": ev.manifest["summary"]["ceiling_speedup"],
