@@ -411,3 +411,20 @@ def test_unreachable_hub_falls_back_to_the_cache(hub, repos, in_process, tmp_pat
     in_process(dead, cache=cache)
     assert resolve_model("acme/tiny", store_root=tmp_path / "store") == online
     shutil.rmtree(cache)
+
+
+def test_download_patterns_take_top_level_config_tokenizer_and_safetensors_only():
+    """The patterns as huggingface_hub applies them (fnmatch, where `*` also crosses '/')."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from ridgefill.models.hub import ALLOW_PATTERNS, IGNORE_PATTERNS
+
+    wanted = ["added_tokens.json", "chat_template.jinja", "config.json", "generation_config.json", "merges.txt",
+              "model-00001-of-00002.safetensors", "model.safetensors.index.json", "qwen.tiktoken",
+              "special_tokens_map.json", "spiece.model", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+              "vocab.json"]
+    unwanted = ["pytorch_model.bin", "training_args.bin", "tokenizer.pt", "optimizer.pkl", "flax_model.msgpack",
+                "tf_model.h5", "onnx/model.safetensors", "original/tokenizer.model", "sub/config.json", "README.md",
+                ".gitattributes", "model.onnx"]
+    assert sorted(filter_repo_objects(wanted + unwanted, allow_patterns=ALLOW_PATTERNS,
+                                      ignore_patterns=IGNORE_PATTERNS)) == wanted

@@ -41,8 +41,9 @@ ALLOW_PATTERNS = [
     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "spiece.model",
     "chat_template.jinja", "chat_template.json", "*.tiktoken",
 ]  # fmt: skip
-PICKLES = ["*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt", "*.joblib", "*.h5", "*.msgpack", "*.npy", "*.npz"]
-IGNORE_PATTERNS = ["*/*", *PICKLES]
+# Never fetched, even where an allow pattern would match (say `tokenizer.pt`): pickles, other frameworks' weights.
+NEVER = ["*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt", "*.joblib", "*.h5", "*.msgpack", "*.npy", "*.npz"]
+IGNORE_PATTERNS = ["*/*", *NEVER]
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
