@@ -491,7 +491,8 @@ class _Handler(BaseHTTPRequestHandler):
         return self._json({
             "_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24], "id": repo_id, "modelId": repo_id,
             "author": repo_id.split("/")[0], "sha": sha, "private": repo.private, "disabled": False,
-            "gated": "manual" if repo.gated else False, "downloads": 0, "likes": 0, "tags": [], "createdAt": _iso(repo.created),
+            "gated": "manual" if repo.gated else False, "downloads": 0, "likes": 0, "tags": [],
+            "createdAt": _iso(repo.created),
             "lastModified": _iso(c.date), "siblings": [{"rfilename": p} for p in sorted(c.files)],
         })
 

@@ -86,7 +86,8 @@ def test_resolve_builtin_smollm2(tmp_path):
     assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == ["models", "models/fingerprints.json"]
     cached = json.loads((tmp_path / "models" / "fingerprints.json").read_text())["files"]
     assert list(cached) == [str(ref.path.resolve())]
-    assert ref.fingerprint == sha(json.dumps({"gguf": cached[str(ref.path.resolve())]["sha256"]}).replace(" ", "").encode())
+    gguf_sha256 = cached[str(ref.path.resolve())]["sha256"]
+    assert ref.fingerprint == sha(json.dumps({"gguf": gguf_sha256}).replace(" ", "").encode())
 
 
 def make_hub_cache(root: Path, repo_id: str, model_dir: Path, commit: str, refs=("main",)) -> Path:
