@@ -201,7 +201,7 @@ def test_non_utf8_is_replaced_with_a_warning(tmp_path, tiny_llama, corpus, capsy
         (["--device", "cuda"], "--device cuda: torch sees no CUDA device on this machine (use --device cpu or auto)"),
         (["--device", "tpu"], "unknown device 'tpu' (choose auto, cpu, cuda or cuda:N)"),
         (["--dtype", "float8"], "unknown dtype 'float8' (choose one of: auto, float32, bfloat16, float16)"),
-        (["--max-memory", "cpu=1GiB"], "--max-memory needs --device-map auto"),
+        (["--max-memory", "cpu=1GiB"], "--max-memory only applies with --device-map auto"),
     ],
 )
 def test_capture_refusals(tmp_path, tiny_llama, corpus, extra, message):

@@ -201,3 +201,37 @@ def test_torchrun_nodes_that_disagree_on_the_command_are_refused(tmp_path, tiny_
             "same command, data and model on every rank")
     assert line in err_a.splitlines() and line in err_b.splitlines()
     assert not (store / "capture").exists() or not any((store / "capture").iterdir())
+
+
+def test_device_map_with_disk_offload_gives_the_same_statistics(tmp_path, tiny_llama, long_corpus):
+    """Layers split between CPU memory and accelerate's disk offload: hooks and statistics do not care."""
+    store = Store(tmp_path / "s")
+    cfg = dict(splits=(1, 2), chunk=16, held_out=1, held_out_rows=30)
+    plain, _ = capture(store, str(tiny_llama), [str(long_corpus)], CaptureConfig(**cfg), quiet())
+    placement = {"model.embed_tokens": "cpu", "lm_head": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                 "model.layers.1": "disk", "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "disk"}
+    spread, cached = capture(store, str(tiny_llama), [str(long_corpus)], CaptureConfig(**cfg, device_map=placement),
+                             quiet())
+    assert cached  # same id: placement does not change what is computed ...
+    store2 = Store(tmp_path / "s2")
+    spread, cached = capture(store2, str(tiny_llama), [str(long_corpus)], CaptureConfig(**cfg, device_map=placement),
+                             quiet())
+    assert not cached
+    assert spread.id == plain.id
+    assert spread.info["placement"]["device_map"] == {"cpu": 5, "disk": 3}
+    assert files_of(spread.path) == files_of(plain.path)  # ... and the bytes agree too
+    assert not any((tmp_path / "s2" / "offload").glob("*/*"))  # accelerate's offload folder is gone
+
+
+def test_device_map_auto_from_the_cli(tmp_path, tiny_llama, long_corpus):
+    from clirun import cli
+
+    r = cli("capture", tiny_llama, "--data", long_corpus, "--chunk", 16, *ARGS, "--store", tmp_path / "s",
+            "--device-map", "auto", "--max-memory", "cpu=300KB", "--json")
+    assert r.returncode == 0, r.stderr
+    placement = json.loads((tmp_path / "s" / "capture" / json.loads(r.stdout)["id"] / "artifact.json").read_text())
+    assert set(placement["info"]["placement"]["device_map"]) == {"cpu", "disk"}
+    r = cli("capture", tiny_llama, "--data", long_corpus, "--store", tmp_path / "t", "--device-map", "balanced")
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("Error: unknown device map 'balanced' (only 'auto' is supported: accelerate places "
+                                "the model over the GPUs, CPU memory and disk)")

@@ -55,7 +55,7 @@ class CaptureConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N (the recipe records the kind)
     dtype: str = "auto"  # model dtype: auto | float32 | bfloat16 | float16
     product_dtype: str = "float32"  # the per-chunk centred products (totals are float64 either way)
-    device_map: str | None = None  # "auto": spread the model with accelerate
+    device_map: str | dict | None = None  # "auto" (or from Python a {module: place} dict): accelerate spreads the model
     max_memory: tuple[str, ...] = ()  # with device_map: DEVICE=SIZE
     trust_remote_code: bool = False
 
@@ -82,7 +82,7 @@ def capture(
 
     Under torchrun every rank calls this; rank 0 returns the artifact, the others return (None, cached)."""
     from ridgefill.models import resolve_model
-    from ridgefill.models.device import device_kind, parse_max_memory, resolve_device, resolve_dtype
+    from ridgefill.models.device import check_device_map, device_kind, resolve_device, resolve_dtype
 
     world = World()
     if cfg.chunk < 2:
@@ -96,13 +96,11 @@ def capture(
     if cfg.device_map is not None and world.distributed:
         raise BadInput("--device-map cannot be combined with torchrun: every rank would spread its own copy of the "
                        "model over the same devices (use one process, or --device per rank)")
-    max_memory = parse_max_memory(list(cfg.max_memory))
-    if max_memory and cfg.device_map is None:
-        raise BadInput("--max-memory needs --device-map auto")
     device = resolve_device(cfg.device)
     if world.distributed and device_kind(device) == "cuda":
         device = f"cuda:{world.local_rank}"  # one GPU per local rank
     dtype = resolve_dtype(cfg.dtype, device)
+    device_map, max_memory = check_device_map(cfg.device_map, list(cfg.max_memory) or None, device)
     world.start()
     try:
         with world.rank0_first():  # a hub download or a GGUF assembly happens once, on rank 0
@@ -138,22 +136,21 @@ def capture(
         hit = store.cached("capture", recipe) if world.writer else None
         if world.broadcast_int(int(hit is not None)):
             return hit, True
-        return _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, device, dtype, max_memory, world,
-                    out, checkpoint_every, after_unit)
+        return _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, device, dtype, device_map,
+                    max_memory, world, out, checkpoint_every, after_unit)
     finally:
         world.close()
 
 
-def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, device, dtype, max_memory, world, out,
-         checkpoint_every, after_unit):
+def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, device, dtype, device_map, max_memory,
+         world, out, checkpoint_every, after_unit):
     from ridgefill.capture.forward import chunk_moments, document_chunks, exact_float32
     from ridgefill.models import load_model
 
     t0 = time.perf_counter()
-    extra = {"device_map": cfg.device_map, "max_memory": max_memory} if cfg.device_map else {}
     with world.rank0_first():  # the dequantized GGUF cache is written once, by rank 0
-        lm = load_model(ref, store_root=store.root, dtype=dtype, device=device,
-                        trust_remote_code=cfg.trust_remote_code, **extra)
+        lm = load_model(ref, store_root=store.root, dtype=dtype, device=device, device_map=device_map,
+                        max_memory=max_memory, trust_remote_code=cfg.trust_remote_code)
     load_s = time.perf_counter() - t0
     context = int(getattr(lm.model.config.get_text_config(), "max_position_embeddings", 0) or 0) or None
     max_length = cfg.max_length or context
@@ -279,7 +276,7 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, devi
         info = {"model_spec": model, "trust_remote_code": cfg.trust_remote_code, "model": _model_info(ref),
                 "data": data, "num_layers": ref.num_layers, "hidden_size": d, "layers": layers,
                 "layer_kinds": {str(i): k for i, k in enumerate(lm.adapter.layer_kinds)},
-                "device": device, "device_map": cfg.device_map}
+                "placement": lm.placement()}
         art = build.commit(info=info, summary=summary, timings={"model_load_s": round(load_s, 3), "forward_s": round(t_fwd, 3)})
     return art, False
 
