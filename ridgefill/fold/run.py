@@ -45,7 +45,7 @@ def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: st
     it runs on another device kind or dtype than the compact did. Device kind and model dtype go into the recipe
     (nothing for cpu / float32)."""
     from ridgefill.models import load_model, resolve_model
-    from ridgefill.models.device import mixed_warning, recorded, where
+    from ridgefill.models.device import recorded, warn_mixed, where
 
     place = where(device, dtype, device_map, max_memory)
     comp = store.get(compact_ref, stage="compact")
@@ -54,9 +54,7 @@ def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: st
     if cfg.answer_tokens < 1:
         raise BadInput(f"--answer-tokens must be at least 1, got {cfg.answer_tokens}")
     recipe = {"stage": "fold", "version": FORMAT_VERSION, "compact": comp.id, **asdict(cfg), **place.recipe()}
-    warning = mixed_warning(f"compact {comp.id}", recorded(comp.recipe, cmp.MODEL_DTYPE), place)
-    if warning:
-        out.warn(warning)
+    warn_mixed(out, f"compact {comp.id}", recorded(comp.recipe, cmp.MODEL_DTYPE), place)
     hit = store.cached("fold", recipe)
     if hit is not None:
         return hit, True

@@ -127,7 +127,8 @@ def check_device_map(device_map, max_memory, device: str) -> tuple[str | dict | 
             elif key not in ("cpu", "disk"):
                 raise BadInput(f"--max-memory: unknown device '{key}' (use a GPU index, cpu or disk)")
             try:
-                memory[key] = convert_file_size_to_int(size)
+                plain = isinstance(size, str) and size.strip().isdigit()  # a number of bytes
+                memory[key] = int(size) if plain else convert_file_size_to_int(size)
             except (ValueError, TypeError):
                 raise BadInput(f"--max-memory {key}={size}: not a size (e.g. 20GiB, 500MB or a number of bytes)") from None
     if isinstance(device_map, dict):
@@ -190,3 +191,16 @@ def mixed_warning(what: str, made: tuple[str, str], now: Where) -> str | None:
         return None
     return (f"{what} was made on {made[0]} in {made[1]}; this run computes on {now.kind} in {now.dtype}: "
             f"its figures mix the two (pass --device {made[0]} --dtype {made[1]} to match)")
+
+
+def warn_mixed(out, what: str, made: tuple[str, str], now: Where) -> bool:
+    """Print `mixed_warning` (if any) as one line on `out` (a ridgefill.output.Output); True when it did."""
+    text = mixed_warning(what, made, now)
+    if text is None:
+        return False
+    console = getattr(out, "err", None)
+    if console is not None:  # Output.warn lets rich wrap at the console width; this is one line for scripts
+        console.print(f"[yellow]Warning:[/yellow] {text}", soft_wrap=True, markup=True)
+    else:
+        out.warn(text)
+    return True

@@ -112,14 +112,17 @@ def load_model(
             raise BadInput(f"cannot use device '{device}': {exc}") from exc
     else:
         placement = _device_map(source, ref, getattr(torch, dtype), device, device_map, max_memory, extra)
-        offload, cleanup = _offload_dir(Path(store_root))
+        if "disk" in placement.values():  # only disk offload needs a folder
+            offload, cleanup = _offload_dir(Path(store_root))
         try:
             model, tokenizer = _from_pretrained(source, dtype=getattr(torch, dtype), device_map=placement,
-                                                offload_folder=str(offload), **extra)
+                                                offload_folder=None if offload is None else str(offload), **extra)
         except BaseException:
-            cleanup()
+            if cleanup is not None:
+                cleanup()
             raise
-        weakref.finalize(model, cleanup)
+        if cleanup is not None:
+            weakref.finalize(model, cleanup)
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(

@@ -46,11 +46,9 @@ def open_model(cap: Artifact, store: Store, ref, place=None):
 
 def warn_if_mixed(cap: Artifact, place, out: Output) -> None:
     """One warning line when the held-out rows were captured on another device kind or dtype than we score on."""
-    from ridgefill.models.device import mixed_warning, recorded
+    from ridgefill.models.device import recorded, warn_mixed
 
-    warning = mixed_warning(f"capture {cap.id}", recorded(cap.recipe), place)
-    if warning:
-        out.warn(warning)
+    warn_mixed(out, f"capture {cap.id}", recorded(cap.recipe), place)
 
 
 def pick_split(cap: Artifact, split: int | None) -> int:
