@@ -389,6 +389,20 @@ def test_solve_scores_in_bfloat16(chain, tiny_llama):
     assert r.returncode == 0 and json.loads(r.stdout)["id"] == f32.id and "Warning" not in r.stderr
 
 
+def test_quantize_scores_in_bfloat16(chain):
+    from ridgefill.export.quantize import quantize
+
+    _, st, _, sol, _ = chain
+    f32, _ = quantize(st, sol.id, QUIET)
+    bf16, _ = quantize(st, sol.id, QUIET, dtype="bfloat16")
+    assert "device" not in f32.recipe and f32.recipe["dtype"] == "int8"
+    assert (bf16.recipe["device"], bf16.recipe["model_dtype"], bf16.recipe["dtype"]) == ("cpu", "bfloat16", "int8")
+    assert bf16.id != f32.id
+    assert bf16.file("quant.safetensors").read_bytes() == f32.file("quant.safetensors").read_bytes()  # no model in it
+    a, b = f32.manifest["summary"], bf16.manifest["summary"]
+    assert a["score_float"] != b["score_float"] and abs(a["score_float"] - b["score_float"]) < 5e-3
+
+
 def eval_figures(st, ident):
     """results.json without wall times (and without the summary, which holds them too)."""
     res = json.loads((st.root / "eval" / ident / "results.json").read_text())

@@ -48,5 +48,5 @@ DeviceMapOpt = Annotated[
 ]
 MaxMemoryOpt = Annotated[
     Optional[list[str]],
-    typer.Option("--max-memory", help="With --device-map: DEVICE=SIZE per device, e.g. 0=20GiB, cpu=64GiB (repeatable)."),
+    typer.Option("--max-memory", help="With --device-map: DEVICE=SIZE per device, e.g. 0=20GiB, cpu=64GiB; disk=SIZE caps what goes to disk (disk=0: nothing). Repeatable."),
 ]
