@@ -7,6 +7,10 @@ float64 least squares against the full cache's output on the same queries. Keys 
 cache dtype (values refit against the rounded keys). Sliding-window layers are left uncompacted: their full
 keys/values are stored.
 
+Two dtypes: the cache dtype (`--cache-dtype`, the recipe's `dtype`, bfloat16 by default) is what the stored cache is
+rounded to; the model dtype (`--dtype`, the recipe's `model_dtype`, recorded with `device` unless the run is
+cpu / float32) is what the model computes the context's keys, values and reference queries in.
+
 The artifact holds `cache.safetensors` (DESIGN §5b), `context.safetensors` (the context's token ids, so `fold` and
 its check need no input file) and `report.json` (per head: weight-fit residuals, output error on fit and
 held-out queries).
