@@ -27,7 +27,7 @@ class Output:
             self.err.print(message, soft_wrap=True)
 
     def warn(self, message: str) -> None:
-        self.err.print(f"[yellow]Warning:[/yellow] {message}")
+        self.err.print(f"[yellow]Warning:[/yellow] {message}", soft_wrap=True)  # one line, also in CI logs
 
     def table(self, table: Any) -> None:
         if not self.quiet:

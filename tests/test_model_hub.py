@@ -428,3 +428,20 @@ def test_download_patterns_take_top_level_config_tokenizer_and_safetensors_only(
                 ".gitattributes", "model.onnx"]
     assert sorted(filter_repo_objects(wanted + unwanted, allow_patterns=ALLOW_PATTERNS,
                                       ignore_patterns=IGNORE_PATTERNS)) == wanted
+
+
+def test_later_stages_load_the_captured_commit_after_the_branch_moved(hub, repos, tiny_llama, corpus, tmp_path):
+    """solve re-resolves a hub capture at the commit it was made from, not at wherever the branch is now."""
+    files = model_files(tiny_llama)
+    hub.create_repo("acme/moving")
+    first = hub.put_files("acme/moving", files)
+    cache, store = tmp_path / "hf-cache", tmp_path / "store"
+    r = capture(hub, "acme/moving", corpus, store, cache)
+    assert r.returncode == 0, r.stderr
+    hub.put_files("acme/moving", {"model.safetensors": perturbed(files["model.safetensors"])})
+    assert hub.resolve("acme/moving").sha != first
+    s = cli("solve", r.stdout.strip(), "--alpha", "0.01", "--store", store, env=hub_env(hub, cache))
+    assert s.returncode == 0, s.stderr
+    # with the branch as given, the weights differ: that is refused, by name
+    s = cli("solve", r.stdout.strip(), "--model", "acme/moving", "--store", store, env=hub_env(hub, cache))
+    assert s.returncode == 2 and "was made with a different model" in one_line_error(s)

@@ -153,7 +153,7 @@ def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Ou
         tensors.save(build.path / CACHE, arrays, {"format": "ridgefill-cache/1", "dtype": cfg.dtype})
         tensors.save(build.path / CONTEXT, {"ids": ids.numpy().astype(np.int32)})
         write_json(build.path / REPORT, report)
-        art = build.commit(info={"model_spec": model, "model": {"name": ref.name, "fingerprint": ref.fingerprint},
+        art = build.commit(info={"model_spec": model, "model": {"name": ref.name, "revision": ref.revision, "fingerprint": ref.fingerprint},
                                  "context": {"path": str(context), "sha256": sha, "tokens": len(ids)},
                                  "trust_remote_code": trust_remote_code, "placement": lm.placement()},
                            summary=summary)  # fmt: skip

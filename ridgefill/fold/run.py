@@ -45,6 +45,7 @@ def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: st
     it runs on another device kind or dtype than the compact did. Device kind and model dtype go into the recipe
     (nothing for cpu / float32)."""
     from ridgefill.models import load_model, resolve_model
+    from ridgefill.models.spec import pinned_spec
     from ridgefill.models.device import recorded, warn_mixed, where
 
     place = where(device, dtype, device_map, max_memory)
@@ -59,7 +60,7 @@ def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: st
     if hit is not None:
         return hit, True
     store.verify(comp)
-    spec = model or comp.info["model_spec"]
+    spec = model or pinned_spec(comp.info["model_spec"], comp.info["model"].get("revision"))
     ref = resolve_model(spec, store_root=store.root)
     if ref.fingerprint != comp.recipe["model"]:
         raise BadInput(f"compact {comp.id} was made with a different model (fingerprint {comp.recipe['model'][:12]}) "

@@ -198,9 +198,5 @@ def warn_mixed(out, what: str, made: tuple[str, str], now: Where) -> bool:
     text = mixed_warning(what, made, now)
     if text is None:
         return False
-    console = getattr(out, "err", None)
-    if console is not None:  # Output.warn lets rich wrap at the console width; this is one line for scripts
-        console.print(f"[yellow]Warning:[/yellow] {text}", soft_wrap=True, markup=True)
-    else:
-        out.warn(text)
+    out.warn(text)
     return True

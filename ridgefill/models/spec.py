@@ -131,6 +131,17 @@ def resolve_model(spec: str, *, store_root: Path) -> ModelRef:
     return ref
 
 
+def pinned_spec(spec: str, revision: str | None) -> str:
+    """The spec a later stage re-resolves from an artifact: a hub id pinned to the commit it resolved to then.
+
+    `solve` on a capture of `owner/name` must load the captured weights even after the branch moved on (and needs
+    no branch lookup on the Hub); anything else is returned as it is.
+    """
+    if not revision or spec.startswith("builtin:") or Path(spec).expanduser().exists() or not HUB_ID.match(spec):
+        return spec
+    return f"{spec.partition('@')[0]}@{revision}"
+
+
 # -- the four kinds ------------------------------------------------------------------------------------------
 
 

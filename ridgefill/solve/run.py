@@ -22,8 +22,9 @@ METRIC_CHOICES = ("kv", "input")
 def check_model(cap: Artifact, store: Store, model: str | None):
     """The model to score with: the one captured, or `model` if it has the same fingerprint."""
     from ridgefill.models import resolve_model
+    from ridgefill.models.spec import pinned_spec
 
-    spec = model or cap.info["model_spec"]
+    spec = model or pinned_spec(cap.info["model_spec"], cap.info["model"].get("revision"))
     ref = resolve_model(spec, store_root=store.root)
     if ref.fingerprint != cap.recipe["model"]:
         raise BadInput(
