@@ -237,10 +237,10 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, devi
                             run_unit(units[i], part, held_rows)
                         mine = ([part[k] for k in keys], _concat(held_rows))
                         world.fault_point(b)
-                    if world.writer:
-                        results = [mine] + [world.recv_block(r, [state.total[k] for k in keys], held_like)
-                                            for r in range(1, W) if first + r < len(blocks)]
-                        for moments, held_rows in results:
+                    if world.writer:  # merge this round's blocks in block order, one in memory at a time
+                        for r in range(min(W, len(blocks) - first)):
+                            moments, held_rows = mine if r == 0 else world.recv_block(
+                                r, [state.total[k] for k in keys], held_like)
                             for k, m in zip(keys, moments):
                                 state.total[k] = merge_into(state.total[k], m)
                             state.add_held({k: [a] for k, a in held_rows.items()}, partial=False)
