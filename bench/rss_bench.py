@@ -1,0 +1,401 @@
+"""Peak RSS of `ridgefill capture` at 5x the tokens against 1x (figure 2), and where capture's memory goes.
+
+    .venv/bin/python bench/rss_bench.py --model builtin:gemma3-270m --tokens 8192 [--factor 5] \
+        [--doc-tokens 2048] [--chunk 1024] [--long-doc-tokens 8192] [--out bench/out/rss-gemma3-270m.json]
+
+1. The figure: `ridgefill capture MODEL --data CORPUS --held-out 0 --held-out-rows 0` as a child process with a
+   fresh store (the dequantized model cache linked in), peak RSS from os.wait4's ru_maxrss, on two corpora of
+   equal-length documents (`--doc-tokens`), `--tokens` and `--factor` x that (the small corpus' documents are the
+   first of the large one's). Ratio large / small; target <= 1.05. Runs alternate (small, large, then large,
+   small with --repeat 2); medians.
+2. Diagnosis (unless --no-diagnose): the same capture in an instrumented child (`--child`, below) that records
+   VmRSS / VmHWM / RssAnon / RssFile and glibc's mallinfo2 (heap bytes in use, free bytes kept in the heap,
+   mmapped bytes) after imports, after the model load, after tokenizing and after every document; on both
+   corpora and on one of the same tokens in documents of `--long-doc-tokens` tokens. The peak of each phase and
+   the growth per document tell what grows with tokens (token ids, held-out rows, the heap) and what grows with
+   the length of the longest document (its KV cache, which capture keeps until the document ends, and the
+   attention of each chunk over it); the KV-cache bytes per token of the layers that run are computed from the
+   model's config for comparison.
+
+`--child` runs one instrumented capture in this process and writes its trace as JSON (used by part 2; it can
+also run another checkout's ridgefill with --code-root DIR and --config '{"max_tokens": 1024}' to trace the
+capture from before the rewrite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (DEFAULT_STORE, OUT, corpus_for, env_threads, exe, fresh_store, machine, med,  # noqa: E402
+                    model_cache, run_measured, set_threads, short, status_kib, write_json)
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def mallinfo() -> dict:
+    """glibc heap figures in MiB: in_use (uordblks), free_kept (fordblks: freed but not returned), mmapped
+    (hblkhd), heap (arena: all arenas' size). Empty when glibc has no mallinfo2."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _Mallinfo2
+        m = libc.mallinfo2()
+    except (OSError, AttributeError):
+        return {}
+    mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+    return {"heap": mib(m.arena), "in_use": mib(m.uordblks), "free_kept": mib(m.fordblks), "mmapped": mib(m.hblkhd)}
+
+
+def resident_bytes(start: int, nbytes: int) -> int:
+    """Bytes of [start, start + nbytes) mapped into this process right now (/proc/self/pagemap's present bit)."""
+    import numpy as np
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = start // page, (start + nbytes - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first + 1) * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page
+
+
+def mapping_rss_mib(suffix: str) -> float:
+    """Rss of this process' mappings of files whose name ends with `suffix` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                inside = len(head) >= 6 and head[-1].endswith(suffix)
+            elif inside and line.startswith("Rss:"):
+                total += int(head[1])
+    return round(total / 1024, 1)
+
+
+class AnonPeak:
+    """Largest RssAnon seen by a thread that reads /proc/self/status every `every` seconds (the kernel keeps a
+    high-water mark for the whole RSS only, file pages included)."""
+
+    def __init__(self, every: float = 0.02):
+        import threading
+
+        self.peak, self.every, self._stop = 0, every, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, status_kib("RssAnon"))
+            time.sleep(self.every)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, status_kib("RssAnon"))
+        return round(self.peak / 1024, 1)
+
+
+EMB: dict = {}  # the embedding matrix's address and size, once the model is loaded
+
+
+def snapshot(what: str, **extra) -> dict:
+    mib = lambda f: round(status_kib(f) / 1024, 1)  # noqa: E731
+    s = {"at": what, "rss": mib("VmRSS"), "hwm": mib("VmHWM"), "anon": mib("RssAnon"), "file": mib("RssFile"),
+         "model_file": mapping_rss_mib(".safetensors"), "malloc": mallinfo(), "t": round(time.perf_counter(), 2)}
+    if EMB:
+        s["embedding_resident"] = round(resident_bytes(EMB["ptr"], EMB["bytes"]) / 2**20, 1)
+    return s | extra
+
+
+def child(args) -> None:
+    """One instrumented capture in this process; the trace goes to args.trace."""
+    if args.code_root:
+        sys.path.insert(0, str(Path(args.code_root).resolve()))
+    trace = [snapshot("start")]
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import ridgefill
+    import ridgefill.capture.run as run
+    import ridgefill.models
+    from ridgefill.artifacts import Store
+    from ridgefill.output import Output
+
+    trace.append(snapshot("imports", ridgefill=str(Path(ridgefill.__file__).parent)))
+    real_load, real_tok, real_units = ridgefill.models.load_model, run._tokenize, run._units
+    units: list = []
+
+    def load_model(*a, **k):
+        lm = real_load(*a, **k)
+        w = lm.model.get_input_embeddings().weight
+        EMB.update(ptr=w.data_ptr(), bytes=w.numel() * w.element_size(), rows=w.shape[0],
+                   row_bytes=w.shape[1] * w.element_size())
+        trace.append(snapshot("model loaded", embedding_mib=round(EMB["bytes"] / 2**20, 1), vocab_rows=w.shape[0]))
+        return lm
+
+    token_ids: dict = {}
+
+    def tokenize(*a, **k):
+        ids = real_tok(*a, **k)
+        token_ids.update(ids)
+        raw = ids["raw"]
+        trace.append(snapshot("tokenized", documents=len(raw), tokens=int(sum(len(x) for x in raw)),
+                              longest=int(max(len(x) for x in raw))))
+        return ids
+
+    def make_units(*a, **k):
+        us = real_units(*a, **k)
+        units.extend(us)
+        return us
+
+    ridgefill.models.load_model, run._tokenize, run._units = load_model, tokenize, make_units
+    done = 0
+    seen: set = set()
+
+    def after_unit(i: int) -> None:
+        nonlocal done
+        u = units[i]
+        n = getattr(u, "tokens", None)
+        if n is None:
+            n = u.end - u.start  # before the rewrite: a unit was one window of a document
+            ids = token_ids[u.variant][u.doc][u.start : u.end]
+        else:
+            ids = token_ids[u.variant][u.doc]
+        done += n
+        seen.update(int(t) for t in ids)
+        trace.append(snapshot("unit", unit=i, doc=u.doc, unit_tokens=int(n), tokens_done=done,
+                              distinct_ids=len(seen)))
+
+    store = Store(fresh_store(Path(tempfile.mkdtemp(prefix="rf-rss-")) / "store", args.store))
+    cfg = run.CaptureConfig(held_out=0, held_out_rows=0, **json.loads(args.config))
+    anon = AnonPeak()
+    art, _ = run.capture(store, args.model, [str(args.data)], cfg, Output(quiet=True), after_unit=after_unit)
+    import resource
+
+    trace.append(snapshot("end", ru_maxrss=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                          anon_peak=anon.stop(), distinct_ids=len(seen)))
+    write_json(Path(args.trace), {"trace": trace, "summary": art.manifest["summary"], "config": cfg.__dict__
+                                  if hasattr(cfg, "__dict__") else str(cfg), "model": args.model})
+
+
+def child_embed(args) -> None:
+    """Load the model, look up the embedding of every token of args.data (tokenized as capture does), and report
+    how much of the embedding matrix is then mapped into this process; JSON on stdout."""
+    from ridgefill.capture.corpus import read_corpus
+    from ridgefill.capture.run import _tokenize
+
+    from common import load
+
+    import torch
+
+    ref, lm = load(args.model, args.store)
+    w = lm.model.get_input_embeddings().weight
+    ptr, nbytes = w.data_ptr(), w.numel() * w.element_size()
+    before = resident_bytes(ptr, nbytes)
+    ids = _tokenize(lm.tokenizer, read_corpus([str(args.data)]), False, None)["raw"]
+    with torch.inference_mode():
+        for x in ids:
+            lm.model.get_input_embeddings()(torch.from_numpy(x.astype("int64")))
+    distinct = len(set(int(t) for x in ids for t in x))
+    print(json.dumps({"tokens": int(sum(len(x) for x in ids)), "documents": len(ids), "distinct_ids": distinct,
+                      "longest_document": int(max(len(x) for x in ids)), "embedding_mib": round(nbytes / 2**20, 1),
+                      "row_bytes": int(w.shape[1] * w.element_size()),
+                      "resident_before_mib": round(before / 2**20, 1),
+                      "resident_after_lookups_mib": round(resident_bytes(ptr, nbytes) / 2**20, 1)}))
+
+
+def old_bench_corpus(tok, tokens_wanted: int, dest: Path) -> Path:
+    """The corpus the capture bench used before the rewrite: builtin:default's documents, prose and code
+    interleaved, the first ones until about `tokens_wanted` tokens (so its large corpus had longer documents)."""
+    from ridgefill.capture.corpus import read_corpus
+
+    if (dest / ".done").is_file():
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    docs = read_corpus(["builtin:default"]).documents
+    order = [d for pair in zip(docs[: len(docs) // 2], docs[len(docs) // 2 :]) for d in pair]
+    total = 0
+    for i, d in enumerate(order):
+        n = len(tok(d.text)["input_ids"])
+        text = d.text
+        if total + n > tokens_wanted:
+            keep = tokens_wanted - total
+            text = tok.decode(tok(d.text)["input_ids"][:keep])
+            n = keep
+        (dest / f"{i:03d}.txt").write_text(text)
+        total += n
+        if total >= tokens_wanted:
+            break
+    (dest / ".done").write_text("")
+    return dest
+
+
+def kv_bytes_per_token(model_dir: Path, num_layers: int) -> dict:
+    """KV-cache float32 bytes per token of the layers capture runs (0..L-2), full-attention and sliding apart."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    kv, hd = cfg.get("num_key_value_heads") or cfg["num_attention_heads"], cfg.get("head_dim") or (
+        cfg["hidden_size"] // cfg["num_attention_heads"])
+    types = cfg.get("layer_types") or ["full_attention"] * num_layers
+    run = types[: num_layers - 1]
+    per = 2 * kv * hd * 4
+    return {"per_layer_per_token": per, "full_layers_run": run.count("full_attention"),
+            "sliding_layers_run": len(run) - run.count("full_attention"), "sliding_window": cfg.get("sliding_window"),
+            "full_bytes_per_token": per * run.count("full_attention"), "kv_heads": kv, "head_dim": hd,
+            "attention_heads": cfg["num_attention_heads"]}
+
+
+def summarize(trace: dict) -> dict:
+    """Phase peaks and per-document growth from a child's trace."""
+    t = trace["trace"]
+    at = {s["at"]: s for s in t if s["at"] != "unit"}
+    units = [s for s in t if s["at"] == "unit"]
+    first, last = units[0], units[-1]
+    n = max(1, len(units) - 1)
+    out = {
+        "hwm_after_load": at["model loaded"]["hwm"], "rss_after_load": at["model loaded"]["rss"],
+        "hwm_after_tokenize": at["tokenized"]["hwm"], "hwm_after_first_document": first["hwm"],
+        "hwm_end": at["end"]["hwm"], "ru_maxrss": at["end"]["ru_maxrss"],
+        "rss_after_first_document": first["rss"], "rss_after_last_document": last["rss"],
+        "rss_growth_per_document_after_first": round((last["rss"] - first["rss"]) / n, 2),
+        "hwm_growth_after_first_document": round(last["hwm"] - first["hwm"], 1),
+        "peak_over_load": round(at["end"]["hwm"] - at["model loaded"]["rss"], 1),
+        "malloc_after_first_document": first["malloc"], "malloc_after_last_document": last["malloc"],
+        "documents": len(units), "tokens": last["tokens_done"], "longest_document": at["tokenized"]["longest"],
+        "anon_peak": at["end"]["anon_peak"], "distinct_ids": at["end"]["distinct_ids"],
+        "embedding_mib": at["model loaded"]["embedding_mib"],
+        "embedding_resident_after_load": at["model loaded"]["embedding_resident"],
+        "embedding_resident_end": at["end"]["embedding_resident"],
+        "model_file_rss_after_first_document": first["model_file"], "model_file_rss_end": at["end"]["model_file"],
+    }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="builtin:smollm2-135m")
+    ap.add_argument("--tokens", type=int, default=8192, help="small corpus (1x) in tokens")
+    ap.add_argument("--factor", type=int, default=5, help="the large corpus is this many times the small one")
+    ap.add_argument("--doc-tokens", type=int, default=2048, help="tokens per document, both corpora")
+    ap.add_argument("--long-doc-tokens", type=int, default=8192, help="document length of the diagnosis' long-document corpus (0: skip)")
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=1, help="CLI runs per size (alternating)")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads (0: torch's default)")
+    ap.add_argument("--no-diagnose", action="store_true")
+    ap.add_argument("--store", type=Path, default=DEFAULT_STORE)
+    ap.add_argument("--out", type=Path, default=None, help="default bench/out/rss-<model>.json")
+    # --child: one instrumented capture (used by the diagnosis)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--config", default="{}", help=argparse.SUPPRESS)
+    ap.add_argument("--code-root", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-embed", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--old-tokens", type=int, default=20000,
+                    help="embedding probe: the pre-rewrite bench's small corpus size (its large one is 5x; 0: skip)")
+    args = ap.parse_args()
+    set_threads(args.threads)
+    if args.child:
+        return child(args)
+    if args.child_embed:
+        return child_embed(args)
+    out_path = args.out or OUT / f"rss-{short(args.model)}.json"
+
+    before = machine()
+    ref = model_cache(args.store, args.model)
+    from ridgefill.models.load import gguf_cache_dir
+
+    model_dir = gguf_cache_dir(ref, store_root=args.store)[0] if ref.is_gguf else ref.path
+    sizes = {"small": args.tokens, "large": args.factor * args.tokens}
+    corpora = {k: corpus_for(args.model, v, args.doc_tokens, OUT / "corpora") for k, v in sizes.items()}
+    tmp = Path(tempfile.mkdtemp(prefix="rf-rssbench-"))
+    env = env_threads(args.threads)
+    runs: dict[str, list] = {"small": [], "large": []}
+    for r in range(args.repeat):
+        for k in (("small", "large") if r % 2 == 0 else ("large", "small")):
+            st = fresh_store(tmp / f"store-{k}-{r}", args.store)
+            res = run_measured([exe(), "capture", args.model, "--data", str(corpora[k]), "--held-out", "0",
+                                "--held-out-rows", "0", "--chunk", str(args.chunk), "--store", str(st), "--json"],
+                               env=env)
+            summary = json.loads(res["stdout"])["summary"]
+            runs[k].append({"peak_rss_mib": round(res["peak_rss_mib"], 1), "wall_s": round(res["wall_s"], 1),
+                            "tokens": summary["calibration_tokens"], "longest_document": summary["longest_document"],
+                            "documents": summary["calibration_documents"]})
+            print(f"{k}: {runs[k][-1]}", flush=True)
+    peak = {k: med([x["peak_rss_mib"] for x in v]) for k, v in runs.items()}
+    result = {
+        "figure": "peak RSS of `ridgefill capture`, large corpus / small corpus (equal document lengths)",
+        "model": args.model, "factor": args.factor, "doc_tokens": args.doc_tokens, "chunk": args.chunk,
+        "runs": runs, "peak_rss_mib": {k: round(v, 1) for k, v in peak.items()},
+        "large_over_small": round(peak["large"] / peak["small"], 4), "target": "<= 1.05",
+        "threads": args.threads or None, "machine_before": before,
+        "kv_cache": kv_bytes_per_token(model_dir, ref.num_layers),
+    }
+    if not args.no_diagnose:
+        diag = {}
+        cases = {"small": corpora["small"], "large": corpora["large"]}
+        if args.long_doc_tokens:
+            cases["small_long_documents"] = corpus_for(args.model, args.tokens, args.long_doc_tokens, OUT / "corpora")
+        for k, data in cases.items():
+            trace_path = tmp / f"trace-{k}.json"
+            res = run_measured([sys.executable, __file__, "--child", "--model", args.model, "--data", str(data),
+                                "--trace", str(trace_path), "--config", json.dumps({"chunk": args.chunk}),
+                                "--store", str(args.store), "--threads", str(args.threads)], env=env)
+            tr = json.loads(trace_path.read_text())
+            diag[k] = {"summary": summarize(tr) | {"child_peak_rss_mib": round(res["peak_rss_mib"], 1)},
+                       "trace": tr["trace"]}
+            print(f"diagnose {k}: {diag[k]['summary']}", flush=True)
+        result["diagnosis"] = diag
+        kvb = result["kv_cache"]
+        sm, lg = diag["small"]["summary"], diag["large"]["summary"]
+        notes = {
+            "child_peak_large_over_small": round(lg["child_peak_rss_mib"] / sm["child_peak_rss_mib"], 4),
+            "hwm_large_minus_small": round(lg["hwm_end"] - sm["hwm_end"], 1),
+            "embedding_resident_large_minus_small": round(lg["embedding_resident_end"] - sm["embedding_resident_end"], 1),
+            "anon_peak_large_over_small": round(lg["anon_peak"] / sm["anon_peak"], 4),
+            "hwm_minus_embedding_resident_large_over_small": round(
+                (lg["hwm_end"] - lg["embedding_resident_end"]) / (sm["hwm_end"] - sm["embedding_resident_end"]), 4),
+            "kv_cache_full_layers_mib_at_doc_tokens": round(kvb["full_bytes_per_token"] * args.doc_tokens / 2**20, 1),
+        }
+        if "small_long_documents" in diag:
+            lo = diag["small_long_documents"]["summary"]
+            notes |= {
+                "kv_cache_full_layers_mib_at_long_doc_tokens": round(kvb["full_bytes_per_token"] * args.long_doc_tokens / 2**20, 1),
+                "hwm_long_documents_minus_small": round(lo["hwm_end"] - sm["hwm_end"], 1),
+                "anon_peak_long_documents_minus_small": round(lo["anon_peak"] - sm["anon_peak"], 1),
+            }
+        result["diagnosis_notes"] = notes
+        # the embedding alone: how much of it a corpus' token ids map in, in a fresh process each
+        probe_cases = {"small": corpora["small"], "large": corpora["large"]}
+        if args.old_tokens:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+            for k, n in (("old_bench_small", args.old_tokens), ("old_bench_large", 5 * args.old_tokens)):
+                probe_cases[k] = old_bench_corpus(tok, n, OUT / "corpora" / f"oldbench-{short(args.model)}-{n}")
+        probe = {}
+        for k, data in probe_cases.items():
+            res = run_measured([sys.executable, __file__, "--child-embed", "--model", args.model, "--data", str(data),
+                                "--store", str(args.store), "--threads", str(args.threads)], env=env)
+            probe[k] = json.loads(res["stdout"].strip().splitlines()[-1])
+            print(f"embedding probe {k}: {probe[k]}", flush=True)
+        result["embedding_probe"] = probe
+    result["machine_after"] = machine()
+    write_json(out_path, result)
+    print(f"{args.model}: peak RSS {peak['small']:.0f} -> {peak['large']:.0f} MiB, x{result['large_over_small']}; "
+          f"{out_path}")
+
+
+if __name__ == "__main__":
+    main()
