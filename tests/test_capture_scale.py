@@ -169,8 +169,10 @@ def test_torchrun_rank_death_fails_clearly_and_the_rerun_resumes(tmp_path, tiny_
     p = torchrun(2, tiny_llama, long_corpus, store, env={"RIDGEFILL_FAULT": "1:3"})
     _, err = p.communicate(timeout=300)
     assert p.returncode != 0
-    assert "Error: torchrun: rank 0 lost contact with another rank (" in err
-    assert "Re-run the same command to resume from the last checkpoint." in err
+    # rank 0 either notices the lost connection itself or is stopped by torchrun first: one line either way
+    line = [l for l in err.splitlines() if l.startswith("Error: torchrun: rank 0 ")]
+    assert line and (" lost contact with another rank (" in line[0] or " was stopped (SIGTERM: " in line[0])
+    assert line[0].endswith("the run stopped. Re-run the same command to resume from the last checkpoint.")
     assert not (store / "capture" / ref_id).exists()
     assert (store / "capture" / f".work-{ref_id}" / "state.safetensors").is_file()
     p = torchrun(2, tiny_llama, long_corpus, store)
@@ -226,7 +228,7 @@ def test_device_map_with_disk_offload_gives_the_same_statistics(tmp_path, tiny_l
 def test_device_map_auto_from_the_cli(tmp_path, tiny_llama, long_corpus):
     from clirun import cli
 
-    r = cli("capture", tiny_llama, "--data", long_corpus, "--chunk", 16, *ARGS, "--store", tmp_path / "s",
+    r = cli("capture", tiny_llama, "--data", long_corpus, "--chunk", 256, *ARGS, "--store", tmp_path / "s",
             "--device-map", "auto", "--max-memory", "cpu=300KB", "--json")
     assert r.returncode == 0, r.stderr
     placement = json.loads((tmp_path / "s" / "capture" / json.loads(r.stdout)["id"] / "artifact.json").read_text())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import signal
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -27,8 +28,9 @@ import numpy as np
 from ridgefill.capture.stats import FIELDS, Moments
 from ridgefill.errors import BadInput, RidgefillError
 
-LOST = ("torchrun: rank {rank} lost contact with another rank ({why}); the run stopped. Re-run the same command to "
-        "resume from the last checkpoint.")
+RESUME = "the run stopped. Re-run the same command to resume from the last checkpoint."
+LOST = "torchrun: rank {rank} lost contact with another rank ({why}); " + RESUME
+STOPPED = "torchrun: rank {rank} was stopped (SIGTERM: another rank failed, or the job was cancelled); " + RESUME
 
 
 class World:
@@ -57,12 +59,21 @@ class World:
         if not dist.is_initialized():
             dist.init_process_group("gloo")  # env:// rendezvous from torchrun's variables
         self._up = True
+        # torchrun stops the other workers with SIGTERM when one fails: say so in one line (the checkpoint stays).
+        self._sigterm = signal.signal(signal.SIGTERM, self._stopped)
 
-    def close(self) -> None:
+    def _stopped(self, signum, frame):
+        raise RidgefillError(STOPPED.format(rank=self.rank))
+
+    def close(self, failed: bool = False) -> None:
+        """Leave the world. After a failure the group is not torn down: a peer may be gone, and tearing down
+        would wait for it; the process is about to exit anyway."""
         if self._up:
             import torch.distributed as dist
 
-            dist.destroy_process_group()
+            signal.signal(signal.SIGTERM, self._sigterm)
+            if not failed:
+                dist.destroy_process_group()
             self._up = False
 
     # -- agreement ---------------------------------------------------------------------------------------

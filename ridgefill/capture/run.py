@@ -135,11 +135,15 @@ def capture(
         world.agree("capture id", recipe_id(recipe))
         hit = store.cached("capture", recipe) if world.writer else None
         if world.broadcast_int(int(hit is not None)):
+            world.close()
             return hit, True
-        return _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, device, dtype, device_map,
-                    max_memory, world, out, checkpoint_every, after_unit)
-    finally:
-        world.close()
+        result = _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, device, dtype, device_map,
+                      max_memory, world, out, checkpoint_every, after_unit)
+    except BaseException:
+        world.close(failed=True)
+        raise
+    world.close()
+    return result
 
 
 def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, device, dtype, device_map, max_memory,
