@@ -218,6 +218,11 @@ def main() -> None:
                   "dump": dinfo, "solve": sinfo},
         "naive_over_ridgefill": {"wall": round(nv_wall / rf_wall, 3), "peak_rss": round(nv_rss / rf_rss, 3),
                                  "disk": round(nv_disk / rf_disk, 3)},
+        "scaling": {"naive_dump_bytes_per_row": dir_bytes(dump) // max(1, sinfo["rows"]),
+                    "naive_lstsq_float64_bytes_per_row": 8 * 3 * ref.hidden_size,  # X, [X_c; sqrt(lambda) I], one Y
+                    "ridgefill_capture_bytes_fixed": "stats: (k + 1) d^2 float64 per split; held-out rows fixed by "
+                                                     "--held-out-rows; neither grows with the calibration tokens",
+                    "rows": sinfo["rows"]},
         "agreement": {"max_w_rel_fro": worst_w, "max_b_rel": worst_b, "per_layer": per_layer, "target": "<= 1e-4",
                       "passed": worst_w <= 1e-4},
         "machine_before": before, "machine_after": machine(),

@@ -15,7 +15,13 @@
    the growth per document tell what grows with tokens (token ids, held-out rows, the heap) and what grows with
    the length of the longest document (its KV cache, which capture keeps until the document ends, and the
    attention of each chunk over it); the KV-cache bytes per token of the layers that run are computed from the
-   model's config for comparison.
+   model's config for comparison. Also the embedding probe (`--child-embed`): in a fresh process per corpus,
+   only the embedding lookups of every token, and how much of the embedding matrix is then mapped in
+   (/proc/self/pagemap): the model's weights are mmapped from the dequantized cache's safetensors, so RSS counts
+   the pages a run touches, and a larger corpus touches more embedding rows (more distinct token ids, each
+   mapping the 64 KiB around it). `--old-tokens N` adds the pre-rewrite bench's corpora (N and 5N tokens).
+3. With --malloc-probe BYTES, both sizes once more with glibc's mmap threshold fixed at BYTES
+   (MALLOC_MMAP_THRESHOLD_), to tell heap retention apart from memory capture holds.
 
 `--child` runs one instrumented capture in this process and writes its trace as JSON (used by part 2; it can
 also run another checkout's ridgefill with --code-root DIR and --config '{"max_tokens": 1024}' to trace the
@@ -276,8 +282,11 @@ def summarize(trace: dict) -> dict:
         "anon_peak": at["end"]["anon_peak"], "distinct_ids": at["end"]["distinct_ids"],
         "embedding_mib": at["model loaded"]["embedding_mib"],
         "embedding_resident_after_load": at["model loaded"]["embedding_resident"],
-        "embedding_resident_end": at["end"]["embedding_resident"],
-        "model_file_rss_after_first_document": first["model_file"], "model_file_rss_end": at["end"]["model_file"],
+        "embedding_resident_end": last["embedding_resident"],  # after the last document (at "end" the model is gone)
+        "model_file_rss_after_first_document": first["model_file"], "model_file_rss_end": last["model_file"],
+        "anon_max_after_a_document": max(s["anon"] for s in units),
+        "heap_max_after_a_document": max(s["malloc"].get("heap", 0) for s in units),
+        "heap_in_use_max_after_a_document": max(s["malloc"].get("in_use", 0) for s in units),
     }
     return out
 
@@ -293,6 +302,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="CLI runs per size (alternating)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads (0: torch's default)")
     ap.add_argument("--no-diagnose", action="store_true")
+    ap.add_argument("--malloc-probe", type=int, default=0, metavar="BYTES",
+                    help="also run both sizes with MALLOC_MMAP_THRESHOLD_=BYTES (glibc: a fixed mmap threshold, so "
+                         "large temporaries are unmapped when freed instead of fragmenting the heap)")
     ap.add_argument("--store", type=Path, default=DEFAULT_STORE)
     ap.add_argument("--out", type=Path, default=None, help="default bench/out/rss-<model>.json")
     # --child: one instrumented capture (used by the diagnosis)
@@ -334,6 +346,14 @@ def main() -> None:
                             "documents": summary["calibration_documents"]})
             print(f"{k}: {runs[k][-1]}", flush=True)
     peak = {k: med([x["peak_rss_mib"] for x in v]) for k, v in runs.items()}
+    probe_runs = {}
+    for k in (("small", "large") if args.malloc_probe else ()):  # the same runs with glibc's mmap threshold fixed
+        st = fresh_store(tmp / f"store-{k}-malloc", args.store)
+        res = run_measured([exe(), "capture", args.model, "--data", str(corpora[k]), "--held-out", "0",
+                            "--held-out-rows", "0", "--chunk", str(args.chunk), "--store", str(st), "--json"],
+                           env=env | {"MALLOC_MMAP_THRESHOLD_": str(args.malloc_probe)})
+        probe_runs[k] = {"peak_rss_mib": round(res["peak_rss_mib"], 1), "wall_s": round(res["wall_s"], 1)}
+        print(f"{k} with MALLOC_MMAP_THRESHOLD_={args.malloc_probe}: {probe_runs[k]}", flush=True)
     result = {
         "figure": "peak RSS of `ridgefill capture`, large corpus / small corpus (equal document lengths)",
         "model": args.model, "factor": args.factor, "doc_tokens": args.doc_tokens, "chunk": args.chunk,
@@ -342,6 +362,10 @@ def main() -> None:
         "threads": args.threads or None, "machine_before": before,
         "kv_cache": kv_bytes_per_token(model_dir, ref.num_layers),
     }
+    if probe_runs:
+        result["malloc_probe"] = {"MALLOC_MMAP_THRESHOLD_": args.malloc_probe, "runs": probe_runs,
+                                  "large_over_small": round(probe_runs["large"]["peak_rss_mib"]
+                                                            / probe_runs["small"]["peak_rss_mib"], 4)}
     if not args.no_diagnose:
         diag = {}
         cases = {"small": corpora["small"], "large": corpora["large"]}
