@@ -148,7 +148,7 @@ def capture(
 
 def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, device, dtype, device_map, max_memory,
          world, out, checkpoint_every, after_unit):
-    from ridgefill.capture.forward import chunk_moments, document_chunks, exact_float32
+    from ridgefill.capture.forward import chunk_moments, document_chunks, exact_float32, release_workspace
     from ridgefill.models import load_model
 
     t0 = time.perf_counter()
@@ -255,6 +255,7 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, devi
                     elif mine is not None:
                         world.send_block(*mine)
                 world.barrier()
+        release_workspace()
         if not world.writer:
             return None, False
         state.write_outputs(build.path, splits, layers, ref.num_layers)
