@@ -13,7 +13,8 @@ N = 1 and N = 2, alternating for `--repeat` rounds; the corpus has equal-length 
 (bench/common.py). The figure is median wall(N=2) / median wall(N=1), process start and model load included
 (target <= 0.60); the manifests' model_load_s / forward_s (rank 0's) are recorded next to it. The two artifacts
 must be the same bytes: the ids, and the sha256 of stats.safetensors, heldout.safetensors.zst,
-token_counts.safetensors and documents.json are compared and the result recorded.
+token_counts.safetensors and documents.json are compared and the result recorded (on a mismatch, the largest
+difference per statistic; with --repeat 2 or more, whether every run of either arm gave the same bytes).
 """
 
 from __future__ import annotations
@@ -30,6 +31,26 @@ from common import (DEFAULT_STORE, OUT, corpus_for, env_threads, fresh_store, ma
                     model_cache, run_measured, sha256_of, short, write_json)
 
 FILES = ("stats.safetensors", "heldout.safetensors.zst", "token_counts.safetensors", "documents.json")
+
+
+def stats_differences(a: Path, b: Path) -> dict:
+    """Per array of stats.safetensors: equal, or the largest absolute and relative difference."""
+    import numpy as np
+
+    from ridgefill.artifacts import tensors
+
+    x, _ = tensors.load(a / "stats.safetensors")
+    y, _ = tensors.load(b / "stats.safetensors")
+    out = {}
+    for k in sorted(set(x) | set(y)):
+        if k not in x or k not in y or x[k].shape != y[k].shape:
+            out[k] = "missing or shape differs"
+        elif np.array_equal(x[k], y[k]):
+            out[k] = "equal"
+        else:
+            d = float(np.abs(x[k].astype(np.float64) - y[k]).max())
+            out[k] = {"max_abs": d, "max_rel": d / float(np.abs(x[k]).max())}
+    return out
 
 
 def main() -> None:
@@ -51,7 +72,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="rf-torchrun-"))
     env = env_threads(1)
     runs: dict[int, list] = {1: [], args.procs: []}
-    hashes: dict[int, dict] = {}
+    hashes: dict[int, dict] = {}  # first run of each arm
+    all_hashes: list[dict] = []
     for r in range(args.repeat):
         for n in ((1, args.procs) if r % 2 == 0 else (args.procs, 1)):
             st = fresh_store(tmp / f"store-{n}-{r}", args.store)
@@ -67,17 +89,23 @@ def main() -> None:
                             "timings": man.get("timings"), "processes": man.get("summary", {}).get("processes"),
                             "blocks": man.get("summary", {}).get("blocks"),
                             "tokens": man.get("summary", {}).get("calibration_tokens")})
-            hashes.setdefault(n, {"id": doc["id"], **{f: sha256_of(art / f) for f in FILES if (art / f).is_file()}})
+            h = {"id": doc["id"], **{f: sha256_of(art / f) for f in FILES if (art / f).is_file()}}
+            hashes.setdefault(n, h)
+            all_hashes.append(h)
+            runs[n][-1]["stats_sha256"] = h.get("stats.safetensors", "")[:16]
             print(f"{n} process(es): {runs[n][-1]}", flush=True)
     wall = {n: med([x["wall_s"] for x in v]) for n, v in runs.items()}
     same = hashes[1] == hashes[args.procs]
+    differences = None if same else stats_differences(tmp / "store-1-0" / "capture" / hashes[1]["id"],
+                                                      tmp / f"store-{args.procs}-0" / "capture" / hashes[args.procs]["id"])
     result = {
         "figure": f"wall of torchrun --nproc-per-node {args.procs} / --nproc-per-node 1 (one thread a process)",
         "model": args.model, "corpus": str(corpus), "doc_tokens": args.doc_tokens, "chunk": args.chunk,
         "procs": args.procs, "runs": {str(k): v for k, v in runs.items()},
         "median_wall_s": {str(k): v for k, v in wall.items()},
         "ratio": round(wall[args.procs] / wall[1], 4), "target": "<= 0.60",
-        "artifacts_identical": same, "hashes": {str(k): v for k, v in hashes.items()},
+        "artifacts_identical": same, "hashes": {str(k): v for k, v in hashes.items()}, "differences": differences,
+        "all_runs_hashes_equal": len({json.dumps(h, sort_keys=True) for h in all_hashes}) == 1,
         "machine_before": before, "machine_after": machine(),
     }
     write_json(out_path, result)
