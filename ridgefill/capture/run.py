@@ -18,7 +18,7 @@ uninterrupted run.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -82,7 +82,7 @@ def capture(
 
     Under torchrun every rank calls this; rank 0 returns the artifact, the others return (None, cached)."""
     from ridgefill.models import resolve_model
-    from ridgefill.models.device import check_device_map, device_kind, resolve_device, resolve_dtype
+    from ridgefill.models.device import where
 
     world = World()
     if cfg.chunk < 2:
@@ -96,11 +96,9 @@ def capture(
     if cfg.device_map is not None and world.distributed:
         raise BadInput("--device-map cannot be combined with torchrun: every rank would spread its own copy of the "
                        "model over the same devices (use one process, or --device per rank)")
-    device = resolve_device(cfg.device)
-    if world.distributed and device_kind(device) == "cuda":
-        device = f"cuda:{world.local_rank}"  # one GPU per local rank
-    dtype = resolve_dtype(cfg.dtype, device)
-    device_map, max_memory = check_device_map(cfg.device_map, list(cfg.max_memory) or None, device)
+    place = where(cfg.device, cfg.dtype, cfg.device_map, list(cfg.max_memory) or None)
+    if world.distributed and place.kind == "cuda":
+        place = replace(place, device=f"cuda:{world.local_rank}")  # one GPU per local rank
     world.start()
     try:
         with world.rank0_first():  # a hub download or a GGUF assembly happens once, on rank 0
@@ -125,8 +123,8 @@ def capture(
             "held_out": cfg.held_out,
             "held_out_rows": cfg.held_out_rows,
             "seed": cfg.seed,
-            "device": device_kind(device),
-            "dtype": dtype,
+            "device": place.kind,
+            "dtype": place.dtype,
             "product_dtype": cfg.product_dtype,
             "skip_first": SKIP_FIRST,
         }
@@ -137,8 +135,8 @@ def capture(
         if world.broadcast_int(int(hit is not None)):
             world.close()
             return hit, True
-        result = _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, device, dtype, device_map,
-                      max_memory, world, out, checkpoint_every, after_unit)
+        result = _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, place, world, out,
+                      checkpoint_every, after_unit)
     except BaseException:
         world.close(failed=True)
         raise
@@ -146,15 +144,14 @@ def capture(
     return result
 
 
-def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, device, dtype, device_map, max_memory,
-         world, out, checkpoint_every, after_unit):
+def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, place, world, out, checkpoint_every,
+         after_unit):
     from ridgefill.capture.forward import chunk_moments, document_chunks, exact_float32, release_workspace
     from ridgefill.models import load_model
 
     t0 = time.perf_counter()
     with world.rank0_first():  # the dequantized GGUF cache is written once, by rank 0
-        lm = load_model(ref, store_root=store.root, dtype=dtype, device=device, device_map=device_map,
-                        max_memory=max_memory, trust_remote_code=cfg.trust_remote_code)
+        lm = load_model(ref, store_root=store.root, trust_remote_code=cfg.trust_remote_code, **place.load_args())
     load_s = time.perf_counter() - t0
     context = int(getattr(lm.model.config.get_text_config(), "max_position_embeddings", 0) or 0) or None
     max_length = cfg.max_length or context
@@ -168,7 +165,7 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, devi
     d = ref.hidden_size
     empty = lambda: {kv: Moments.empty(ref.num_layers - kv[1], d, d) for kv in keys}  # noqa: E731
     held_like = {f"hidden.{l}": ((d,), np.float32) for l in layers} | {"doc": ((), np.int32), "pos": ((), np.int32)}
-    in_device = _input_device(lm)
+    in_device = lm.adapter.device  # the embeddings' (execution) device
     t_fwd = 0.0
     tokens_done = 0
 
@@ -299,17 +296,6 @@ class _NoBuild:
 
     def __exit__(self, *exc):
         return None
-
-
-def _input_device(lm):
-    """Where the token ids go: the embedding's device (its execution device under accelerate's dispatch)."""
-    emb = lm.adapter.base.embed_tokens
-    hook = getattr(emb, "_hf_hook", None)
-    dev = getattr(hook, "execution_device", None)
-    if dev is not None:
-        return dev
-    w = emb.weight
-    return "cpu" if w.device.type == "meta" else w.device
 
 
 def _model_info(ref) -> dict:
