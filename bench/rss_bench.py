@@ -21,7 +21,8 @@
    the pages a run touches, and a larger corpus touches more embedding rows (more distinct token ids, each
    mapping the 64 KiB around it). `--old-tokens N` adds the pre-rewrite bench's corpora (N and 5N tokens).
 3. With --malloc-probe BYTES, both sizes once more with glibc's mmap threshold fixed at BYTES
-   (MALLOC_MMAP_THRESHOLD_), to tell heap retention apart from memory capture holds.
+   (MALLOC_MMAP_THRESHOLD_), to tell heap retention apart from memory capture holds; with --trim-probe, the
+   instrumented capture on both sizes calling malloc_trim(0) after every document.
 
 `--child` runs one instrumented capture in this process and writes its trace as JSON (used by part 2; it can
 also run another checkout's ridgefill with --code-root DIR and --config '{"max_tokens": 1024}' to trace the
@@ -168,9 +169,12 @@ def child(args) -> None:
     ridgefill.models.load_model, run._tokenize, run._units = load_model, tokenize, make_units
     done = 0
     seen: set = set()
+    trim = ctypes.CDLL("libc.so.6").malloc_trim if args.malloc_trim else None
 
     def after_unit(i: int) -> None:
         nonlocal done
+        if trim is not None:
+            trim(0)  # glibc: give the heap's free pages back to the kernel after every document
         u = units[i]
         n = getattr(u, "tokens", None)
         if n is None:
@@ -302,6 +306,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="CLI runs per size (alternating)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads (0: torch's default)")
     ap.add_argument("--no-diagnose", action="store_true")
+    ap.add_argument("--trim-probe", action="store_true",
+                    help="also run the instrumented capture on both sizes calling glibc's malloc_trim(0) after every "
+                         "document (what a fix inside capture could do)")
+    ap.add_argument("--malloc-trim", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--malloc-probe", type=int, default=0, metavar="BYTES",
                     help="also run both sizes with MALLOC_MMAP_THRESHOLD_=BYTES (glibc: a fixed mmap threshold, so "
                          "large temporaries are unmapped when freed instead of fragmenting the heap)")
@@ -366,6 +374,20 @@ def main() -> None:
         result["malloc_probe"] = {"MALLOC_MMAP_THRESHOLD_": args.malloc_probe, "runs": probe_runs,
                                   "large_over_small": round(probe_runs["large"]["peak_rss_mib"]
                                                             / probe_runs["small"]["peak_rss_mib"], 4)}
+    if args.trim_probe:
+        trimmed = {}
+        for k in ("small", "large"):
+            trace_path = tmp / f"trace-{k}-trim.json"
+            res = run_measured([sys.executable, __file__, "--child", "--malloc-trim", "--model", args.model, "--data",
+                                str(corpora[k]), "--trace", str(trace_path), "--config",
+                                json.dumps({"chunk": args.chunk}), "--store", str(args.store), "--threads",
+                                str(args.threads)], env=env)
+            tr = summarize(json.loads(trace_path.read_text()))
+            trimmed[k] = {"peak_rss_mib": round(res["peak_rss_mib"], 1), "wall_s": round(res["wall_s"], 1),
+                          "anon_peak": tr["anon_peak"], "embedding_resident_end": tr["embedding_resident_end"]}
+            print(f"{k} with malloc_trim(0) after every document: {trimmed[k]}", flush=True)
+        result["trim_probe"] = {"runs": trimmed, "large_over_small": round(
+            trimmed["large"]["peak_rss_mib"] / trimmed["small"]["peak_rss_mib"], 4)}
     if not args.no_diagnose:
         diag = {}
         cases = {"small": corpora["small"], "large": corpora["large"]}
