@@ -37,7 +37,8 @@ class BF16:
     bits: np.ndarray
 
 
-def encode(arrays: dict[str, np.ndarray | BF16], metadata: dict[str, str] | None = None) -> bytes:
+def _layout(arrays: dict[str, np.ndarray | BF16], metadata: dict[str, str] | None) -> tuple[bytes, list[np.ndarray]]:
+    """The file's head (length + header JSON, padded) and its tensors' data in file order (no copies made)."""
     typed = {}
     for name, a in arrays.items():
         if isinstance(a, BF16):
@@ -47,22 +48,34 @@ def encode(arrays: dict[str, np.ndarray | BF16], metadata: dict[str, str] | None
             typed[name] = (_DTYPES[data.dtype], data.astype(data.dtype.newbyteorder("<"), copy=False))
     # header: metadata first, then the tensors in layout order, as the library writes it
     header: dict = {"__metadata__": {str(k): str(v) for k, v in sorted(metadata.items())}} if metadata else {}
-    chunks, offset = [], 0
+    body, offset = [], 0
     for name in sorted(typed, key=lambda n: (-_RANK.index(typed[n][0]), n)):
         dtype, data = typed[name]
-        raw = data.tobytes()
-        header[name] = {"dtype": dtype, "shape": list(data.shape), "data_offsets": [offset, offset + len(raw)]}
-        chunks.append(raw)
-        offset += len(raw)
+        header[name] = {"dtype": dtype, "shape": list(data.shape), "data_offsets": [offset, offset + data.nbytes]}
+        body.append(data)
+        offset += data.nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
     text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + b"".join(chunks)
+    return struct.pack("<Q", len(text)) + text, body
+
+
+def encode(arrays: dict[str, np.ndarray | BF16], metadata: dict[str, str] | None = None) -> bytes:
+    head, body = _layout(arrays, metadata)
+    return head + b"".join(data.tobytes() for data in body)
 
 
 def save(path: Path, arrays: dict[str, np.ndarray | BF16], metadata: dict[str, str] | None = None) -> None:
-    """Write via a temp file and rename, so a crash never leaves a half-written file under `path`."""
+    """Write via a temp file and rename, so a crash never leaves a half-written file under `path`.
+
+    The tensors are written straight from their arrays: a capture checkpoint (hundreds of MB of float64 totals)
+    costs no second copy in memory."""
     tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_bytes(encode(arrays, metadata))
+    head, body = _layout(arrays, metadata)
+    with open(tmp, "wb") as f:
+        f.write(head)
+        for data in body:
+            if data.size:
+                f.write(memoryview(data.reshape(-1)).cast("B"))
     os.replace(tmp, path)
 
 

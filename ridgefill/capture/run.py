@@ -359,7 +359,12 @@ def _blocks(units: list[Unit]) -> list[tuple[int, int]]:
 
 
 def _concat(held_rows: dict) -> dict[str, np.ndarray]:
-    return {k: np.concatenate(v) for k, v in held_rows.items() if v}
+    """{key: list of row arrays} -> {key: one array}; the lists collapse in place, so saving a checkpoint again
+    copies nothing it copied before (peak memory must not grow with the checkpoints a long run writes)."""
+    for k, v in held_rows.items():
+        if len(v) > 1:
+            held_rows[k] = [np.concatenate(v)]
+    return {k: v[0] for k, v in held_rows.items() if v}
 
 
 class _State:
