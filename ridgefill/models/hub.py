@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from ridgefill.errors import BadInput, RidgefillError
+from ridgefill.export.hub import _network_cause  # one reading of transport failures for push, pull and downloads
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 # What snapshot_download may fetch: huggingface_hub matches these with fnmatch, where `*` also crosses "/", so the
@@ -162,18 +163,6 @@ def _stderr_is_terminal() -> bool:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):
         return False
-
-
-def _network_cause(e: BaseException | None) -> BaseException | None:
-    """The transport failure (no connection, timeout, DNS) in an exception's chain; None if there is none."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        names = {c.__name__ for c in type(e).__mro__}
-        if isinstance(e, ConnectionError) or names & {"TransportError", "Timeout", "ConnectTimeout"}:
-            return e
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def _first_line(e: BaseException) -> str:
