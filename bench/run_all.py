@@ -179,6 +179,8 @@ def main() -> None:
         runs.append({"step": "model caches", "wall_s": round(time.perf_counter() - t, 1)})
         for fig, m, cmd in plan(args):
             print(f"== {fig} {m or ''}: {' '.join(cmd[1:])}", flush=True)
+            stale = Path(cmd[cmd.index("--out") + 1])
+            stale.unlink(missing_ok=True)  # a script that fails must not leave an older run's figures in the table
             t = time.perf_counter()
             p = subprocess.run(cmd)
             runs.append({"figure": fig, "model": m, "command": " ".join(cmd[1:]), "rc": p.returncode,
