@@ -150,8 +150,12 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, plac
     from ridgefill.models import load_model
 
     t0 = time.perf_counter()
-    with world.rank0_first():  # the dequantized GGUF cache is written once, by rank 0
-        lm = load_model(ref, store_root=store.root, trust_remote_code=cfg.trust_remote_code, **place.load_args())
+    if ref.is_gguf:
+        from ridgefill.models.load import gguf_cache_dir
+
+        with world.rank0_first():  # the dequantized GGUF cache is written once, by rank 0; then all load at once
+            gguf_cache_dir(ref, store_root=store.root)
+    lm = load_model(ref, store_root=store.root, trust_remote_code=cfg.trust_remote_code, **place.load_args())
     load_s = time.perf_counter() - t0
     context = int(getattr(lm.model.config.get_text_config(), "max_position_embeddings", 0) or 0) or None
     max_length = cfg.max_length or context
