@@ -22,8 +22,8 @@ Then (`--profile-docs N`, default 2; 0 skips it) a profile: N documents, each ta
 with a timer around every step: the forward alone (as the stack arm), the forward with a hook on the stop layer
 only (the price of the hooks on every late layer), the forward followed by `chunk_moments` and `merge_into`
 after each chunk exactly as capture calls them (the forward's own time there shows any slow-down the statistics
-cause it), and a step-by-step mirror of those two functions (centring, concatenation, the cxx and cxy matmuls,
-the yy einsum, the float64 host copies, the cxy transpose copy; the cxx / cxy adds and the rank-one corrections).
+cause it), and a step-by-step mirror of those two functions (centring, concatenation into the reused buffer, the cxx and cxy
+matmuls, the yy norm, the float64 host copies; the cxx / cxy adds and the rank-one corrections).
 Seconds and shares of the lone forward.
 """
 
@@ -227,7 +227,9 @@ def profile(lm, docs, layers, L, chunk, np, torch) -> dict:
 
 
 def _moments_steps(x, ys, torch, np, add):
-    """chunk_moments (capture/forward.py), one timer per step."""
+    """chunk_moments (capture/forward.py as of the reused-buffer version), one timer per step. Keep it in step with
+    that function: the profile's note compares the sum of these steps with the real call's seconds."""
+    from ridgefill.capture.forward import _buffer, _center_
     from ridgefill.capture.stats import Moments
 
     def step(name, fn):
@@ -239,19 +241,18 @@ def _moments_steps(x, ys, torch, np, add):
     wd = torch.float32
     n, dx = x.shape
     k, dy = len(ys), ys[0].shape[-1]
-    mean_x = step("m.mean_x", lambda: x.mean(0, dtype=torch.float64))
+    mean_x = step("m.mean_x", lambda: x.sum(0, dtype=torch.float64) / n)
     xc = step("m.centre_x", lambda: x.to(wd) - mean_x.to(wd))
-    yc = step("m.cat_y", lambda: torch.cat([y.to(device=x.device, dtype=wd) for y in ys], dim=1))
-    mean_y = step("m.mean_y", lambda: yc.mean(0, dtype=torch.float64))
-    step("m.centre_y", lambda: yc.sub_(mean_y.to(wd)))
+    yc = step("m.cat_y", lambda: torch.cat([y.to(device=x.device, dtype=wd) for y in ys], dim=1,
+                                           out=_buffer("y", n, k * dy, wd, x.device)))
+    mean_y = step("m.centre_y", lambda: _center_(yc))
+    cxy = step("m.cxy_matmul", lambda: torch.matmul(xc.T, yc, out=_buffer("cxy", dx, k * dy, wd, x.device)))
+    yy = step("m.yy_norm", lambda: torch.linalg.vector_norm(yc.view(n, k, dy), dim=(0, 2)).double() ** 2)
     cxx = step("m.cxx_matmul", lambda: xc.T @ xc)
-    cxy = step("m.cxy_matmul", lambda: xc.T @ yc)
-    yy = step("m.yy_einsum", lambda: torch.einsum("nkd,nkd->k", yc.view(n, k, dy), yc.view(n, k, dy)))
     host = lambda t: t.to("cpu", torch.float64).numpy()  # noqa: E731
     hx, hcxx, hmy, hyy = step("m.host_small", lambda: (host(mean_x), host(cxx), host(mean_y), host(yy)))
-    hcxy = step("m.host_cxy_float64", lambda: host(cxy))
-    tcxy = step("m.cxy_transpose_copy", lambda: np.ascontiguousarray(hcxy.reshape(dx, k, dy).transpose(1, 0, 2)))
-    return Moments(n, hx, hcxx, hmy.reshape(k, dy), tcxy, hyy)
+    hcxy = step("m.host_cxy_float64", lambda: host(cxy).reshape(dx, k, dy).transpose(1, 0, 2))
+    return Moments(n, hx, hcxx, hmy.reshape(k, dy), hcxy, hyy)
 
 
 def _merge_steps(a, b, np, add):
