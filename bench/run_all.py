@@ -127,9 +127,8 @@ def table(figs: dict, models: list[str]) -> str:
         ("peak RSS of `ridgefill capture`, 5x vs 1x tokens (equal-length documents, fresh stores, ru_maxrss)",
          lambda f: (f"**x{f['rss_large_over_small']['value']:.3f}** ({f['rss_large_over_small']['small_mib']:.0f} vs "
                     f"{f['rss_large_over_small']['large_mib']:.0f} MiB at {f['rss_large_over_small']['tokens'][0] // 1000}K vs "
-                    f"{f['rss_large_over_small']['tokens'][1] // 1000}K tokens; of the growth, "
-                    f"{f['rss_large_over_small']['embedding_resident_growth_mib']:+.0f} MiB are embedding rows "
-                    f"mapped from the model file)"), "<= 1.05"),
+                    f"{f['rss_large_over_small']['tokens'][1] // 1000}K tokens; embedding rows mapped in from the model "
+                    f"file: {f['rss_large_over_small']['embedding_resident_growth_mib']:+.0f} MiB)"), "<= 1.05"),
         ("torchrun 2 processes / 1 process wall (1 thread each, same tokens)",
          lambda f: (f"**{f['torchrun_ratio']['value']:.2f}** ({f['torchrun_ratio']['walls_s']['2']:.0f} vs "
                     f"{f['torchrun_ratio']['walls_s']['1']:.0f} s); stats "
