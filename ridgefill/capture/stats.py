@@ -56,23 +56,13 @@ def moments_of(x: np.ndarray, ys: np.ndarray) -> Moments:
 
 
 def merge(a: Moments, b: Moments) -> Moments:
-    """Chan et al.'s pairwise update: exact for any split of the rows into a and b."""
+    """Chan et al.'s pairwise update: exact for any split of the rows into a and b. Neither input is changed."""
     if a.n == 0:
         return b
     if b.n == 0:
         return a
-    n = a.n + b.n
-    dx = b.mean_x - a.mean_x  # [dx]
-    dy = b.mean_y - a.mean_y  # [k, dy]
-    f = a.n * b.n / n
-    return Moments(
-        n,
-        a.mean_x + dx * (b.n / n),
-        a.cxx + b.cxx + f * np.outer(dx, dx),
-        a.mean_y + dy * (b.n / n),
-        a.cxy + b.cxy + f * dx[None, :, None] * dy[:, None, :],
-        a.yy + b.yy + f * np.einsum("kd,kd->k", dy, dy),
-    )
+    copy = Moments(a.n, a.mean_x, a.cxx.copy(), a.mean_y, a.cxy.copy(), a.yy.copy())
+    return merge_into(copy, b)
 
 
 def merge_into(a: Moments, b: Moments) -> Moments:
