@@ -19,7 +19,7 @@ from ridgefill.artifacts import Store
 from ridgefill.errors import BadInput
 from ridgefill.models import load_model, resolve_model
 from ridgefill.output import Output
-from clirun import cli
+from clirun import cli, cli_here
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -68,7 +68,7 @@ def command(name, model, context):
     (["--dtype", "float8"], "Error: unknown dtype 'float8' (choose one of: auto, float32, bfloat16, float16)"),
 ])
 def test_bad_device_or_dtype_is_one_line_exit_2(name, args, message, tiny_llama, context, tmp_path):
-    r = cli(*command(name, tiny_llama, context), *args, "--store", tmp_path / "st")
+    r = cli_here(*command(name, tiny_llama, context), *args, "--store", tmp_path / "st")
     assert r.returncode == 2
     assert one_line(r) == message
     assert not (tmp_path / "st").exists()  # nothing written
@@ -87,7 +87,7 @@ def test_bad_device_or_dtype_is_one_line_exit_2(name, args, message, tiny_llama,
      "Error: --max-memory 'cpu': expected DEVICE=SIZE (e.g. 0=20GiB, cpu=64GiB, disk=200GiB)"),
 ])  # fmt: skip
 def test_bad_device_map_is_one_line_exit_2(name, args, message, tiny_llama, context, tmp_path):
-    r = cli(*command(name, tiny_llama, context), *args, "--store", tmp_path / "st")
+    r = cli_here(*command(name, tiny_llama, context), *args, "--store", tmp_path / "st")
     assert r.returncode == 2
     assert one_line(r) == message
     assert not (tmp_path / "st").exists()
@@ -448,7 +448,7 @@ def test_release_recipe_device_refusals(text, message, tiny_llama, tmp_path):
     """`ridgefill release`: the recipe's device / dtype / device map are checked before any stage runs."""
     path = tmp_path / "r.toml"
     path.write_text(text.format(m=tiny_llama))
-    r = cli("release", path, "--store", tmp_path / "st")
+    r = cli_here("release", path, "--store", tmp_path / "st")
     assert r.returncode == 2
     assert one_line(r) == message.format(p=path)
     assert not (tmp_path / "st").exists()
