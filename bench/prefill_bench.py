@@ -34,7 +34,7 @@ def main() -> None:
     from ridgefill.artifacts import Store
     from ridgefill.evaluate import texts
     from ridgefill.evaluate.run import load_source
-    from ridgefill.evaluate.runtime import ceiling, prefill
+    from ridgefill.runtime import ceiling, prefill
     from ridgefill.models import load_model, resolve_model
 
     store = Store(args.store)

@@ -172,7 +172,7 @@ def test_module_device_reads_accelerate_hooks():
 
 def test_everything_on_disk(tiny_gemma3, tmp_path):
     """No CPU memory at all: every weight on disk, the adapter still knows device and dtype, numbers unchanged."""
-    from ridgefill.evaluate.runtime import prefill
+    from ridgefill.runtime import prefill
 
     plain = split_load(tiny_gemma3, tmp_path)
     split = split_load(tiny_gemma3, tmp_path, device_map="auto", max_memory={"cpu": 0})
@@ -196,7 +196,7 @@ def random_maps(d=64, layers=(2, 3)):
 
 def test_device_map_runtime_equals_plain_load(pair):
     """Every arm of the fill runtime, and greedy decoding from its cache, give exactly the plain model's numbers."""
-    from ridgefill.evaluate.runtime import ARMS, greedy, prefill
+    from ridgefill.runtime import ARMS, greedy, prefill
 
     plain, split = pair
     ids, maps = tokens(plain), random_maps()
@@ -227,7 +227,7 @@ def test_device_map_fold_captures_equal_plain_load(pair):
 
 def test_explicit_device_map_interleaving_cpu_and_disk(tiny_llama, tmp_path):
     """A hand-written map (layers alternating between CPU memory and disk) computes the same logits."""
-    from ridgefill.evaluate.runtime import prefill
+    from ridgefill.runtime import prefill
 
     dmap = {"model.embed_tokens": "cpu", "lm_head": "cpu", "model.rotary_emb": "cpu", "model.norm": "disk",
             "model.layers.0": "disk", "model.layers.1": "cpu", "model.layers.2": "disk", "model.layers.3": "cpu"}
@@ -285,7 +285,7 @@ def test_offload_folder_lifecycle(tiny_llama, tmp_path):
 
 def test_device_map_in_bfloat16(tiny_llama, tmp_path):
     """Offloaded float32 weights come back from disk as bfloat16, like the plain bfloat16 load."""
-    from ridgefill.evaluate.runtime import prefill
+    from ridgefill.runtime import prefill
 
     plain = split_load(tiny_llama, tmp_path, dtype="bfloat16")
     split = split_load(tiny_llama, tmp_path, dtype="bfloat16", device_map="auto", max_memory={"cpu": CPU_BYTES // 2})

@@ -112,7 +112,7 @@ def test_artifacts_are_byte_reproducible(tiny_llama, tmp_path, context):
 
 def test_slot_cache_bias_equals_duplicated_keys(tiny_llama, tmp_path):
     """A logit bias of log 2 on a key is the same attention as that key stored twice."""
-    from ridgefill.evaluate.runtime import SlotCache
+    from ridgefill.runtime import SlotCache
     from ridgefill.fold.queries import context_cache
 
     lm = load_model(resolve_model(str(tiny_llama), store_root=tmp_path), store_root=tmp_path)

@@ -1,4 +1,4 @@
-"""Tests for ridgefill.evaluate.runtime: the reference fill runtime and its arms, on the tiny random models.
+"""Tests for ridgefill.runtime: the reference fill runtime and its arms, on the tiny random models.
 
 The references are computed independently of the runtime: the stock model's forward / generate, a truncated copy
 of the stock model for the "nofill" arm, and maps fitted by least squares on the model's own hidden states.
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ridgefill.errors import BadInput
-from ridgefill.evaluate.runtime import ARMS, SlotCache, ceiling, greedy, prefill
+from ridgefill.runtime import ARMS, SlotCache, ceiling, greedy, prefill
 from conftest import TINY_FIXTURES
 
 ALL = list(TINY_FIXTURES)

@@ -1,5 +1,5 @@
-"""Evaluation: the reference fill runtime (`runtime.prefill` with the exact / ridgefill / identity / nofill arms)
-and, later, the release-gate metrics built on it.
+"""Evaluation: the release-gate measurements (documents, needles, summary, gate) built on the fill runtime
+(`ridgefill.runtime`).
 
-Importing this package does not import torch; `ridgefill.evaluate.runtime` does.
+Importing this package does not import torch; `ridgefill.runtime` does.
 """

@@ -120,7 +120,7 @@ def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output
 
     lm = load_model(ref, store_root=store.root, **place.load_args())
     out.info(f"model on {place.describe()}")
-    from ridgefill.evaluate.runtime import maps_on_devices
+    from ridgefill.runtime import maps_on_devices
 
     src = replace(src, maps=maps_on_devices(lm, src.maps, range(src.split, ref.num_layers)))  # once, not per prefill
     results = {"split": src.split, "num_layers": ref.num_layers, "tail": cfg.tail,
@@ -142,7 +142,8 @@ def _documents(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
     import torch
 
     from ridgefill.evaluate import metrics, texts
-    from ridgefill.evaluate.runtime import PROBE_ROWS, prefill
+    from ridgefill.runtime import prefill
+    from ridgefill.runtime.prefill import PROBE_ROWS
 
     docs = texts.long_documents(lm.tokenizer, cfg.doc_tokens, limit=cfg.documents)
     if len(docs) < cfg.documents:
@@ -187,7 +188,7 @@ def _needles(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
     import torch
 
     from ridgefill.evaluate.needles import build_suite, noise_haystack, score_answer
-    from ridgefill.evaluate.runtime import greedy, prefill
+    from ridgefill.runtime import greedy, prefill
 
     chat = bool(getattr(lm.tokenizer, "chat_template", None))
     try:  # single needles in RULER's noise filler, the other tasks in prose
@@ -220,7 +221,7 @@ def summarize(results: dict, cfg: EvalConfig) -> dict:
     """Per arm: needle accuracy (points), ΔNLL on all / novel / key tokens, KL, top-1, prefill time; paired
     bootstrap intervals for each arm minus exact and for ridgefill minus identity."""
     from ridgefill.evaluate.metrics import paired_bootstrap
-    from ridgefill.evaluate.runtime import ceiling
+    from ridgefill.runtime import ceiling
 
     docs, needles = results["documents"], results["needles"]
     boot = lambda a, b, w=None: paired_bootstrap(np.asarray(a, float), np.asarray(b, float), samples=cfg.bootstrap,  # noqa: E731

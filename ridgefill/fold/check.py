@@ -78,7 +78,7 @@ def _run(make, question: list[int], forced: list[int] | None, max_new: int, eos)
 
 
 def plain_cache_check(lm, ids, cc, biased: dict, folded: dict, drop: dict, cfg, out: Output) -> dict:
-    from ridgefill.evaluate.runtime import SlotCache
+    from ridgefill.runtime import SlotCache
 
     n, L = int(len(ids)), lm.adapter.num_layers
     full = {l: {"keys": cc.keys[l].cpu().numpy(), "values": cc.values[l].cpu().numpy(),

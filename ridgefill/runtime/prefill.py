@@ -1,6 +1,6 @@
-"""The reference fill runtime: a prefill that skips the late layers for most prompt rows (DESIGN.md section 1).
+"""The reference fill runtime: a prefill that skips the late layers for most prompt rows (docs/runtime.md).
 
-    from ridgefill.evaluate.runtime import prefill
+    from ridgefill.runtime import prefill
     res = prefill(lm, input_ids, "ridgefill", split=S, tail=T, maps={l: (W, b), ...})
     res.logits      # [T, vocab] float32, for the last T rows
     res.cache       # a transformers DynamicCache: model(next_ids, cache=res.cache) continues at position N
@@ -17,7 +17,7 @@ Arms (N rows, L layers, split S, tail T, prefix P = N - T):
 - "nofill": late layers write nothing for the filled rows; the tail attends only to itself (and to exact rows)
   in late layers, at its original positions. Its cache has holes, which the stock model cannot continue from:
   `cache` is a `SlotCache`, which `greedy` (and `SlotCache.step`) decode from layer by layer.
-- "ridgefill+rows": "ridgefill" plus attention-selected exact rows (seed 000, section 2.4): the `row_share`
+- "ridgefill+rows": "ridgefill" plus attention-selected exact rows: the `row_share`
   (default 10 %) of prompt rows that receive the most attention from the `probe` rows (default: the last 64
   prompt rows), summed over the heads of every layer below the split, run every layer exactly. The selection
   happens inside the prefill, after the early layers, and its cost is part of the measured time.
@@ -25,7 +25,7 @@ Arms (N rows, L layers, split S, tail T, prefix P = N - T):
 How it runs. The layers are the model's own decoder-layer modules, called one at a time with the model's own
 embeddings, rotary embeddings and final norm / head. Masks are built here from explicit query and key positions
 (causal, plus Gemma's window on sliding layers), so the stock attention code runs unchanged: each layer gets a
-stand-in cache (`_Slots`) that holds all N key/value slots in position order, with the filled prefix already in
+stand-in cache (`layers.Slots`) that holds all N key/value slots in position order, with the filled prefix already in
 place, and writes the rows being run into their own slots when the attention calls `cache.update`. At the end the
 slots become an ordinary `DynamicCache(config=...)` (sliding layers keep their last window - 1 rows, as the stock
 cache does), so decoding continues with the stock model at positions N, N+1, ...
@@ -45,14 +45,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from ridgefill.errors import BadInput
+from ridgefill.runtime.cache import SlotCache
+from ridgefill.runtime.layers import SLIDING, Layers, final_logits
+from ridgefill.runtime.maps import maps_on_devices
 
 ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
 ROW_SHARE, PROBE_ROWS = 0.1, 64  # "+rows": 10 % of the prompt, by attention from its last 64 rows
-SLIDING = "sliding_attention"
 
 
 def ceiling(N: int, T: int, S: int, L: int) -> float:
@@ -66,6 +67,8 @@ def ceiling(N: int, T: int, S: int, L: int) -> float:
 
 @dataclass
 class PrefillResult:
+    """What `prefill` returns: the last `tail` rows' logits, a cache to decode from, and the measured time."""
+
     logits: torch.Tensor  # [T, vocab] float32: the last T rows
     cache: Any  # transformers DynamicCache continuing at position N, or a SlotCache (arm "nofill")
     seconds: float
@@ -74,38 +77,6 @@ class PrefillResult:
     tail: int = 0
     num_rows: int = 0
     exact_rows: list[int] = field(default_factory=list)
-
-
-class _Slots:
-    """Stand-in for a transformers Cache for one layer call: N key/value slots in position order.
-
-    The attention module calls `update(k, v, layer_idx)` with the keys/values of the rows it is running;
-    they are written into `slots` (their positions) and the full buffers are returned for attention."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor):
-        self.keys, self.values, self.slots = keys, values, slots  # [1, kv_heads, N, head_dim] x2, [Q]
-
-    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
-        self.keys[:, :, self.slots] = key_states.to(self.keys.device, self.keys.dtype)
-        self.values[:, :, self.slots] = value_states.to(self.values.device, self.values.dtype)
-        # (a no-op unless the attention computes on another device than the layer's slots live on)
-        return self.keys.to(key_states.device), self.values.to(value_states.device)
-
-
-def _mask(q_pos, kv_valid, window, impl: str, dtype):
-    """[1, 1, Q, N] attention mask: key j visible to query at q iff valid, j <= q and (window) q - j < window."""
-    n = kv_valid.shape[0]
-    kv = torch.arange(n, device=q_pos.device)[None, :]
-    q = q_pos[:, None]
-    allowed = (kv <= q) & kv_valid[None, :]
-    if window:
-        allowed = allowed & (q - kv < window)
-    allowed = allowed[None, None]
-    if impl == "sdpa":
-        return allowed
-    # eager (and anything else that adds the mask to the scores)
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device))
 
 
 def _check(lm, n: int, arm: str, split: int, tail: int, maps, exact_rows) -> list[int]:
@@ -134,18 +105,6 @@ def _check(lm, n: int, arm: str, split: int, tail: int, maps, exact_rows) -> lis
     if not kinds <= {"full_attention", SLIDING}:
         raise BadInput(f"the fill runtime supports attention layers only (this model has {sorted(kinds)})")
     return rows
-
-
-def _logits(lm, hidden: torch.Tensor) -> torch.Tensor:
-    """The model's own final norm, head and (Gemma) soft-capping on hidden [rows, d] -> [rows, vocab] float32,
-    on the head's device."""
-    model, ad = lm.model, lm.adapter
-    normed = ad.base.norm(hidden.to(ad.module_device(ad.base.norm)))
-    logits = model.lm_head(normed.to(ad.module_device(model.lm_head)))
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return logits.float()
 
 
 def prefill(
@@ -198,132 +157,6 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def maps_on_devices(lm, maps: dict, layers) -> dict:
-    """{layer: (W, b)} as float32 tensors on each late layer's device (numpy arrays or tensors anywhere in).
-
-    `prefill` calls it before its clock starts; a caller running many prefills with the same maps can call it
-    once (tensors already in place are not copied again)."""
-    ad = lm.adapter
-    out = dict(maps)
-    for l in layers:
-        dev = ad.layer_device(l)
-        W, b = maps[l]
-        out[l] = (torch.as_tensor(W, dtype=torch.float32).to(dev), torch.as_tensor(b, dtype=torch.float32).to(dev))
-    return out
-
-
-class _Layers:
-    """Calls the model's own decoder layers on chosen query rows against explicit key/value slot buffers."""
-
-    def __init__(self, lm):
-        ad = lm.adapter
-        self.lm, self.ad = lm, ad
-        self.impl = getattr(ad.config, "_attn_implementation", None) or "eager"
-        if self.impl not in ("sdpa", "eager"):
-            raise BadInput(f"the fill runtime supports sdpa and eager attention, not '{self.impl}'")
-        self.window = getattr(ad.config, "sliding_window", None)
-
-    def rope(self, hidden, pos) -> dict:
-        """{layer kind: (cos, sin) [1, len(pos), head_dim]} at positions `pos` (on the rotary module's device)."""
-        dev = self.ad.module_device(self.ad.base.rotary_emb)
-        hidden, pos = hidden.to(dev), pos.to(dev)
-        return {kind: self.ad._rope_module_call(hidden, pos[None], kind) for kind in set(self.ad.layer_kinds)}
-
-    def run(self, l, h, q_pos, rope, keys, values, kv_valid=None, every_row=False, mask=None, slots=None):
-        """Layer `l` on rows h [1, Q, d] at positions q_pos [Q] ((cos, sin) of those rows in `rope`); the rows'
-        keys/values land in `slots` (default: their positions) of keys/values [1, kv_heads, n, head_dim];
-        kv_valid [n] marks the slots attention may read (or pass a ready additive `mask`).
-
-        keys/values live on the layer's device (`Adapter.layer_device`); everything else is moved there, and
-        the layer's output [1, Q, d] stays there."""
-        kind = self.ad.layer_kinds[l]
-        dev = keys.device
-        q_pos = q_pos.to(dev)
-        if mask is not None:
-            mask = mask.to(dev)
-        elif every_row and self.impl == "sdpa" and kind != SLIDING:
-            mask = None  # all rows, in order: sdpa's own is_causal path, as the stock prefill takes
-        else:
-            mask = _mask(q_pos, kv_valid.to(dev), self.window if kind == SLIDING else None, self.impl, self.ad.dtype)
-        cos, sin = rope[kind]
-        slots = q_pos if slots is None else slots.to(dev)
-        return self.ad.layers[l](h.to(dev), attention_mask=mask, position_embeddings=(cos.to(dev), sin.to(dev)),
-                                 position_ids=q_pos[None], cache=_Slots(keys, values, slots))  # fmt: skip
-
-
-class SlotCache:
-    """A cache the stock model cannot hold: per layer, key/value slots with their own position per KV head and
-    an optional additive logit bias per slot. `step` decodes one token at a time through the model's own layers.
-
-    layers: per decoder layer a dict with "keys", "values" [kv_heads, n, head_dim] (post-RoPE), "positions"
-    [kv_heads, n] int (-1: an empty slot, never attended) and optionally "bias" [kv_heads, n] float32 (added to
-    s q.k, as an attention-biased compacted cache has). The "nofill" arm's cache is one (holes are empty slots);
-    so are the compacted caches of `ridgefill.fold`. Each layer's tensors are kept on that layer's device."""
-
-    def __init__(self, lm, layers: list[dict], next_position: int):
-        ad = lm.adapter
-        self.lm, self.next_position = lm, int(next_position)
-
-        def t(x, dtype, dev):  # torch tensors (any device) or numpy arrays
-            x = x if isinstance(x, torch.Tensor) else torch.tensor(np.asarray(x))
-            return x.to(device=dev, dtype=dtype)
-
-        self.layers = []
-        for l, d in enumerate(layers):
-            dev = ad.layer_device(l)
-            self.layers.append({"keys": t(d["keys"], ad.dtype, dev)[None], "values": t(d["values"], ad.dtype, dev)[None],
-                                "positions": t(d["positions"], torch.long, dev),
-                                "bias": None if d.get("bias") is None else t(d["bias"], torch.float32, dev)})
-
-    def _mask(self, l: int, p: int) -> torch.Tensor:
-        """[1, heads, 1, n] additive mask of one query at position p (its own new slot last)."""
-        ad, d = self.lm.adapter, self.layers[l]
-        pos = d["positions"]
-        allowed = (pos >= 0) & (pos <= p)
-        window = getattr(ad.config, "sliding_window", None)
-        if ad.layer_kinds[l] == SLIDING and window:
-            allowed &= p - pos < window
-        bias = torch.zeros(pos.shape, device=pos.device) if d["bias"] is None else d["bias"]
-        m = torch.where(allowed, bias, torch.tensor(torch.finfo(torch.float32).min, device=pos.device))
-        m = m.repeat_interleave(ad.num_heads // ad.num_kv_heads, dim=0)  # KV head -> its query heads
-        return m[None, :, None, :].to(ad.dtype)
-
-    def step(self, token: int) -> torch.Tensor:
-        """Append `token` at the next position; return its next-token logits [vocab] float32."""
-        ad = self.lm.adapter
-        layers, p = _Layers(self.lm), self.next_position
-        q_pos = torch.tensor([p], device=ad.device)
-        with torch.no_grad():
-            h = ad.base.embed_tokens(torch.tensor([[token]], device=ad.device))
-            rope = layers.rope(h, q_pos)
-            for l, d in enumerate(self.layers):
-                kv, n = d["positions"].shape
-                d["keys"] = torch.cat([d["keys"], d["keys"].new_zeros(1, kv, 1, ad.head_dim)], dim=2)
-                d["values"] = torch.cat([d["values"], d["values"].new_zeros(1, kv, 1, ad.head_dim)], dim=2)
-                d["positions"] = torch.cat([d["positions"], d["positions"].new_full((kv, 1), p)], dim=1)
-                if d["bias"] is not None:
-                    d["bias"] = torch.cat([d["bias"], d["bias"].new_zeros(kv, 1)], dim=1)
-                h = layers.run(l, h, q_pos, rope, d["keys"], d["values"], mask=self._mask(l, p),
-                               slots=torch.tensor([n]))  # fmt: skip
-        self.next_position += 1
-        return _logits(self.lm, h[0, -1:])[0]
-
-
-def greedy(lm, res: PrefillResult, max_new: int) -> list[int]:
-    """Greedy tokens continuing from a prefill's cache (stops at the tokenizer's end-of-sequence token)."""
-    eos = lm.tokenizer.eos_token_id
-    cache, nxt, toks = res.cache, int(res.logits[-1].argmax()), []
-    with torch.inference_mode():
-        while len(toks) < max_new and nxt != eos:
-            toks.append(nxt)
-            if isinstance(cache, SlotCache):
-                nxt = int(cache.step(nxt).argmax())
-            else:
-                o = lm.model(input_ids=torch.tensor([[nxt]], device=lm.adapter.device), cache=cache, use_cache=True)
-                cache, nxt = o.cache, int(o.logits[0, -1].argmax())
-    return toks
-
-
 def _attention_received(ad, l, x, pos, keys, window) -> torch.Tensor:
     """Attention each key slot receives from the rows x [P, d] at positions pos [P] in layer l, summed over
     heads and rows: [n] float32. keys [1, kv_heads, n, head_dim] hold the layer's post-RoPE keys."""
@@ -346,7 +179,7 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select):
     from transformers import DynamicCache
 
     model, ad = lm.model, lm.adapter
-    layers = _Layers(lm)
+    layers = Layers(lm)
     # Positions, masks and row indices live on the input device and move to each layer's device (with a device
     # map every layer may sit on another one); each layer's key/value slots are made on its own device.
     device, dtype = ad.device, ad.dtype
@@ -418,7 +251,7 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select):
         kv_store.append((keys, values))
         valid_store.append(kv_valid)
 
-    logits = _logits(lm, hq[0, -tail:])
+    logits = final_logits(lm, hq[0, -tail:])
     if arm == "nofill":
         slots = [{"keys": k[0], "values": v[0], "positions": torch.where(ok, all_pos, -1).expand(ad.num_kv_heads, n)}
                  for (k, v), ok in zip(kv_store, valid_store)]  # fmt: skip

@@ -1,0 +1,100 @@
+"""Calling the model's own decoder layers on chosen rows against explicit key/value slots.
+
+The fill runtime never reimplements attention: each decoder layer is the model's own module, called with the
+model's own rotary embeddings, a mask built here from explicit query and key positions (causal, plus the window on
+sliding-window layers), and a stand-in cache (`Slots`) whose `update` writes the rows being run into their own
+slots and hands the whole buffer back. So the stock attention code (sdpa or eager) runs unchanged, whatever rows
+are run and whatever the other slots hold. `prefill.py` and `cache.py` build on this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ridgefill.errors import BadInput
+
+SLIDING = "sliding_attention"
+
+
+class Slots:
+    """Stand-in for a transformers Cache for one layer call: N key/value slots in position order.
+
+    The attention module calls `update(k, v, layer_idx)` with the keys/values of the rows it is running;
+    they are written into `slots` (their positions) and the full buffers are returned for attention."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor):
+        self.keys, self.values, self.slots = keys, values, slots  # [1, kv_heads, N, head_dim] x2, [Q]
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        self.keys[:, :, self.slots] = key_states.to(self.keys.device, self.keys.dtype)
+        self.values[:, :, self.slots] = value_states.to(self.values.device, self.values.dtype)
+        # (a no-op unless the attention computes on another device than the layer's slots live on)
+        return self.keys.to(key_states.device), self.values.to(value_states.device)
+
+
+def attention_mask(q_pos, kv_valid, window, impl: str, dtype):
+    """[1, 1, Q, N] attention mask: key j visible to query at q iff valid, j <= q and (window) q - j < window."""
+    n = kv_valid.shape[0]
+    kv = torch.arange(n, device=q_pos.device)[None, :]
+    q = q_pos[:, None]
+    allowed = (kv <= q) & kv_valid[None, :]
+    if window:
+        allowed = allowed & (q - kv < window)
+    allowed = allowed[None, None]
+    if impl == "sdpa":
+        return allowed
+    # eager (and anything else that adds the mask to the scores)
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device))
+
+
+def final_logits(lm, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's own final norm, head and (Gemma) soft-capping on hidden [rows, d] -> [rows, vocab] float32,
+    on the head's device."""
+    model, ad = lm.model, lm.adapter
+    normed = ad.base.norm(hidden.to(ad.module_device(ad.base.norm)))
+    logits = model.lm_head(normed.to(ad.module_device(model.lm_head)))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()
+
+
+class Layers:
+    """Calls the model's own decoder layers on chosen query rows against explicit key/value slot buffers."""
+
+    def __init__(self, lm):
+        ad = lm.adapter
+        self.lm, self.ad = lm, ad
+        self.impl = getattr(ad.config, "_attn_implementation", None) or "eager"
+        if self.impl not in ("sdpa", "eager"):
+            raise BadInput(f"the fill runtime supports sdpa and eager attention, not '{self.impl}'")
+        self.window = getattr(ad.config, "sliding_window", None)
+
+    def rope(self, hidden, pos) -> dict:
+        """{layer kind: (cos, sin) [1, len(pos), head_dim]} at positions `pos` (on the rotary module's device)."""
+        dev = self.ad.module_device(self.ad.base.rotary_emb)
+        hidden, pos = hidden.to(dev), pos.to(dev)
+        return {kind: self.ad._rope_module_call(hidden, pos[None], kind) for kind in set(self.ad.layer_kinds)}
+
+    def run(self, l, h, q_pos, rope, keys, values, kv_valid=None, every_row=False, mask=None, slots=None):
+        """Layer `l` on rows h [1, Q, d] at positions q_pos [Q] ((cos, sin) of those rows in `rope`); the rows'
+        keys/values land in `slots` (default: their positions) of keys/values [1, kv_heads, n, head_dim];
+        kv_valid [n] marks the slots attention may read (or pass a ready additive `mask`).
+
+        keys/values live on the layer's device (`Adapter.layer_device`); everything else is moved there, and
+        the layer's output [1, Q, d] stays there."""
+        kind = self.ad.layer_kinds[l]
+        dev = keys.device
+        q_pos = q_pos.to(dev)
+        if mask is not None:
+            mask = mask.to(dev)
+        elif every_row and self.impl == "sdpa" and kind != SLIDING:
+            mask = None  # all rows, in order: sdpa's own is_causal path, as the stock prefill takes
+        else:
+            mask = attention_mask(q_pos, kv_valid.to(dev), self.window if kind == SLIDING else None, self.impl,
+                                  self.ad.dtype)  # fmt: skip
+        cos, sin = rope[kind]
+        slots = q_pos if slots is None else slots.to(dev)
+        return self.ad.layers[l](h.to(dev), attention_mask=mask, position_embeddings=(cos.to(dev), sin.to(dev)),
+                                 position_ids=q_pos[None], cache=Slots(keys, values, slots))  # fmt: skip

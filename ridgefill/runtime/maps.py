@@ -1,0 +1,76 @@
+"""Maps for the fill runtime: a release folder, verified, as {layer: (W, b)} on the model's devices.
+
+    from ridgefill.runtime import load_release_maps
+    rel = load_release_maps(lm, "release/smollm2-135m")   # verified; refuses maps made for another model
+    rel.maps    # {layer: (W float32 [d, d], b float32 [d])} on each late layer's device
+    rel.split, rel.tail, rel.manifest
+
+The folder is read only through `ridgefill.export.release.load_release`, which checks every file against the
+manifest's hashes before anything is used; the split, the default tail and the model's identity come from the
+manifest it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ridgefill.errors import BadInput
+
+
+@dataclass(frozen=True)
+class ReleaseMaps:
+    """A verified release, ready for `prefill(..., split=rel.split, tail=rel.tail, maps=rel.maps)`."""
+
+    maps: dict  # {layer: (W float32 [d, d], b float32 [d])} for layers split..L-1, on each layer's device
+    split: int  # the first layer the fill skips for prefix rows
+    tail: int  # the release's default tail (`tail_default`): prompt rows that run every layer
+    manifest: dict  # the verified `ridgefill.json`
+    folder: Path
+
+
+def maps_on_devices(lm, maps: dict, layers) -> dict:
+    """{layer: (W, b)} as float32 tensors on each late layer's device (numpy arrays or tensors anywhere in).
+
+    `prefill` calls it before its clock starts; a caller running many prefills with the same maps can call it
+    once (tensors already in place are not copied again)."""
+    ad = lm.adapter
+    out = dict(maps)
+    for l in layers:
+        dev = ad.layer_device(l)
+        W, b = maps[l]
+        out[l] = (torch.as_tensor(W, dtype=torch.float32).to(dev), torch.as_tensor(b, dtype=torch.float32).to(dev))
+    return out
+
+
+def load_release_maps(lm, folder) -> ReleaseMaps:
+    """Verify and load the release in `folder` for the loaded model `lm` (a `ridgefill.models.LoadedModel`).
+
+    BadInput (one line) when the folder does not verify, when it was made for another model (the manifest's
+    model fingerprint differs from `lm.ref.fingerprint`), or when its maps do not cover the late layers
+    split..L-1 with d x d weights."""
+    from ridgefill.export.release import MANIFEST, load_release
+
+    folder = Path(folder)
+    manifest, maps = load_release(folder)
+    ref, ad = lm.ref, lm.adapter
+    theirs = (manifest.get("model") or {}).get("fingerprint")
+    if theirs != ref.fingerprint:
+        raise BadInput(f"{folder}: the maps were made for another model (fingerprint {str(theirs)[:12]}) than "
+                       f"'{ref.spec}' ({ref.fingerprint[:12]})")  # fmt: skip
+    split, tail = manifest.get("split"), manifest.get("tail_default")
+    L, d = ad.num_layers, ad.hidden_size
+    for key, v, top in (("split", split, L), ("tail_default", tail, None)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "split" else 1) or (top and v > top):
+            raise BadInput(f"{folder / MANIFEST}: '{key}' is {v!r}, not a valid value for a {L}-layer model")
+    missing = [l for l in range(split, L) if l not in maps]
+    if missing:
+        raise BadInput(f"{folder}: the release has no maps for late layers {missing} (split {split}, {L} layers)")
+    for l in range(split, L):
+        w, b = maps[l]["weight"], maps[l]["bias"]
+        if w.shape != (d, d) or b.shape != (d,):
+            raise BadInput(f"{folder}: layer {l} map is {tuple(w.shape)}, expected ({d}, {d}) for this model")
+    late = {l: (maps[l]["weight"], maps[l]["bias"]) for l in range(split, L)}
+    return ReleaseMaps(maps_on_devices(lm, late, range(split, L)), split, tail, manifest, folder)
