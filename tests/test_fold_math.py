@@ -284,3 +284,103 @@ def test_arms_fold_equals_am_when_queries_fix_q_dot_u():
     assert err["drop"] < err["keep"]  # refit values are least-squares optimal for the same weights
     bf16 = arms(Q[:64], Q[64:], K, V, S, 16, dtype="bfloat16")
     assert set(bf16) == {"keep", "drop", "am", "fold"} and all(0 < e < 2 for e in bf16.values())
+
+
+# -- values are refit on the keys as stored (rounded), not on the keys before rounding ---------------------------
+
+
+def torch_round(x, dtype: str) -> np.ndarray:
+    """x rounded to the cache dtype by torch (independent of `round_to`), as float32."""
+    return torch.from_numpy(np.asarray(x, np.float32)).to(getattr(torch, dtype)).to(torch.float32).numpy()
+
+
+def shifted_attention(Q, K, V, s, beta=None):
+    """`naive_attention` with each query's largest logit subtracted first (the logits here reach ~1e3)."""
+    beta = np.zeros(len(K)) if beta is None else np.asarray(beta, dtype=np.float64)
+    out = np.zeros((len(Q), V.shape[1]))
+    for i, q in enumerate(np.asarray(Q, dtype=np.float64)):
+        logits = np.array([s * q @ k + b for k, b in zip(np.asarray(K, np.float64), beta)])
+        e = np.exp(logits - logits.max())
+        out[i] = (e / e.sum()) @ V
+    return out
+
+
+def brute_refit(Q, K_kept, s, target, beta=None, ridge=1e-6):
+    """Ridge least squares by the normal equations on a textbook softmax, in float64."""
+    r = len(K_kept)
+    A = shifted_attention(Q, K_kept, np.eye(r), s, beta)  # [m, r]
+    lam = ridge * np.trace(A.T @ A) / r
+    return np.linalg.solve(A.T @ A + lam * np.eye(r), A.T @ np.asarray(target, np.float64))
+
+
+def offset_cache(rng, dtype, heads=2, n=40, m=64):
+    """Keys with a large common offset in dimension 0 (it cancels in the softmax) plus a small per-key part:
+    rounding a key to the cache dtype moves its logit by up to s * q_0 * ulp(offset) / 2, so refitting on the
+    rounded or on the unrounded keys gives clearly different values. Queries have q_0 ~ 1."""
+    offset = {"bfloat16": 1000.0, "float16": 5000.0}[dtype]  # ulp 4 in both
+    K = rng.standard_normal((heads, n, HD)).astype(np.float32)
+    K[:, :, 0] = offset + 2 * rng.standard_normal((heads, n))
+    V = rng.standard_normal((heads, n, HD)).astype(np.float32)
+    Q = (rng.standard_normal((heads, m, HD)) + 0.5).astype(np.float32)
+    Q[:, :, 0] = 1 + 0.3 * rng.standard_normal((heads, m))
+    Qh = (rng.standard_normal((heads, 16, HD)) + 0.5).astype(np.float32)
+    return K, V, Q, Qh
+
+
+def close_and_apart(got, rounded, unrounded, dtype):
+    """got (stored values) equals the refit on rounded keys up to the dtype's own rounding, and the refit on
+    unrounded keys is at least 10 times further away than that."""
+    tol = {"bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype] * np.abs(rounded).max()
+    assert np.abs(got - rounded).max() <= tol
+    assert np.abs(got - unrounded).max() > 10 * tol
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fold_refits_values_on_the_rounded_folded_keys(dtype):
+    """`fold_layer` (what `ridgefill fold` runs per layer) stores keys k' = round(k + (beta / s) u) and values
+    refit against the full cache's output on those rounded keys, not on k + (beta / s) u."""
+    from types import SimpleNamespace
+
+    from ridgefill.fold.run import FoldConfig, fold_layer
+
+    rng = np.random.default_rng(12)
+    K, V, Q, Qh = offset_cache(rng, dtype)
+    heads, r = len(K), 8
+    pos = np.stack([np.sort(rng.choice(K.shape[1], r, replace=False)) for _ in range(heads)]).astype(np.int32)
+    layer = {"keys": np.stack([torch_round(K[h][pos[h]], dtype) for h in range(heads)]),  # as `compact` stores
+             "values": np.stack([torch_round(V[h][pos[h]], dtype) for h in range(heads)]),
+             "beta": rng.uniform(-2, 2, (heads, r)).astype(np.float32), "positions": pos}  # fmt: skip
+    cc = SimpleNamespace(keys={0: torch.from_numpy(K)}, values={0: torch.from_numpy(V)})
+    rq = SimpleNamespace(layers={0: (torch.from_numpy(Q), torch.from_numpy(Qh))})
+    cfg = FoldConfig(bootstrap=10)
+    folded, _, _ = fold_layer(0, layer, cc, rq, S, dtype, cfg)
+    for h in range(heads):
+        target = shifted_attention(Q[h], K[h], V[h], S)
+        u = fold_direction(Q[h], cfg.rho)
+        k_fold = layer["keys"][h].astype(np.float64) + np.outer(layer["beta"][h].astype(np.float64) / S, u)
+        k_stored = torch_round(k_fold, dtype)
+        np.testing.assert_array_equal(folded["keys"][h], k_stored)
+        assert np.abs(k_stored - k_fold).max() > 0.5  # the rounding is large here: up to half of ulp 4
+        close_and_apart(folded["values"][h], brute_refit(Q[h], k_stored, S, target, ridge=cfg.ridge),
+                        brute_refit(Q[h], k_fold, S, target, ridge=cfg.ridge), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_compact_refits_values_on_the_rounded_kept_keys(dtype):
+    """`compact_layer` (what `ridgefill compact` runs per layer): values refit with beta on round(K[keep])."""
+    from types import SimpleNamespace
+
+    from ridgefill.fold.compact import CompactConfig, compact_layer
+
+    rng = np.random.default_rng(13)
+    K, V, Q, Qh = offset_cache(rng, dtype)
+    cfg = CompactConfig(dtype=dtype)
+    cc = SimpleNamespace(keys={0: torch.from_numpy(K)}, values={0: torch.from_numpy(V)})
+    rq = SimpleNamespace(layers={0: (torch.from_numpy(Q), torch.from_numpy(Qh))})
+    layer, _ = compact_layer(0, cc, rq, S, 8, cfg)
+    for h in range(len(K)):
+        keep, beta = layer["positions"][h], layer["beta"][h]
+        target = shifted_attention(Q[h], K[h], V[h], S)
+        np.testing.assert_array_equal(layer["keys"][h], torch_round(K[h][keep], dtype))
+        close_and_apart(layer["values"][h], brute_refit(Q[h], torch_round(K[h][keep], dtype), S, target, beta),
+                        brute_refit(Q[h], K[h][keep], S, target, beta), dtype)

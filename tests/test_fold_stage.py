@@ -95,6 +95,32 @@ def test_fold_artifact_and_check(folded):
         assert h["keep_fit"] >= h["drop_fit"] - 1e-9  # refit values never lose to the originals on the fit queries
 
 
+def test_fold_fails_when_the_stock_path_disagrees_with_the_reference(folded, monkeypatch):
+    """The folded cache through stock attention must answer as the reference computation (SlotCache) does:
+    a stock path that disagrees (here: its logits negated, so its greedy tokens are the least likely ones) makes
+    `fold` exit 1 with one line, and no fold artifact is written."""
+    from ridgefill.fold import check
+    from clirun import cli_here
+
+    _, _, store, comp, fold_ = folded
+    stock_step = check._Stock.step
+    monkeypatch.setattr(check._Stock, "step", lambda self, token: -stock_step(self, token))
+
+    def built():
+        return sorted(p.name for p in (store / "fold").iterdir() if (p / "artifact.json").is_file())
+
+    before = built()
+    assert before == [fold_["id"]]
+    # --answer-tokens 3: another recipe than the fixture's fold, so it runs (a cached fold is not re-checked)
+    r = cli_here("fold", comp["id"], "--question", " Q: what?", "--answer-tokens", 3, "--store", store)
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: the folded cache answers ") and "through the stock attention path but" in last
+    assert "through the reference computation (SlotCache" in last and last.endswith("nothing written")
+    assert "Traceback" not in r.stderr
+    assert built() == before
+
+
 def test_artifacts_are_byte_reproducible(tiny_llama, tmp_path, context):
     """Two stores, same inputs: the same ids and the same bytes (one architecture: the writers are shared)."""
     model, store = tiny_llama, tmp_path / "store1"

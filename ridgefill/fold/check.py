@@ -7,13 +7,15 @@ Arms: **full** (the context's whole cache, stock path), **am** (the biased compa
 so it runs on the reference runtime `SlotCache`), **fold** (stock path), **drop** (stock path, beta removed,
 values refit). Figures: per-token KL(full || arm) over the full arm's greedy answer (teacher-forced), and each
 arm's own greedy answer. The fold also runs on `SlotCache` with no bias (its reference computation): its greedy
-tokens through the stock path must be the same.
+tokens through the stock path must be the same, or the fold fails (`RidgefillError`, exit 1) before anything
+is written: a folded cache that stock attention does not run as computed is not a plain cache.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ridgefill.errors import RidgefillError
 from ridgefill.output import Output
 
 
@@ -116,5 +118,11 @@ def plain_cache_check(lm, ids, cc, biased: dict, folded: dict, drop: dict, cfg, 
             result["arms"][arm] = row | ({"_lp": lp} if arm == "fold" else {})
             bar.update(i + 1, None, arm)
     result["arms"]["fold"].pop("_lp")
-    result["fold_stock_equals_reference"] = result["arms"]["fold"]["answer_ids"] == result["arms"]["fold_reference"]["answer_ids"]
+    stock, ref = result["arms"]["fold"], result["arms"]["fold_reference"]
+    result["fold_stock_equals_reference"] = stock["answer_ids"] == ref["answer_ids"]
+    if not result["fold_stock_equals_reference"]:
+        raise RidgefillError(f"the folded cache answers {stock['answer']!r} through the stock attention path but "
+                             f"{ref['answer']!r} through the reference computation (SlotCache; largest log-prob "
+                             f"difference {ref['max_logprob_diff_vs_fold']:.3g}): it is not a plain cache; nothing "
+                             f"written")  # fmt: skip
     return result

@@ -1,4 +1,4 @@
-"""`ridgefill fold COMPACT`: fold a biased compacted cache into a plain one (DESIGN.md §4 "Fold", seed 001).
+"""`ridgefill fold COMPACT`: fold a biased compacted cache into a plain one (docs/cache.md, docs/method.md).
 
 Per compacted (layer, KV head): `u = fold_direction(fit queries)`, keys `k' = k + (beta / s) u` rounded to the cache
 dtype, values refit (float64 least squares) against the full cache's output on the fit queries. The reference
@@ -9,7 +9,9 @@ Report per head, on fit and held-out queries: mean and spread of `q.u`, and the 
 against the full cache of four r-key caches: **am** (the compact cache, biased), **fold** (plain), **drop** (beta
 removed, values refit) and **keep** (the kept keys with their original values). Per head a paired bootstrap over
 held-out queries says whether fold is within noise of AM (the 95 % interval of the per-query squared-error
-difference includes 0) or better, and whether it beats drop. `check.py` then runs the plain-cache check.
+difference includes 0) or better, and whether it beats drop. `check.py` then runs the plain-cache check; when the
+folded cache answers differently through the stock attention path than through the reference computation, the
+fold fails (exit 1) and nothing is written.
 """
 
 from __future__ import annotations
