@@ -132,20 +132,28 @@ def test_quantize_export_verify(chain):
     assert r.returncode == 0 and json.loads(r.stdout)["cached"] is True
 
 
+@pytest.fixture(scope="module")
+def verified_release(chain):
+    """A release folder of the chain's maps that verifies, made here (not left over from another test)."""
+    q = json.loads(cli("quantize", chain["solve"]["id"], "--store", chain["store"], "--json").stdout)
+    out = chain["tmp"] / "release-to-damage"
+    r = cli("export", q["id"], "--out", out, "--store", chain["store"])
+    assert r.returncode == 0, r.stderr
+    assert cli("verify", out).returncode == 0
+    return out
+
+
 @pytest.mark.parametrize("damage, message", [
     ("missing", "maps.safetensors: listed in ridgefill.json but missing from"),
     ("extra", "notes.txt: in the release folder but not listed in ridgefill.json"),
     ("altered", "maps.safetensors: sha256 mismatch"),
     ("dotdot", "ridgefill.json: files entry '../x' is not a bare file name inside the release folder"),
 ])
-def test_verify_refusals(chain, tmp_path, damage, message):
+def test_verify_refusals(verified_release, tmp_path, damage, message):
     import shutil
 
-    src = chain["tmp"] / "release"
-    if not src.exists():
-        pytest.skip("needs test_quantize_export_verify")
     d = tmp_path / "rel"
-    shutil.copytree(src, d)
+    shutil.copytree(verified_release, d)
     if damage == "missing":
         (d / "maps.safetensors").unlink()
     elif damage == "extra":
@@ -171,3 +179,127 @@ def test_export_never_replaces_a_folder_that_is_not_a_release(chain, tmp_path):
     r = cli("export", q["id"], "--out", precious, "--force", "--store", chain["store"])
     assert (r.returncode, r.stderr.strip()) == (2, f"Error: --out {precious} exists, is not empty and is not a release folder")
     assert (precious / "thesis.tex").read_text() == "years of work"
+
+
+# ---------------------------------------------------------------- the alpha grid past its edge, end to end
+
+
+def _constructed_capture(store: Store, like, seed: int = 0):
+    """A capture artifact made by hand with the recipe and info of `like` (so the tiny llama scores it), whose
+    best alpha lies below the default grid: a split state with a spread spectrum (std 1 .. 1e-3 over 64
+    directions), layer 3's input a noisy linear function of it in which every direction matters alike, and few
+    calibration rows, so that some shrinkage helps and 1e-5 is already too much."""
+    from ridgefill.capture.run import DOCS, HELDOUT, STATS
+    from ridgefill.capture.stats import moments_of
+
+    rng = np.random.default_rng(seed)
+    d, n, r = 64, 100, 256
+    q, _ = np.linalg.qr(rng.normal(size=(d, d)))
+    s = 10 ** np.linspace(0, -3, d)
+    draw = lambda m: (rng.normal(size=(m, d)) * s) @ q.T  # noqa: E731
+    a = rng.normal(size=(d, d)) @ np.diag(1 / s) @ q.T / np.sqrt(d)
+    c = rng.normal(size=d)
+    x = draw(n)
+    ys = np.stack([x, x @ a.T + c + 0.3 * rng.normal(size=(n, d))])  # inputs of layers 2 (= the split state) and 3
+    xh = draw(r).astype(np.float32)
+    held = {"hidden.2": xh, "hidden.3": (xh.astype(np.float64) @ a.T + c).astype(np.float32),
+            "doc": np.zeros(r, np.int32), "pos": np.arange(1, r + 1, dtype=np.int32)}
+    recipe = {**like.recipe, "data": f"constructed-{seed}"}
+    with store.build("capture", recipe) as b:
+        tensors.save(b.path / STATS, moments_of(x, ys).to_arrays("raw.split2"),
+                     {"splits": "2", "variants": "raw", "num_layers": "4"})
+        tensors.save_zst(b.path / HELDOUT, held, {"layers": "2,3"})
+        (b.path / DOCS).write_text(json.dumps([]))
+        return b.commit(info=like.info, summary=like.manifest.get("summary", {}))
+
+
+def _brute_scores(model, m, held, alphas, layers):
+    """Held-out K/V score of the maps of each alpha, from a plain linear solve and the raw weights (float64)."""
+    x = held["hidden.2"].astype(np.float64)
+    out = {}
+    for alpha in alphas:
+        w, b = direct_solve(m, alpha)
+        ks, vs = [], []
+        for i, l in enumerate(layers):
+            kp, vp = _kv_brute(model, l, x @ w[i].T + b[i])
+            kt, vt = _kv_brute(model, l, held[f"hidden.{l}"].astype(np.float64))
+            ks.append(_cos(kp, kt))
+            vs.append(_cos(vp, vt))
+        out[alpha] = (np.mean(ks) + np.mean(vs)) / 2
+    return out
+
+
+def test_solve_extends_the_grid_below_its_edge(chain, tiny_llama, tmp_path):
+    """Default grid: the best alpha lies below 1e-5. Solve goes on past the edge until the score turns, marks the
+    added alphas, chooses the best of them; a brute-force scan agrees where the optimum is."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ridgefill.solve.run import REPORT, solve
+
+    store = Store(tmp_path / "store")
+    cap = _constructed_capture(store, chain["cap"])
+    sol, cached = solve(store, cap.id, Output(quiet=True), model=str(tiny_llama))
+    assert not cached
+    rep = json.loads(sol.file(REPORT).read_text())
+    given = [1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0]
+    alphas = [g["alpha"] for g in rep["grid"]]
+    assert alphas == sorted(alphas) and [g["alpha"] for g in rep["grid"] if not g["extended"]] == given
+    added = [g["alpha"] for g in rep["grid"] if g["extended"]]
+    assert added and max(added) < 1e-5  # extended below the grid only
+    assert rep["extended"] == [{"edge": "low", "to": min(added), "steps": len(added), "stopped": "turned"}]
+    assert rep["alpha"] < 1e-5 and rep["alpha"] in added and rep["alpha"] != min(added)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    m = load_stats(cap, 2)
+    held = load_heldout(cap)
+    brute = _brute_scores(model, m, held, alphas, [2, 3])
+    for g in rep["grid"]:  # every scored alpha, given or added, against brute force
+        assert g["score"] == pytest.approx(brute[g["alpha"]], abs=2e-5), g["alpha"]
+    assert max(brute, key=brute.get) == rep["alpha"]
+    assert brute[min(added)] < brute[rep["alpha"]] - 1e-5  # the last step really turned
+    assert max((brute[a] for a in given)) < brute[rep["alpha"]] - 1e-3  # the given grid alone chose worse
+    # a dense scan (8 per decade) finds its optimum between the chosen alpha's neighbours on the extended grid
+    dense = _brute_scores(model, m, held, list(10 ** np.linspace(-9, -4, 41)), [2, 3])
+    i = alphas.index(rep["alpha"])
+    assert alphas[i - 1] <= max(dense, key=dense.get) <= alphas[i + 1]
+    # the maps written are the chosen alpha's
+    w, b = direct_solve(m, rep["alpha"])
+    arrays, _ = tensors.load(sol.file("maps.safetensors"))
+    np.testing.assert_allclose(arrays["layer.3.weight"], w[1], rtol=1e-4, atol=1e-4 * np.abs(w[1]).max())
+    # what people see: the added rows marked, and one line naming the extension
+    from ridgefill.cli.solve import grid_table
+    from ridgefill.solve.run import extension_lines
+
+    assert extension_lines(rep) == [f"alpha at the grid's edge: extended to {min(added):g} ({len(added)} steps; "
+                                    "the score turned)"]
+    from rich.console import Console
+
+    con = Console(width=200, record=True)
+    con.print(grid_table(rep))
+    text = con.export_text()
+    assert text.count("(extended)") == len(added) and f"{rep['alpha']:g} (extended) *" in text
+
+
+def _own_store(chain, root) -> Store:
+    """A store of this test's own holding a copy of the chain's capture."""
+    import shutil
+
+    shutil.copytree(chain["cap"].path, root / "capture" / chain["cap"].id)
+    return Store(root)
+
+
+def test_solve_runs_no_direct_solve(chain, tmp_path, monkeypatch):
+    """The plain per-alpha solve is the tests' and bench's reference; the user's solve never runs it."""
+    import ridgefill.solve.ridge as ridge
+    import ridgefill.solve.run as run
+
+    def boom(*a, **k):
+        raise AssertionError("solve ran direct_solve")
+
+    monkeypatch.setattr(ridge, "direct_solve", boom)
+    monkeypatch.setattr(run, "direct_solve", boom, raising=False)
+    sol, cached = run.solve(_own_store(chain, tmp_path / "store"), chain["cap"].id, Output(quiet=True),
+                            alphas=[1e-3, 1e-2])
+    assert not cached
+    assert "direct_solve_one_alpha_s" not in json.loads(sol.file("report.json").read_text())["timings"]

@@ -111,3 +111,107 @@ def test_quantize_bias_correction_cancels_the_error_at_the_mean():
     assert (np.abs(got - exact) <= tol).all()
     assert np.abs(naive - exact).max() > 10 * np.abs(got - exact).max()
     np.testing.assert_array_equal(codes, int8.quantize(w)[0])  # codes themselves are the plain int8 codes
+
+
+# ---------------------------------------------------------------- the alpha grid past its edges (ridge.search)
+
+DEFAULT = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
+
+
+def _searched(alphas, f):
+    """search() with a score function of alpha; also returns every alpha it asked for, in order."""
+    from ridgefill.solve.ridge import search
+
+    asked = []
+
+    def score_of(a):
+        asked.append(a)
+        return {"score": f(a)}
+
+    grid, best, ext = search(alphas, score_of)
+    return grid, best, ext, asked
+
+
+def _brute_best(f, lo=1e-9, hi=1e3, per_decade=20):
+    """The best alpha on a dense log grid (no search at all)."""
+    dense = 10 ** np.linspace(np.log10(lo), np.log10(hi), int(np.log10(hi / lo) * per_decade) + 1)
+    return dense[np.argmax([f(a) for a in dense])]
+
+
+def test_search_extends_below_the_grid_until_the_score_turns():
+    peak = 1e-7
+    f = lambda a: -0.01 * (np.log10(a) - np.log10(peak)) ** 2  # noqa: E731
+    grid, best, ext, asked = _searched(DEFAULT, f)
+    # the grid's mean ratio is 10 ** 0.5; each step is rounded to two significant digits
+    assert asked == [*DEFAULT, 3.2e-6, 1e-6, 3.2e-7, 1e-7, 3.2e-8]
+    assert [g["alpha"] for g in grid] == [3.2e-8, 1e-7, 3.2e-7, 1e-6, 3.2e-6, *DEFAULT]
+    assert [g["alpha"] for g in grid if g["extended"]] == [3.2e-8, 1e-7, 3.2e-7, 1e-6, 3.2e-6]
+    assert ext == [{"edge": "low", "to": 3.2e-8, "steps": 5, "stopped": "turned"}]
+    assert best["alpha"] == 1e-7 and best["score"] == f(1e-7)
+    assert abs(np.log10(best["alpha"]) - np.log10(_brute_best(f))) < 0.5  # within one grid step of brute force
+    # the given grid alone stops at its edge
+    assert max(DEFAULT, key=f) == 1e-5
+
+
+def test_search_extends_above_the_grid():
+    f = lambda a: -((np.log10(a) - 1.0) ** 2)  # noqa: E731  (peak at alpha 10)
+    grid, best, ext, asked = _searched(DEFAULT, f)
+    assert asked == [*DEFAULT, 3.2, 10.0, 32.0]
+    assert ext == [{"edge": "high", "to": 32.0, "steps": 3, "stopped": "turned"}]
+    assert best["alpha"] == 10.0 == _brute_best(f)
+    assert [g["alpha"] for g in grid][-3:] == [3.2, 10.0, 32.0] and all(g["extended"] for g in grid[-3:])
+
+
+def test_search_leaves_a_bracketed_optimum_alone():
+    f = lambda a: -((np.log10(a) + 3.0) ** 2)  # noqa: E731  (peak at 1e-3, inside the grid)
+    grid, best, ext, asked = _searched(DEFAULT, f)
+    assert asked == list(DEFAULT) and ext == [] and not any(g["extended"] for g in grid)
+    assert best["alpha"] == 1e-3
+
+
+def test_search_edge_tied_within_tolerance_is_probed_once_and_a_flat_score_stops():
+    """The best is the second alpha and the edge ties with it (within TIE): one step past the edge shows whether
+    the optimum lies beyond; a flat score there stops the extension and leaves the choice alone."""
+    from ridgefill.solve.ridge import TIE
+
+    scores = {1e-5: 0.9 - TIE / 4, 3e-5: 0.9}
+    f = lambda a: scores.get(a, 0.9 - TIE / 4 if a < 1e-5 else 0.9 - np.log10(a / 3e-5) / 100)  # noqa: E731
+    grid, best, ext, asked = _searched(DEFAULT, f)
+    assert asked == [*DEFAULT, 3.2e-6]
+    assert ext == [{"edge": "low", "to": 3.2e-6, "steps": 1, "stopped": "flat"}]
+    assert best["alpha"] == 3e-5
+    # an edge that is worse than the best by more than TIE: the score has turned inside the grid
+    scores[1e-5] = 0.9 - 2 * TIE
+    assert _searched(DEFAULT, f)[3] == list(DEFAULT)
+
+
+def test_search_exact_ties_go_to_the_smaller_alpha_and_improvements_within_tie_stop():
+    from ridgefill.solve.ridge import TIE
+
+    f = lambda a: 0.5 if a <= 1e-4 else 0.4  # noqa: E731  (flat at the low end: the regularizer does nothing)
+    grid, best, ext, asked = _searched(DEFAULT, f)
+    assert asked == [*DEFAULT, 3.2e-6] and ext[0]["stopped"] == "flat"
+    assert best["alpha"] == 3.2e-6  # an exact tie: the smaller alpha, as inside the grid
+    g = lambda a: 0.5 + (TIE / 2 if a < 1e-5 else 0.0) if a <= 1e-4 else 0.4  # noqa: E731
+    _, best, ext, asked = _searched(DEFAULT, g)
+    assert asked == [*DEFAULT, 3.2e-6] and ext[0]["stopped"] == "flat" and best["alpha"] == 3.2e-6
+
+
+def test_search_stops_at_the_alpha_limits():
+    from ridgefill.solve.ridge import ALPHA_LIMITS
+
+    grid, best, ext, asked = _searched(DEFAULT, lambda a: -0.01 * np.log10(a))  # better with less regularization
+    assert asked[len(DEFAULT):] == [3.2e-6, 1e-6, 3.2e-7, 1e-7, 3.2e-8, 1e-8, 3.2e-9, 1e-9]
+    assert ext == [{"edge": "low", "to": 1e-9, "steps": 8, "stopped": "limit"}] and best["alpha"] == ALPHA_LIMITS[0]
+    grid, best, ext, asked = _searched([0.1, 1.0], lambda a: 0.01 * np.log10(a))
+    assert asked == [0.1, 1.0, 10.0, 100.0, 1000.0] and ext[0]["stopped"] == "limit" and best["alpha"] == 1000.0
+
+
+def test_search_bounded_steps_on_a_dense_grid_and_one_alpha_is_a_fixed_choice():
+    from ridgefill.solve.ridge import MAX_EXTEND
+
+    grid, best, ext, asked = _searched([1e-3, 1.1e-3], lambda a: -np.log10(a))
+    assert len(asked) == 2 + MAX_EXTEND and ext[0]["stopped"] == "steps"
+    assert asked[2:] == sorted(asked[2:], reverse=True) and len(set(asked)) == len(asked)
+    grid, best, ext, asked = _searched([1e-3], lambda a: -np.log10(a))
+    assert asked == [1e-3] and ext == [] and best["alpha"] == 1e-3

@@ -27,13 +27,15 @@ def solve(
     debug: DebugOpt = False,
 ) -> None:
     """Fit ridge maps for every late layer over the alpha grid; choose alpha on held-out rows."""
-    from ridgefill.solve.run import REPORT, solve as run
+    from ridgefill.solve.run import REPORT, extension_lines, solve as run
 
     out = output(json)
     art, cached = run(store(store_root), capture, out, model=model, split=split, alphas=alpha, metric=metric,
                       chat_share=chat_share, device=device, dtype=dtype, device_map=device_map, max_memory=max_memory)
     report = jsonlib.loads(art.file(REPORT).read_text())
     out.table(grid_table(report))
+    for line in extension_lines(report):
+        out.info(line)
     out.table(layer_table(report))
     done(out, "solve", art, cached)
 
@@ -45,7 +47,7 @@ def grid_table(report: dict):
     for c in ("alpha", "score", "K cos", "V cos", "input cos"):
         t.add_column(c, justify="right")
     for g in report["grid"]:
-        mark = " *" if g["alpha"] == report["alpha"] else ""
+        mark = (" (extended)" if g.get("extended") else "") + (" *" if g["alpha"] == report["alpha"] else "")
         t.add_row(f"{g['alpha']:g}{mark}", f"{g['score']:.4f}", f"{g['k_cosine']:.4f}", f"{g['v_cosine']:.4f}",
                   f"{g['input_cosine']:.4f}")
     return t

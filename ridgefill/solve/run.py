@@ -11,9 +11,9 @@ from ridgefill.artifacts import tensors
 from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
-from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose, direct_solve, lam, maps_at
+from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose, lam, maps_at, search
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the grid is extended past an open edge (ridge.search)
 MAPS = "maps.safetensors"
 REPORT = "report.json"
 METRIC_CHOICES = ("kv", "input")
@@ -35,13 +35,13 @@ def check_model(cap: Artifact, store: Store, model: str | None):
 
 
 def open_model(cap: Artifact, store: Store, ref, place=None):
-    """Load the captured model, with the capture's own trust_remote_code choice, where `place` says
-    (a ridgefill.models.device.Where; default the CPU in float32)."""
+    """Load the captured model, with the capture's own trust_remote_code choice (from its recipe, which its id
+    covers), where `place` says (a ridgefill.models.device.Where; default the CPU in float32)."""
     from ridgefill.models import load_model
     from ridgefill.models.device import Where
 
     place = place or Where()
-    return load_model(ref, store_root=store.root, trust_remote_code=cap.info.get("trust_remote_code", False),
+    return load_model(ref, store_root=store.root, trust_remote_code=cap.recipe.get("trust_remote_code", False),
                       **place.load_args())
 
 
@@ -113,28 +113,29 @@ def solve(
     out.info(f"scoring on {place.describe()}")
     scorer = Scorer(lm.adapter, held, split, ref.num_layers)
 
-    grid, t_maps, t_score = [], 0.0, 0.0
-    for a in alphas:
+    t_maps, t_score = 0.0, 0.0
+
+    def score_at(a: float) -> dict:
+        nonlocal t_maps, t_score
         t = time.perf_counter()
         w, b = maps_at(e, a)
         t_maps += time.perf_counter() - t
         t = time.perf_counter()
         s = scorer.score(w, b)
         t_score += time.perf_counter() - t
-        grid.append({"alpha": a, "lambda": lam(a, e), "score": objective(s, metric), **s["mean"]})
-    best = max(grid, key=lambda g: g["score"])  # ties: the smaller alpha (first in the sorted grid)
-    t = time.perf_counter()
-    direct_solve(m, best["alpha"])
-    t_direct = time.perf_counter() - t
+        return {"alpha": a, "lambda": lam(a, e), "score": objective(s, metric), **s["mean"]}
+
+    grid, best, extended = search(alphas, score_at)  # past an open edge the grid goes on (ridge.search)
     w, b = maps_at(e, best["alpha"])
     fitted = scorer.score(w, b)
     identity = scorer.score(None, None)
     layers = scorer.layers
     report = {
         "split": split, "metric": metric, "alpha": best["alpha"], "lambda": best["lambda"], "grid": grid,
+        "extended": extended,
         "fitted": fitted, "identity": identity, "rows": int(m.n), "held_out_rows": int(scorer.x.shape[0]),
         "timings": {"eig_s": t_eig, "maps_all_alphas_s": t_maps, "grid_s": t_eig + t_maps,
-                    "direct_solve_one_alpha_s": t_direct, "scoring_s": t_score},
+                    "scoring_s": t_score},
     }
     with store.build("solve", recipe) as build:
         arrays = {}
@@ -148,6 +149,16 @@ def solve(
         art = build.commit(info={"capture": cap.id, "model": cap.info["model"], "model_spec": cap.info["model_spec"],
                                  "placement": lm.placement()}, summary=summary)
     return art, False
+
+
+def extension_lines(report: dict) -> list[str]:
+    """One line per grid edge that solve extended, for people: how far, and why it stopped."""
+    from ridgefill.solve.ridge import ALPHA_LIMITS
+
+    why = {"turned": "the score turned", "flat": "the score stopped improving",
+           "limit": f"reached the limit {ALPHA_LIMITS[0]:g} .. {ALPHA_LIMITS[1]:g}", "steps": "reached the step limit"}
+    return [f"alpha at the grid's edge: extended to {x['to']:g} ({x['steps']} step{'s' * (x['steps'] != 1)}; "
+            f"{why[x['stopped']]})" for x in report.get("extended", [])]
 
 
 def load_maps(art: Artifact) -> dict[int, tuple[np.ndarray, np.ndarray]]:

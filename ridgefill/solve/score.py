@@ -1,4 +1,4 @@
-"""Held-out scores of a fill (DESIGN §4, "Selection").
+"""Held-out scores of a fill (docs/method.md, "Choosing alpha").
 
 For each late layer, compare what it would write to its cache from the predicted input with what it
 writes from the true input: the cosine of keys (input norm, k_proj, k_norm; per KV head; RoPE is a
