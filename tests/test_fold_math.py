@@ -159,7 +159,7 @@ def test_fit_log_weights_respects_box_and_beats_its_start():
     assert fit.start_residual == pytest.approx(np.linalg.norm(M @ start - t) / np.linalg.norm(t), rel=1e-9)
     assert want < np.linalg.norm(M @ start - t) * (1 - 1e-3)  # the start is clearly not optimal here
     assert fit.residual == pytest.approx(want / np.linalg.norm(t), rel=1e-4)
-    # capped at two steps (the seed's AM-style fit): still never worse than the start
+    # capped at two steps (the paper's AM-style fit, docs/method.md): still never worse than the start
     short = fit_log_weights(Q, K, keep, S, max_iter=2)
     assert short.iterations == 2 and short.residual <= short.start_residual
 
@@ -224,7 +224,7 @@ def test_fold_direction_is_the_constrained_minimiser():
 def test_fold_error_is_q_dot_u_minus_one_times_drop_error_to_first_order():
     # Fixed values, logits: AM s q.k + beta, drop s q.k, fold s q.k + (q.u) beta. With beta = eps b,
     # fold - AM = eps (q.u - 1) J b + O(eps^2) and drop - AM = -eps J b + O(eps^2), so the ratio
-    # |fold - AM| / (|q.u - 1| |drop - AM|) = 1 + O(eps) per query (seed §3.3, §A.5).
+    # |fold - AM| / (|q.u - 1| |drop - AM|) = 1 + O(eps) per query (docs/method.md, "The fold").
     rng = np.random.default_rng(9)
     n = 48
     K, V, b = rng.standard_normal((n, HD)), rng.standard_normal((n, HD)), rng.uniform(-1, 1, n)

@@ -315,7 +315,7 @@ def test_eager_attention_matches_sdpa(arch, lm_of):
 
 
 def test_ceiling():
-    assert ceiling(2048, 512, 12, 30) == pytest.approx(0.55)  # DESIGN.md section 7
+    assert ceiling(2048, 512, 12, 30) == pytest.approx(0.55)  # the example in docs/method.md, "Compute ceiling"
     assert ceiling(100, 100, 3, 10) == 1.0
     assert ceiling(100, 10, 10, 10) == 1.0
     assert ceiling(100, 0, 0, 10) == 0.0
@@ -341,3 +341,63 @@ def test_refusals(lm_of):
     ):
         with pytest.raises(BadInput):
             prefill(lm, ids, **kwargs)
+
+
+# -- maps from a release folder -------------------------------------------------------------------------------------
+
+
+def write_tiny_release(lm, folder, maps, split, tail, layers=None):
+    """A `ridgefill-maps/1` folder (f32 weights) holding `maps` {l: (W, b)} for the loaded model `lm`, through the
+    release writer itself; `layers` (default: the maps' keys) go into the manifest."""
+    from ridgefill.export.release import write_release
+
+    ref, ad = lm.ref, lm.adapter
+    manifest = {"model": {"name": ref.name, "revision": ref.revision, "architecture": ref.model_type,
+                          "num_layers": ad.num_layers, "hidden_size": ad.hidden_size, "fingerprint": ref.fingerprint},
+                "split": split, "tail_default": tail,
+                "layers": [{"index": l, "kind": ad.layer_kinds[l]} for l in sorted(layers or maps)]}  # fmt: skip
+    arrays = {l: {"weight": np.asarray(W, np.float32), "bias": np.asarray(b, np.float32)} for l, (W, b) in maps.items()}
+    return write_release(folder, arrays, manifest, "tiny release\n", weight_dtype="f32")
+
+
+def test_load_release_maps(lm_of, tmp_path):
+    from ridgefill.runtime import ReleaseMaps, load_release_maps
+
+    lm = lm_of("llama")
+    maps = random_maps(lm, 1, seed=3)
+    write_tiny_release(lm, tmp_path / "rel", maps, 1, 5)
+    rel = load_release_maps(lm, tmp_path / "rel")
+    assert isinstance(rel, ReleaseMaps) and (rel.split, rel.tail, rel.folder) == (1, 5, tmp_path / "rel")
+    assert rel.manifest["model"]["fingerprint"] == lm.ref.fingerprint and sorted(rel.maps) == [1, 2, 3]
+    for l, (W, b) in maps.items():  # f32 in the folder: the same numbers back, as float32 tensors
+        assert rel.maps[l][0].dtype == torch.float32
+        assert torch.equal(rel.maps[l][0], W) and torch.equal(rel.maps[l][1], b)
+    ids = tokens(16, seed=4)
+    a = prefill(lm, ids, "ridgefill", split=rel.split, tail=rel.tail, maps=rel.maps)
+    b = prefill(lm, ids, "ridgefill", split=1, tail=5, maps=maps)
+    assert torch.equal(a.logits, b.logits)
+
+
+def test_load_release_maps_refusals(lm_of, tmp_path):
+    from ridgefill.runtime import load_release_maps
+
+    llama, qwen = lm_of("llama"), lm_of("qwen2")
+    write_tiny_release(qwen, tmp_path / "other", random_maps(qwen, 1), 1, 5)  # same shapes, another model
+    with pytest.raises(BadInput, match=r"the maps were made for another model \(fingerprint [0-9a-f]{12}\)"):
+        load_release_maps(llama, tmp_path / "other")
+    maps = random_maps(llama, 1)
+    write_tiny_release(llama, tmp_path / "short", {l: maps[l] for l in (2, 3)}, 1, 5)  # split 1, no layer 1
+    with pytest.raises(BadInput, match=r"no maps for late layers \[1\] \(split 1, 4 layers\)"):
+        load_release_maps(llama, tmp_path / "short")
+    write_tiny_release(llama, tmp_path / "deep", maps, 6, 5)
+    with pytest.raises(BadInput, match="'split' is 6, not a valid value for a 4-layer model"):
+        load_release_maps(llama, tmp_path / "deep")
+    small = {l: (W[:32, :32], b[:32]) for l, (W, b) in maps.items()}
+    write_tiny_release(llama, tmp_path / "small", small, 1, 5)
+    with pytest.raises(BadInput, match=r"layer 1 map is \(32, 32\), expected \(64, 64\) for this model"):
+        load_release_maps(llama, tmp_path / "small")
+    write_tiny_release(llama, tmp_path / "bad", maps, 1, 5)
+    blob = (tmp_path / "bad" / "maps.safetensors").read_bytes()
+    (tmp_path / "bad" / "maps.safetensors").write_bytes(blob[:-4] + bytes(4))  # a byte changed on disk
+    with pytest.raises(BadInput, match="sha256"):
+        load_release_maps(llama, tmp_path / "bad")
