@@ -3,6 +3,11 @@
 People get rich tables and progress on stderr; `--json` puts exactly one JSON document on stdout. In human
 mode stdout carries only the command's primary result (an artifact id or a path), so shell scripts can
 write `ID=$(ridgefill capture ...)`.
+
+`-q/--quiet` (every command) keeps stderr to warnings and errors: no info lines, tables or progress, and no
+colours or live bars (the stderr console is then never treated as a terminal, so huggingface_hub's transfer bars
+stay off too). The option sets a process-wide default through `set_quiet`; an `Output` made with an explicit
+`quiet` ignores it.
 """
 
 from __future__ import annotations
@@ -14,13 +19,27 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 
+_QUIET = False  # what -q/--quiet asked for in this process (set_quiet)
+
+
+def set_quiet(quiet: bool) -> None:
+    """Make `Output()` quiet by default (the CLI's -q/--quiet; reset by every command that runs)."""
+    global _QUIET
+    _QUIET = bool(quiet)
+
+
+def is_quiet() -> bool:
+    return _QUIET
+
+
 class Output:
-    def __init__(self, json_mode: bool = False, quiet: bool = False):
+    def __init__(self, json_mode: bool = False, quiet: bool | None = None):
         from rich.console import Console
 
         self.json_mode = json_mode
-        self.quiet = quiet
-        self.err = Console(stderr=True, highlight=False)
+        self.quiet = _QUIET if quiet is None else bool(quiet)
+        # Quiet: plain text, never a terminal (no live bars anywhere, including huggingface_hub's).
+        self.err = Console(stderr=True, highlight=False, force_terminal=False if self.quiet else None)
 
     def info(self, message: str) -> None:
         if not self.quiet:

@@ -1,26 +1,145 @@
-"""The CLI through its real entry point: fast --help, exit codes, JSON on stdout, artifacts commands."""
+"""The CLI through its real entry point: fast --help and --version, exit codes, JSON on stdout, -q/--quiet,
+shell completion, the --token warning, artifacts commands."""
 
+import contextlib
+import importlib.metadata
+import io
 import json
+import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from clirun import cli
 
+HEAVY = ("torch", "transformers", "safetensors", "huggingface_hub")
 
+
+def here(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`ridgefill ARGS` through `ridgefill.cli.main` in this process (no interpreter start-up): exit code, stdout,
+    stderr. `env` adds environment variables for the call."""
+    from ridgefill.cli import main
+
+    out, err, argv, saved = io.StringIO(), io.StringIO(), sys.argv, dict(os.environ)
+    sys.argv = ["ridgefill", *map(str, args)]
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def run_main_and_list_heavy(*args: str) -> subprocess.CompletedProcess:
+    """`ridgefill ARGS` in a fresh interpreter; the last stdout line lists the heavy modules it imported."""
+    code = (f"import sys; sys.argv = ['ridgefill', *{list(args)!r}]\n"
+            "from ridgefill.cli import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+            f"print('HEAVY', [m for m in {HEAVY!r} if m in sys.modules])")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
 
 
 def test_help_does_not_import_torch():
-    code = ("import sys; sys.argv = ['ridgefill', '--help']\n"
-            "from ridgefill.cli import main\n"
-            "try:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
-            "heavy = [m for m in ('torch', 'transformers', 'safetensors', 'huggingface_hub') if m in sys.modules]\n"
-            "print('HEAVY', heavy)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    r = run_main_and_list_heavy("--help")
     assert r.returncode == 0, r.stderr
     assert "HEAVY []" in r.stdout
     for cmd in ("capture", "solve", "quantize", "export", "verify", "artifacts"):
         assert cmd in r.stdout
+    # shell completion is on, and costs --help no heavy import
+    assert "--install-completion" in r.stdout and "--show-completion" in r.stdout
+
+
+def test_version_prints_the_package_version_without_torch():
+    import ridgefill
+
+    r = run_main_and_list_heavy("--version")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"ridgefill {ridgefill.__version__}" == f"ridgefill {importlib.metadata.version('ridgefill')}"
+    assert lines[1] == "HEAVY []" and r.stderr == ""
+
+
+def test_shell_completion_completes_commands_and_options():
+    """What the installed completion script asks the program (bash protocol): commands, then -q/--quiet too."""
+    bash = {"_RIDGEFILL_COMPLETE": "complete_bash", "COMP_CWORD": "1", "COMP_WORDS": "ridgefill ca"}
+    r = here(env=bash)
+    assert r.returncode == 0 and r.stdout.split() == ["capture"]
+    r = here(env={**bash, "COMP_CWORD": "2", "COMP_WORDS": "ridgefill verify --qu"})
+    assert r.returncode == 0 and r.stdout.split() == ["--quiet"]
+
+
+def test_every_command_takes_quiet():
+    import typer
+
+    from ridgefill.cli import app
+
+    def leaves(cmd, path=()):
+        for name, sub in cmd.commands.items():
+            yield from leaves(sub, path + (name,)) if hasattr(sub, "commands") else [(path + (name,), sub)]
+
+    found = dict(leaves(typer.main.get_command(app)))
+    assert {"capture", "solve", "export", "verify", "push", "pull", "eval", "fold"} <= {p[-1] for p in found}
+    for path, cmd in found.items():
+        opts = [o for p in cmd.params for o in getattr(p, "opts", [])]
+        assert "-q" in opts and "--quiet" in opts, path
+
+
+def tiny_release(folder) -> None:
+    from ridgefill.export import int8, release
+
+    rng = np.random.default_rng(0)
+    codes, bits = int8.quantize((rng.standard_normal((32, 32)) * 0.05).astype(np.float32))
+    maps = {3: {"codes": codes, "scale_bits": bits, "bias": np.zeros(32, np.float32)}}
+    manifest = {"model": {"name": "tiny", "architecture": "llama", "num_layers": 4, "hidden_size": 32,
+                          "fingerprint": "0" * 64}, "split": 3, "tail_default": 8,
+                "layers": [{"index": 3, "kind": "attention"}]}
+    release.write_release(folder, maps, manifest, "# card\n")
+
+
+def test_quiet_silences_info_but_not_the_result(tmp_path):
+    tiny_release(tmp_path / "rel")
+    loud, quiet = here("verify", tmp_path / "rel", "--json"), here("verify", tmp_path / "rel", "--json", "-q")
+    assert loud.returncode == quiet.returncode == 0
+    assert "ok" in loud.stderr and quiet.stderr == ""
+    assert quiet.stdout == loud.stdout and json.loads(quiet.stdout)["ok"] is True
+    long = here("verify", tmp_path / "rel", "--quiet")
+    assert (long.returncode, long.stdout, long.stderr) == (0, "", "")
+    # errors still print under -q
+    r = here("verify", tmp_path / "missing", "-q")
+    assert r.returncode == 2 and r.stderr.startswith("Error: ") and r.stdout == ""
+    # and the next command without -q is not quiet (the setting does not leak between runs)
+    assert "ok" in here("verify", tmp_path / "rel").stderr
+
+
+TOKEN = "hf_NotARealTokenButSecret0123456789"
+
+
+@pytest.mark.parametrize("command", ["pull", "push", "release"])
+def test_token_flag_warns_and_is_never_printed(tmp_path, command):
+    """--token lands in shell history and `ps`: a warning (also under -q), never the value. The runs stop on bad
+    input before any network: pull's --out is a file, push's folder and release's recipe do not exist."""
+    (tmp_path / "afile").write_text("x")
+    args = {"pull": ["pull", "owner/name", "--out", tmp_path / "afile"],
+            "push": ["push", tmp_path / "missing", "--repo", "owner/name"],
+            "release": ["release", tmp_path / "missing.toml", "--push"]}[command]
+    for extra in ([], ["-q"]):
+        r = here(*args, "--token", TOKEN, *extra)
+        assert r.returncode == 2, r.stderr
+        warning, error = r.stderr.splitlines()
+        assert warning.startswith("Warning: ") and "--token" in warning and "shell history" in warning
+        assert "HF_TOKEN" in warning and "hf auth login" in warning
+        assert error.startswith("Error: ")
+        assert TOKEN not in r.stdout + r.stderr and TOKEN[3:12] not in r.stdout + r.stderr
+    r = here(*args, env={"HF_TOKEN": TOKEN})  # the environment is the recommended way: no warning
+    assert r.returncode == 2 and "Warning" not in r.stderr and TOKEN not in r.stderr
 
 
 def test_usage_error_exits_2():
@@ -63,6 +182,16 @@ def test_capture_rerun_is_cached_and_stdout_is_the_id(store_with_capture, tiny_l
     assert r.returncode == 0
     assert r.stdout == cid + "\n"
     assert "(cached)" in r.stderr
+
+
+def test_quiet_capture_rerun_prints_only_the_id(store_with_capture, tiny_llama):
+    store, cid, tmp = store_with_capture
+    args = ("capture", tiny_llama, "--data", tmp / "d.txt", "--data", tmp / "e.txt", "--data", tmp / "f.txt",
+            "--split", 2, "--held-out", 1, "--chunk", 64, "--store", store)
+    loud, quiet = here(*args), here(*args, "-q")
+    assert loud.returncode == quiet.returncode == 0
+    assert "(cached)" in loud.stderr and quiet.stderr == ""
+    assert quiet.stdout == loud.stdout == cid + "\n"
 
 
 def test_artifacts_ls_show_verify_gc(store_with_capture):

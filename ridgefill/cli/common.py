@@ -1,4 +1,7 @@
-"""Options shared by every command, declared once."""
+"""Options shared by every command, declared once.
+
+`-q/--quiet` is not declared in each command: `ridgefill.cli` adds `QuietOpt` to every command it registers.
+"""
 
 from __future__ import annotations
 
@@ -20,10 +23,30 @@ ModelArg = Annotated[
 DEFAULT_STORE = Path("ridgefill-artifacts")
 
 
+def _set_quiet(value: bool) -> None:
+    from ridgefill.output import set_quiet
+
+    set_quiet(bool(value))
+
+
+QuietOpt = Annotated[
+    bool,
+    typer.Option("-q", "--quiet", callback=_set_quiet, expose_value=False,
+                 help="Only warnings and errors on stderr (no progress, no info lines); stdout is unchanged."),
+]
+
+
 def output(json_mode: bool):
     from ridgefill.output import Output
 
     return Output(json_mode=json_mode)
+
+
+def warn_token_flag(out, token: str | None) -> None:
+    """A token given as --token is visible in the shell history and the process list: say so (never print it)."""
+    if token:
+        out.warn("a token passed with --token is saved in your shell history and visible in the process list; "
+                 "prefer the HF_TOKEN environment variable or `hf auth login`")
 
 
 def store(root: Path):

@@ -10,12 +10,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, StoreOpt, output
+from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, StoreOpt, output, warn_token_flag
 
 TokenOpt = Annotated[
     Optional[str],
     typer.Option("--token", show_default=False,
-                 help="Hub token (default: HF_TOKEN, else the token saved by `hf auth login`). Never printed."),
+                 help="Hub token (default: HF_TOKEN, else the token saved by `hf auth login`). Never printed; as a flag it "
+                      "lands in the shell history and the process list, so prefer HF_TOKEN or `hf auth login`."),
 ]
 
 
@@ -34,6 +35,7 @@ def push(
     from ridgefill.export.hub import push as run
 
     out = output(json)
+    warn_token_flag(out, token)
     res = run(folder, repo, revision=revision, private=private, commit_message=commit_message, token=token, out=out)
     out.result(res, primary=res["commit"])
 
@@ -52,5 +54,6 @@ def pull(
     from ridgefill.export.hub import pull as run
 
     out = output(json)
+    warn_token_flag(out, token)
     res = run(spec, out_dir, token=token, force=force, out=out)
     out.result(res, primary=res["commit"])

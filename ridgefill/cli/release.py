@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, StoreOpt, output, store
+from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, StoreOpt, output, store, warn_token_flag
 
 
 def release(
@@ -23,6 +23,7 @@ def release(
     from ridgefill.recipe import load_recipe, run_recipe
 
     out = output(json)
+    warn_token_flag(out, token)
     summary = run_recipe(load_recipe(recipe), store(store_root), out, push=push, token=token)
     cached = [k for k, v in summary["stages"].items() if v.get("cached")]
     out.info(f"release {summary['release']} in {summary['seconds']:.1f} s (cached: {', '.join(cached) or 'none'})")

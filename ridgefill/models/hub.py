@@ -159,6 +159,11 @@ def _hub_state(offline: bool):
 
 
 def _stderr_is_terminal() -> bool:
+    """Whether progress may be drawn on stderr: a terminal, and no -q/--quiet."""
+    from ridgefill.output import is_quiet
+
+    if is_quiet():
+        return False
     try:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):
