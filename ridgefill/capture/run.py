@@ -127,6 +127,9 @@ def capture(
             "dtype": place.dtype,
             "product_dtype": cfg.product_dtype,
             "skip_first": SKIP_FIRST,
+            # The id covers the model's own code being allowed (solve, quantize and fold load with it); only
+            # when on, so the ids of other captures are unchanged.
+            **({"trust_remote_code": True} if cfg.trust_remote_code else {}),
         }
         from ridgefill.artifacts import recipe_id
 
@@ -279,7 +282,7 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, plac
             "processes": world.size,
             "forward_tokens_per_s": round(tokens_done / t_fwd, 1) if t_fwd else None,
         }
-        info = {"model_spec": model, "trust_remote_code": cfg.trust_remote_code, "model": _model_info(ref),
+        info = {"model_spec": model, "model": _model_info(ref),
                 "data": data, "num_layers": ref.num_layers, "hidden_size": d, "layers": layers,
                 "layer_kinds": {str(i): k for i, k in enumerate(lm.adapter.layer_kinds)},
                 "placement": lm.placement()}

@@ -114,7 +114,7 @@ def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Ou
     text, sha = read_context(context)
     ref = resolve_model(model, store_root=store.root)
     recipe = {"stage": "compact", "version": FORMAT_VERSION, "model": ref.fingerprint, "context_sha256": sha,
-              **asdict(cfg), **place.recipe(MODEL_DTYPE)}
+              **asdict(cfg), **place.recipe(MODEL_DTYPE), **({"trust_remote_code": True} if trust_remote_code else {})}
     hit = store.cached("compact", recipe)
     if hit is not None:
         return hit, True
@@ -155,7 +155,7 @@ def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Ou
         write_json(build.path / REPORT, report)
         art = build.commit(info={"model_spec": model, "model": {"name": ref.name, "revision": ref.revision, "fingerprint": ref.fingerprint},
                                  "context": {"path": str(context), "sha256": sha, "tokens": len(ids)},
-                                 "trust_remote_code": trust_remote_code, "placement": lm.placement()},
+                                 "placement": lm.placement()},
                            summary=summary)  # fmt: skip
     return art, False
 

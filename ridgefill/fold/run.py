@@ -70,7 +70,7 @@ def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: st
 
     import torch
 
-    lm = load_model(ref, store_root=store.root, trust_remote_code=comp.info.get("trust_remote_code", False),
+    lm = load_model(ref, store_root=store.root, trust_remote_code=comp.recipe.get("trust_remote_code", False),
                     **place.load_args())
     out.info(f"model on {place.describe()}")
     ccfg = cmp.CompactConfig(**{k: comp.recipe[k] for k in asdict(cmp.CompactConfig())})
