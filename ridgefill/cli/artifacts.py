@@ -12,30 +12,44 @@ from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, StoreOpt, out
 app = typer.Typer(help="Inspect and clean the artifact store.", no_args_is_help=True)
 
 
+def figure(v) -> str:
+    """A summary value for people: floats to 4 significant digits (`--json` keeps them exact)."""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
 @app.command("ls")
 def ls(store_root: StoreOpt = DEFAULT_STORE, json: JsonOpt = False, debug: DebugOpt = False) -> None:
-    """List artifacts."""
+    """List artifacts (figures rounded; --json: exact)."""
     from rich.table import Table
 
     out = output(json)
-    arts = store(store_root).all()
+    st = store(store_root)
+    arts = st.all()
     t = Table()
     for c in ("stage", "id", "from", "summary"):
         t.add_column(c)
     for a in arts:
         up = ", ".join(f"{k} {v}" for k, v in a.recipe.items() if k in ("capture", "solve", "source"))
         s = a.manifest.get("summary", {})
-        brief = ", ".join(f"{k} {v}" for k, v in s.items() if isinstance(v, (int, float, str)))[:80]
-        t.add_row(a.stage, a.id, up, brief)
+        s = s if isinstance(s, dict) else {}
+        brief = ", ".join(f"{k} {figure(v)}" for k, v in s.items() if isinstance(v, (int, float, str)))[:80]
+        bad = st.manifest_problems(a)
+        t.add_row(a.stage, a.id, up, f"[red]damaged[/red]: {bad[0]}" if bad else brief)
     out.table(t)
-    out.result({"artifacts": [{"stage": a.stage, "id": a.id, "path": str(a.path)} for a in arts]})
+    out.result({"artifacts": [{"stage": a.stage, "id": a.id, "path": str(a.path), "damaged": st.manifest_problems(a),
+                               "summary": a.manifest.get("summary", {})} for a in arts]})
 
 
 @app.command("show")
 def show(artifact: str, store_root: StoreOpt = DEFAULT_STORE, json: JsonOpt = False, debug: DebugOpt = False) -> None:
     """Print an artifact's manifest."""
     out = output(json)
-    art = store(store_root).get(artifact)
+    st = store(store_root)
+    art = st.get(artifact, check=False)  # a damaged manifest is still shown, after a warning
+    for p in st.manifest_problems(art):
+        out.warn(f"artifact {art.stage}/{art.id} is damaged: {p}")
     if json:
         out.result(art.manifest)
     else:
@@ -49,12 +63,13 @@ def verify(
     json: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Check artifact files against their recorded sha256 (exit 1 if any is damaged)."""
+    """Check each artifact's manifest (its recipe must hash to its id) and files (their sha256); exit 1 if any is
+    damaged."""
     from ridgefill.errors import RidgefillError
 
     out = output(json)
     st = store(store_root)
-    arts = [st.get(artifact)] if artifact else st.all()
+    arts = [st.get(artifact, check=False)] if artifact else st.all()
     bad = {f"{a.stage}/{a.id}": st.problems(a) for a in arts}
     bad = {k: v for k, v in bad.items() if v}
     for a in arts:
@@ -73,9 +88,16 @@ def gc(
     json: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Remove temporary build directories, damaged artifacts and (with --work) unfinished work."""
+    """Remove what killed runs left (.tmp-*, stale .lock-*), damaged artifacts and (with --work) unfinished
+    work; never what a running build holds."""
+    from ridgefill.artifacts import lock
+
     out = output(json)
-    removed = store(store_root).gc(dry_run=dry_run, include_work=work)
+    kept: list = []
+    removed = store(store_root).gc(dry_run=dry_run, include_work=work, kept=kept)
     for p in removed:
         out.info(f"{'would remove' if dry_run else 'removed'} {p}")
-    out.result({"removed": [str(p) for p in removed], "dry_run": dry_run})
+    for p, holder in kept:
+        out.info(f"kept {p}: {lock.describe(holder)} is building it")
+    out.result({"removed": [str(p) for p in removed], "dry_run": dry_run,
+                "kept": [{"path": str(p), "holder": h} for p, h in kept]})
