@@ -175,10 +175,12 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, plac
     in_device = lm.adapter.device  # the embeddings' (execution) device
     t_fwd = 0.0
     tokens_done = 0
+    units_run = 0  # documents this process fed through the model
 
     def run_unit(u: Unit, part: dict, held_rows: dict) -> dict:
         """Feed one document; merge its chunks into `part` (per (variant, split)); collect kept rows."""
-        nonlocal t_fwd, tokens_done
+        nonlocal t_fwd, tokens_done, units_run
+        units_run += 1
         t = time.perf_counter()
         doc_ids = ids[u.variant][u.doc]
         for start, hs in document_chunks(lm, doc_ids, layers, cfg.chunk, in_device):
@@ -210,8 +212,10 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, plac
         state.next_block = world.broadcast_int(state.next_block)
         if world.distributed:  # a torchrun run restarts the unfinished block from its beginning
             state.drop_partial(empty(), blocks)
-        if state.next_unit and world.writer:
-            out.info(f"resuming capture {build.id} at unit {state.next_unit}/{len(units)}")
+        resumed_at = state.next_unit  # 0 for a fresh run; units before it come from the checkpoint
+        if resumed_at and world.writer:
+            out.info(f"resuming capture {build.id} at unit {resumed_at}/{len(units)} "
+                     f"(block {state.next_block + 1} of {len(blocks)})")
         last_ckpt = time.perf_counter()
 
         def checkpoint(force: bool = False) -> None:
@@ -279,6 +283,11 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, plac
             "truncated_documents": len(truncated),
             "longest_document": int(max(ids["full_length"])),
             "blocks": len(blocks),
+            "units": len(units),
+            # this run: where it started (0, or the checkpoint it resumed from) and the documents it fed through
+            # the model (under torchrun every unit from there is computed once, by one of the ranks)
+            "resumed_at_unit": resumed_at,
+            "units_computed": units_run if not world.distributed else len(units) - resumed_at,
             "processes": world.size,
             "forward_tokens_per_s": round(tokens_done / t_fwd, 1) if t_fwd else None,
         }
