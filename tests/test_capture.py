@@ -138,37 +138,143 @@ def test_resume_is_byte_identical(tmp_path, tiny_llama, corpus, stop_after):
 
 
 
-def test_kill_9_then_rerun_is_byte_identical(tmp_path, tiny_llama, corpus):
+# Runs `ridgefill ARGS...` in a child process that counts the documents it feeds through the model (one line per
+# call of capture.forward.document_chunks, appended to $COUNT_FILE as it happens) and, when $PAUSE_AT is set,
+# stops still right after the checkpoint that records PAUSE_AT finished units (touching $PAUSED), so that the test
+# can kill -9 it at a known place.
+CHILD = """
+import os, sys, time
+from pathlib import Path
+
+import ridgefill.capture.forward as forward
+import ridgefill.capture.run as run
+
+count, pause_at, paused = Path(os.environ["COUNT_FILE"]), int(os.environ.get("PAUSE_AT", "-1")), os.environ["PAUSED"]
+chunks, save = forward.document_chunks, run._State.save
+
+def counted(lm, ids, *a, **k):
+    with count.open("a") as f:
+        f.write(f"{len(ids)}\\n")
+    yield from chunks(lm, ids, *a, **k)
+
+def pausing(self, work, run_id):
+    save(self, work, run_id)
+    if self.next_unit == pause_at:
+        Path(paused).write_text(str(self.next_unit))
+        time.sleep(600)
+
+forward.document_chunks, run._State.save = counted, pausing
+from ridgefill.cli import main
+sys.argv = ["ridgefill", *sys.argv[1:]]
+main()
+"""
+
+
+def test_kill_9_resumes_where_it_stopped_and_is_byte_identical(tmp_path, tiny_llama, corpus, monkeypatch):
+    """kill -9 twice, then the same command: each run starts at the unit the last checkpoint recorded, feeds
+    only the documents from there on, and the result is the uninterrupted run's, byte for byte."""
+    import ridgefill.capture.forward as forward
+
+    fed = []  # token counts of the documents an uninterrupted run feeds, in order
+    chunks = forward.document_chunks
+
+    def counted(lm, ids, *a, **k):
+        fed.append(len(ids))
+        yield from chunks(lm, ids, *a, **k)
+
+    monkeypatch.setattr(forward, "document_chunks", counted)
     ref_art, _ = run(Store(tmp_path / "ref"), tiny_llama, corpus)
+    n = ref_art.manifest["summary"]["units"]
+    assert n == len(fed) == 6 and ref_art.manifest["summary"]["resumed_at_unit"] == 0
+    assert ref_art.manifest["summary"]["units_computed"] == n
+
     store = tmp_path / "store"
-    args = ["-m", "ridgefill", "capture", tiny_llama, "--data", corpus, "--split", 2, "--chunk", 32,
-            "--held-out", 2, "--held-out-rows", 40, "--checkpoint-every", 0, "--store", store]
+    args = ["capture", tiny_llama, "--data", corpus, "--split", 2, "--chunk", 32, "--held-out", 2,
+            "--held-out-rows", 40, "--checkpoint-every", 0, "--store", store]
     state = store / "capture" / f".work-{ref_art.id}" / "state.safetensors"
-    kills = 0
-    for delay in (0.0, 0.3):
-        p = subprocess.Popen([sys.executable, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 120
-        before = state.stat().st_mtime_ns if state.exists() else None
-        while time.time() < deadline and p.poll() is None:
-            if state.exists() and state.stat().st_mtime_ns != before:
-                break
+    (tmp_path / "child.py").write_text(CHILD)
+
+    def start(i: int, pause_at: int | None):
+        env = {**os.environ, "COUNT_FILE": str(tmp_path / f"count{i}"), "PAUSED": str(tmp_path / f"paused{i}"),
+               "OMP_NUM_THREADS": "1", **({"PAUSE_AT": str(pause_at)} if pause_at is not None else {})}
+        (tmp_path / f"count{i}").write_text("")
+        return subprocess.Popen([sys.executable, tmp_path / "child.py", *map(str, args)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def counted_in(i: int) -> list[int]:
+        return [int(x) for x in (tmp_path / f"count{i}").read_text().split()]
+
+    def checkpointed() -> int:
+        return int(tensors.load(state)[1]["next_unit"])
+
+    def wait_for(p, ready, what):
+        deadline = time.time() + 180
+        while not ready():
+            assert p.poll() is None, f"the run ended before {what}: {p.communicate()[1]}"
+            assert time.time() < deadline, f"no {what} in 180 s"
             time.sleep(0.005)
-        time.sleep(delay)
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-            kills += 1
-        p.wait()
-    assert kills >= 1
-    interrupted = state.exists()
-    r = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    if interrupted:  # it resumed past the first document rather than starting over
-        assert f"resuming capture {ref_art.id} at unit " in r.stderr
-        assert " at unit 0/" not in r.stderr
-    assert r.stdout.strip() == ref_art.id
-    final = store / "capture" / ref_art.id
+
+    # 1: killed at an arbitrary moment once the first checkpoint exists (it cannot get past unit 3: it would
+    #    stop still there)
+    p = start(1, pause_at=3)
+    wait_for(p, state.exists, "first checkpoint")
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    first = checkpointed()
+    assert 1 <= first <= 3
+    assert not (store / "capture" / ref_art.id).exists()
+    # 2: resumes there, killed -9 while still right after the checkpoint of unit 5
+    p = start(2, pause_at=5)
+    wait_for(p, (tmp_path / "paused2").exists, "unit 5")
+    os.kill(p.pid, signal.SIGKILL)
+    _, err = p.communicate()
+    assert f"resuming capture {ref_art.id} at unit {first}/{n} " in err
+    assert counted_in(2) == fed[first:5]  # units first..4 only: nothing before the checkpoint again
+    assert checkpointed() == 5
+    # 3: the same command to the end
+    p = start(3, pause_at=None)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert f"resuming capture {ref_art.id} at unit 5/{n} " in err
+    assert counted_in(3) == fed[5:]
+    assert out.strip() == ref_art.id
+    final = Store(store).get(ref_art.id, stage="capture")
+    assert final.manifest["summary"]["resumed_at_unit"] == 5 and final.manifest["summary"]["units_computed"] == n - 5
+    assert not state.parent.exists()  # the resumable work is gone once the artifact is in place
     for name in (STATS, HELDOUT, COUNTS, DOCS):
-        assert (final / name).read_bytes() == ref_art.file(name).read_bytes(), name
+        assert final.file(name).read_bytes() == ref_art.file(name).read_bytes(), name
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3"])
+def test_capture_never_runs_the_last_layer_or_the_head(tmp_path, corpus, monkeypatch, request, arch):
+    """Every late layer's input is recorded before the last decoder layer runs; the forward stops there, so the
+    last layer, the final norm and the LM head are never called (counted on the loaded model's own modules)."""
+    import ridgefill.models as models
+
+    calls = {}
+    load = models.load_model
+
+    def counting(*a, **k):
+        lm = load(*a, **k)
+        ad = lm.adapter
+        watched = {"layer -2": ad.layers[-2], "last layer": ad.layers[-1], "final norm": ad.base.norm,
+                   "lm head": lm.model.get_output_embeddings(), "causal lm": lm.model}
+        for name, module in watched.items():
+            calls[name] = 0
+
+            def forward(*args, _name=name, _forward=module.forward, **kw):
+                calls[_name] += 1
+                return _forward(*args, **kw)
+
+            module.forward = forward
+        return lm
+
+    monkeypatch.setattr(models, "load_model", counting)
+    art, cached = run(Store(tmp_path / "store"), request.getfixturevalue(arch), corpus, splits=(1, 2))
+    assert not cached and art.manifest["summary"]["units_computed"] == 6
+    chunks = sum(-(-d["tokens"] // 32) for d in json.loads(art.file(DOCS).read_text()))
+    assert calls["layer -2"] == chunks  # the hooks count: every chunk ran the layers up to the last one
+    assert calls["last layer"] == calls["final norm"] == calls["lm head"] == calls["causal lm"] == 0
 
 
 def test_chat_statistics_kept_apart(tmp_path, tiny_llama, corpus):
