@@ -180,3 +180,21 @@ def test_a_run_refused_after_its_cache_miss_leaves_nothing(tmp_path):
     a, _ = start(tmp_path, "a", 0)  # and the next run builds without waiting
     out, err = a.communicate(timeout=60)
     assert a.returncode == 0 and out.split() == ["BUILT", RID] and "waiting" not in err
+
+
+def test_a_command_that_fails_after_its_cache_miss_lets_go_of_the_lock(tmp_path, tiny_llama):
+    """In-process (as a notebook or a test runs commands): `solve` on a capture whose file was damaged fails after
+    its cache miss took the solve's lock; once the command is over nothing holds it, so another process would not
+    wait for it forever."""
+    from clirun import cli_here
+    from ridgefill.models import resolve_model
+
+    st = Store(tmp_path / "store")
+    ref = resolve_model(str(tiny_llama), store_root=st.root)
+    with st.build("capture", {"stage": "capture", "model": ref.fingerprint, "splits": [2]}) as b:
+        (b.path / "stats.safetensors").write_bytes(b"x" * 10)
+        cap = b.commit(info={"model_spec": str(tiny_llama), "model": {"name": ref.name, "revision": None}})
+    (cap.path / "stats.safetensors").write_bytes(b"y" * 10)
+    r = cli_here("solve", cap.id, "--store", st.root)
+    assert r.returncode == 1 and "stats.safetensors: sha256 mismatch" in r.stderr, r.stderr
+    assert list(st.root.glob("*/.lock-*")) == [] and not (st.root / "solve").exists()  # nothing written

@@ -121,4 +121,8 @@ def main() -> None:
         else:  # a bug or an environment problem: one line, the traceback on request
             print(f"Error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
             code = 1
+    finally:  # the command is over: a stage that failed after its cache miss stops holding that artifact's lock
+        from ridgefill.artifacts.lock import release_all
+
+        release_all()
     sys.exit(code if isinstance(code, int) else 0)
