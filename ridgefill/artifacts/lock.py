@@ -9,9 +9,10 @@ whoever takes one checks that the file it locked is still the one under that nam
 removing a lock file never lets two processes in.
 
 Within one process a lock is held once, by path (`_HELD`), so the stage that took it on a cache miss can take
-it again to build without waiting for itself. A process lets go of what it still holds when it exits (a stage
-that failed after its cache miss, e.g. on bad input found late): the lock file goes, and so do the folders that
-taking the lock created, if they are still empty, so that a refused command leaves nothing behind. Where `fcntl`
+it again to build without waiting for itself. A stage that fails after its cache miss (bad input found late)
+keeps its lock until the command ends (`ridgefill.cli.main` calls `release_all`) or the process exits (atexit);
+letting go removes the lock file, and the folders that taking the lock created if they are still empty, so that
+a refused command leaves nothing behind. Where `fcntl`
 does not exist (not POSIX) nothing is locked.
 """
 
