@@ -145,7 +145,7 @@ def test_nofill_equals_truncated_stock_model(arch, split, tail, lm_of):
     lm = lm_of(arch)
     ids = tokens(20, seed=4)
     n, prefix = 20, 20 - tail
-    res = prefill(lm, ids, "nofill", split=split, tail=tail)
+    res = prefill(lm, ids, "nofill", split=split, tail=tail, anchor=0)  # row 0 dropped like every prefix row
     hs = hidden_states(lm, ids)
     late = late_model(lm, split)
     with torch.no_grad():
@@ -261,14 +261,17 @@ def test_attention_selected_rows(arch, lm_of):
     lm = lm_of(arch)
     ids, S, T, n = tokens(40, seed=15), 2, 8, 40
     maps = random_maps(lm, S)
-    res = prefill(lm, ids, "ridgefill+rows", split=S, tail=T, maps=maps, row_share=0.2, probe=range(30, 40))
+    res = prefill(lm, ids, "ridgefill+rows", split=S, tail=T, maps=maps, row_share=0.2, probe=range(30, 40), anchor=0)
     ranked = [r for r in attention_ranking(lm, ids, S, list(range(30, 40))) if r < n - T]  # prefix rows only
     assert res.exact_rows == sorted(ranked[:8])
     assert res.exact_rows != list(range(8))  # not just the first rows
-    same = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, exact_rows=res.exact_rows)
+    same = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, exact_rows=res.exact_rows, anchor=0)
     torch.testing.assert_close(res.logits, same.logits, atol=1e-6, rtol=1e-6)
     # Default probe: the last 64 rows (here all 40); default share 10 %.
-    assert len(prefill(lm, ids, "ridgefill+rows", split=S, tail=T, maps=maps).exact_rows) == 4
+    assert len(prefill(lm, ids, "ridgefill+rows", split=S, tail=T, maps=maps, anchor=0).exact_rows) == 4
+    # With the default anchor, row 0 is exact besides the selected rows.
+    ranked = [r for r in attention_ranking(lm, ids, S, list(range(n))) if r < n - T]
+    assert prefill(lm, ids, "ridgefill+rows", split=S, tail=T, maps=maps).exact_rows == sorted({0, *ranked[:4]})
 
 
 # -- the work is skipped --------------------------------------------------------------------------------------------
@@ -286,7 +289,25 @@ def test_late_layers_run_only_tail_rows(arch, lm_of):
     finally:
         for h in hooks:
             h.remove()
-    assert seen == {0: 20, 1: 20, 2: T + 1, 3: T + 1}
+    assert seen == {0: 20, 1: 20, 2: T + 2, 3: T + 2}  # the tail, row 7 and row 0 (the anchor)
+
+
+@pytest.mark.parametrize("arch", MAIN)
+@pytest.mark.parametrize("arm", ["ridgefill", "identity", "nofill"])
+def test_row_0_runs_exactly_in_every_fill_arm(arch, arm, lm_of):
+    """The first row (the attention sink, which the fit leaves out) is an exact row unless anchor=0: the default
+    equals anchor=0 with exact_rows=[0], and differs from filling it."""
+    lm = lm_of(arch)
+    ids, S, T = tokens(20, seed=11), 2, 4
+    maps = random_maps(lm, S) if arm == "ridgefill" else None
+    res = prefill(lm, ids, arm, split=S, tail=T, maps=maps)
+    assert res.exact_rows == [0]
+    same = prefill(lm, ids, arm, split=S, tail=T, maps=maps, exact_rows=[0], anchor=0)
+    torch.testing.assert_close(res.logits, same.logits, atol=0, rtol=0)
+    filled = prefill(lm, ids, arm, split=S, tail=T, maps=maps, anchor=0)
+    assert filled.exact_rows == [] and (filled.logits - res.logits).abs().max() > 1e-4
+    with pytest.raises(BadInput, match="anchor must be a non-negative number of rows"):
+        prefill(lm, ids, arm, split=S, tail=T, maps=maps, anchor=-1)
 
 
 # -- eager attention ------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@
 Arms (N rows, L layers, split S, tail T, prefix P = N - T):
 
 - "exact": the stock model's own forward over all N rows.
-- "ridgefill": layers 0..S-1 run every row. In each late layer l >= S the prefix rows (minus `exact_rows`) only
+- "ridgefill": layers 0..S-1 run every row. In each late layer l >= S the prefix rows (minus the exact rows) only
   get keys/values, computed from x_hat_l = W_l h_S + b_l through the layer's own input norm, k_proj / v_proj,
   k_norm and RoPE at their own positions (`Adapter.kv` + `Adapter.apply_rope`); nothing else of that layer runs
   for them. The tail rows and the exact rows run every layer exactly, attending causally to the filled cache.
@@ -17,6 +17,9 @@ Arms (N rows, L layers, split S, tail T, prefix P = N - T):
 - "nofill": late layers write nothing for the filled rows; the tail attends only to itself (and to exact rows)
   in late layers, at its original positions. Its cache has holes, which the stock model cannot continue from:
   `cache` is a `SlotCache`, which `greedy` (and `SlotCache.step`) decode from layer by layer.
+- Exact rows, in every arm but "exact": the first `anchor` prompt rows (default 1) and `exact_rows`. Row 0 is the
+  attention sink: its split state is an outlier the fit leaves out (capture skips each document's first row), so a
+  map's prediction for it is an extrapolation, and a filled sink can cost more than the whole fill saves.
 - "ridgefill+rows": "ridgefill" plus attention-selected exact rows: the `row_share`
   (default 10 %) of prompt rows that receive the most attention from the `probe` rows (default: the last 64
   prompt rows), summed over the heads of every layer below the split, run every layer exactly. The selection
@@ -54,6 +57,7 @@ from ridgefill.runtime.maps import maps_on_devices
 
 ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
 ROW_SHARE, PROBE_ROWS = 0.1, 64  # "+rows": 10 % of the prompt, by attention from its last 64 rows
+ANCHOR_ROWS = 1  # the first prompt row (the attention sink) runs every layer in every fill arm
 
 
 def ceiling(N: int, T: int, S: int, L: int) -> float:
@@ -118,13 +122,19 @@ def prefill(
     exact_rows=None,
     row_share: float = ROW_SHARE,
     probe=None,
+    anchor: int = ANCHOR_ROWS,
 ) -> PrefillResult:
     """Prefill `input_ids` [N] (one sequence) with `arm`; see the module docstring.
 
-    `row_share` and `probe` (prompt positions; default the last 64) only matter for "ridgefill+rows"."""
+    `row_share` and `probe` (prompt positions; default the last 64) only matter for "ridgefill+rows". `anchor`:
+    how many first prompt rows run every layer in the fill arms (0 fills the sink too, for comparison only)."""
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     n = int(ids.shape[0])
+    if not (isinstance(anchor, int) and anchor >= 0):
+        raise BadInput(f"anchor must be a non-negative number of rows, got {anchor!r}")
     rows = _check(lm, n, arm, split, tail, maps, exact_rows)
+    if arm != "exact":
+        rows = sorted(set(rows) | set(range(min(anchor, n - tail))))
     select = None
     if arm == "ridgefill+rows":
         if not 0 < row_share < 1:
