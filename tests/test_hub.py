@@ -160,10 +160,15 @@ def test_changed_release_is_one_new_commit_and_the_old_sha_still_pulls(hub, home
     assert files_of(tmp_path / "new") == v2
 
 
-@pytest.mark.parametrize("damage", ["tampered", "no-manifest", "unlisted-dotfile"])
+@pytest.mark.parametrize("damage", ["tampered", "no-manifest", "unlisted-dotfile", "edited-fact"])
 def test_push_refuses_a_bad_folder_and_sends_nothing(hub, home, tmp_path, damage):
     folder = write_release(tmp_path / "rel")
-    if damage == "tampered":
+    if damage == "edited-fact":  # a fact the hash of maps.safetensors covers
+        m = json.loads((folder / MANIFEST).read_text())
+        m["split"] = 6
+        (folder / MANIFEST).write_text(json.dumps(m))
+        named = f"{MANIFEST}: 'split' is 6 but {MAPS_FILE} records 5 (the manifest was edited)"
+    elif damage == "tampered":
         data = bytearray((folder / MAPS_FILE).read_bytes())
         data[-1] ^= 1
         (folder / MAPS_FILE).write_bytes(bytes(data))
@@ -177,7 +182,7 @@ def test_push_refuses_a_bad_folder_and_sends_nothing(hub, home, tmp_path, damage
     n = len(hub.requests)
     r = run(hub, home, "push", folder, "--repo", "acme/bad")
     assert r.returncode == 2
-    assert one_line_error(r).startswith(f"Error: {named}: ")
+    assert one_line_error(r).startswith(f"Error: {named}" + ("" if damage == "edited-fact" else ": "))
     assert r.stdout == ""
     assert hub.requests_since(n) == [] and "acme/bad" not in hub.repos
 
@@ -221,6 +226,49 @@ def test_pull_refuses_a_tampered_remote_file_and_writes_nothing(hub, home, tmp_p
     assert one_line_error(r).startswith(f"Error: {MAPS_FILE}: ")
     assert not (tmp_path / "out" / "rel").exists()
     no_leftovers(tmp_path / "out")
+
+
+def test_pull_refuses_a_remote_manifest_whose_facts_were_edited(hub, home, tmp_path):
+    repo_id = "acme/edited"
+    hub.create_repo(repo_id)
+    files = files_of(write_release(tmp_path / "src"))
+    m = json.loads(files[MANIFEST])
+    m["layers"][1]["kind"] = "sliding_attention"
+    hub.put_files(repo_id, {**files, MANIFEST: json.dumps(m).encode()})
+    r = run(hub, home, "pull", repo_id, "--out", tmp_path / "out" / "rel")
+    assert r.returncode == 2
+    assert one_line_error(r).startswith(f"Error: {MANIFEST}: 'layers[1].kind' is \"sliding_attention\" but "
+                                        f"{MAPS_FILE} records \"attention\" (the manifest was edited); pulled from ")
+    assert not (tmp_path / "out" / "rel").exists()
+    no_leftovers(tmp_path / "out")
+
+
+def test_a_release_fetched_with_hf_download_verifies(hub, home, tmp_path):
+    """`hf download REPO --local-dir DIR` leaves the Hub's .gitattributes and its own .cache/huggingface/ in DIR:
+    the folder verifies, loads, pushes back unchanged; anything else added to it is still refused."""
+    import subprocess
+    import sys
+
+    repo_id = "acme/fetched"
+    src = write_release(tmp_path / "src", seed=5)
+    assert run(hub, home, "push", src, "--repo", repo_id).returncode == 0
+    out = tmp_path / "dl"
+    hf = Path(sys.executable).with_name("hf")
+    r = subprocess.run([str(hf), "download", repo_id, "--local-dir", str(out)], capture_output=True, text=True,
+                       env=hub_env(hub, home, token=None))
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted([".cache", ".gitattributes", CARD, MAPS_FILE, MANIFEST])
+    assert [p.name for p in (out / ".cache").iterdir()] == ["huggingface"]
+    assert (out / ".cache" / "huggingface" / "download" / f"{MAPS_FILE}.metadata").is_file()
+    r = run(hub, home, "verify", out)
+    assert r.returncode == 0, r.stderr
+    assert release.load_release(out)[0] == release.verify_release(src)
+    r = run(hub, home, "push", out, "--repo", repo_id, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["unchanged"] is True, r.stderr
+    (out / ".cache" / "notes").mkdir()
+    r = run(hub, home, "verify", out)
+    assert r.returncode == 2
+    assert one_line_error(r) == f"Error: .cache: in the release folder but not listed in {MANIFEST}"
 
 
 def test_pull_downloads_only_the_listed_files(hub, home, tmp_path):
@@ -303,7 +351,9 @@ def test_token_never_leaks(hub, home, tmp_path):
     bad = "hf_rfWRONG_1d2c3b4a5f6e7d8c9b0a"
     r = run(hub, home, "push", folder, "--repo", "acme/secret", "--token", bad, token=None)
     assert r.returncode == 1
-    assert "Hub refused the token" in one_line_error(r) and bad not in r.stderr + r.stdout
+    errors = [line for line in r.stderr.strip().splitlines() if not line.startswith("Warning: ")]  # --token warns
+    assert len(errors) == 1 and errors[0].startswith("Error: Hub refused the token"), r.stderr
+    assert bad not in r.stderr + r.stdout and "Traceback" not in r.stderr
 
 
 def test_push_needs_a_token_with_write_access(hub, home, published, tmp_path):

@@ -1,6 +1,7 @@
-"""Publish a release folder (`ridgefill-maps/1`, DESIGN.md §5) on the Hugging Face Hub, and fetch one back.
+"""Publish a release folder (`ridgefill-maps/1`, docs/format.md) on the Hugging Face Hub, and fetch one back.
 
-`push(folder, repo_id)` verifies the folder with `release.verify_release` before anything leaves the machine,
+`push(folder, repo_id)` verifies the folder with `release.verify_release` (files, hashes and the facts
+maps.safetensors records) before anything leaves the machine,
 creates the repo (and the branch) if missing, and uploads the release as ONE commit: an addition for every
 file of the release (the manifest's files, ridgefill.json, README.md) and a deletion for every remote file the
 release no longer has (`.gitattributes` is kept: the Hub needs it). It is idempotent: the remote branch head
@@ -11,7 +12,10 @@ its parent, so a branch that moved in between is refused instead of overwritten.
 
 `pull("owner/name[@rev]", out)` resolves the revision to a commit sha once, downloads ridgefill.json at that
 commit, then exactly the files its manifest lists plus README.md (never `.gitattributes` or anything else),
-into a temporary sibling folder; it verifies that folder and only then renames it to `out`. A fresh,
+into a temporary sibling folder; it verifies that folder (so a manifest edited on the Hub is refused like
+a damaged file) and only then renames it to `out`. A folder fetched with `hf download` instead also verifies
+(`release.verify_release` accepts the `.gitattributes` and `.cache/huggingface/` it leaves) and pushes back
+unchanged. A fresh,
 throw-away download cache is used each time, so what is verified is what the Hub serves now.
 
 huggingface_hub is imported inside the functions (`import ridgefill` stays light). Hub failures become
@@ -33,7 +37,7 @@ from pathlib import Path
 from ridgefill.errors import BadInput, RidgefillError
 from ridgefill.export import release
 
-KEEP_REMOTE = frozenset({".gitattributes"})  # never deleted by push, never downloaded by pull
+KEEP_REMOTE = frozenset({release.GITATTRIBUTES})  # never deleted by push, never downloaded by pull
 DEFAULT_REVISION = "main"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")

@@ -1,19 +1,40 @@
-"""The release format `ridgefill-maps/1` (DESIGN.md §5): write, verify and load a map release folder.
+"""The release format `ridgefill-maps/1`: write, verify and load a map release folder.
 
-This module owns every fact of the format (file names, tensor names, manifest keys); nothing else in the
-package should repeat them. A release folder holds exactly:
+This module owns every fact of the format (file names, tensor names, manifest keys, metadata keys); nothing
+else in the package should repeat them. A release folder holds exactly:
 
-    ridgefill.json      manifest: `format`, the caller's fields (model, split, tail_default, layers, fit,
-                        heldout, eval), `projector` {dtype, group_size, files} and `files` {name: sha256}
-    maps.safetensors    tensors `layer.<l>.codes` int8 [d_out, d_in], `layer.<l>.scales` bf16
-                        [d_out, ceil(d_in/group)], `layer.<l>.bias` bf16 [d_out]; or, unquantized,
-                        `layer.<l>.weight` bf16|f32 [d_out, d_in] and `layer.<l>.bias` (same dtype)
-    README.md           model card; never hashed, because the Hub may rewrite it
+    ridgefill.json      the manifest (JSON object, keys sorted, indent 2): `format` ("ridgefill-maps/1"), the
+                        facts the caller gives (`model` {name, revision, architecture, num_layers, hidden_size,
+                        fingerprint}, `split`, `tail_default`, `layers` [{index, kind}], `fit`, `heldout`, and
+                        any other field), `projector` {dtype: int8|bf16|f32, group_size: int (int8) or null,
+                        files: ["maps.safetensors"]}, `files` {name: sha256 hex} and, once `ridgefill eval` has
+                        run on the folder, `eval` (its summary)
+    maps.safetensors    tensors `layer.<l>.codes` I8 [d_out, d_in], `layer.<l>.scales` BF16
+                        [d_out, ceil(d_in/group_size)], `layer.<l>.bias` BF16 [d_out]; or, unquantized,
+                        `layer.<l>.weight` BF16|F32 [d_out, d_in] and `layer.<l>.bias` (same dtype);
+                        `__metadata__` {"format": "ridgefill-maps/1", "ridgefill.facts": <facts JSON>}
+    README.md           model card; optional, never hashed, because the Hub may rewrite it
 
-The safetensors file is encoded by ridgefill.artifacts.tensors rather than the library, so the bytes are a pure function
-of the tensors: tensors ordered as safetensors orders them (wider dtype first, then name), `__metadata__`
-sorted, header padded with spaces to 8 bytes. The library reads it back (and writes the same bytes when given
-the same tensors). Reading uses safetensors + torch, imported inside `load_release` only.
+What is protected, and how. `files` holds the sha256 of maps.safetensors, and maps.safetensors records the
+facts: `ridgefill.facts` is the manifest without `files` and `eval`, as compact JSON (keys sorted, separators
+"," and ":", ASCII only). So the one hash in `files` covers every field a runtime or `eval` relies on (model
+and its fingerprint, split, tail_default, layers with their kinds, projector dtype and group_size) and the fit
+and held-out figures too. `verify_release` refuses a manifest whose fields differ from the recorded facts,
+naming the first field that differs, and a field the facts do not record. Only `files` (it cannot hash the
+file that holds it) and `eval` (added after the release is written, by `set_eval`) are outside the hash;
+README.md is regenerated from the manifest and never trusted. A maps.safetensors without `ridgefill.facts`
+(written before the facts were recorded) is refused: accepting it would leave its manifest open to silent
+edits; export such a release again.
+
+A folder fetched with `hf download` holds two more entries, which verify accepts and nothing reads:
+`.gitattributes` (a regular file; the Hub adds one to every repo) and `.cache/` holding exactly one folder,
+`huggingface/` (the client's download metadata). Any other entry not listed in `files` is refused.
+
+The safetensors file is encoded by ridgefill.artifacts.tensors rather than the library, so the bytes are a pure
+function of the tensors and facts: tensors ordered as safetensors orders them (wider dtype first, then name),
+`__metadata__` sorted, header padded with spaces to 8 bytes. The library reads it back (and writes the same
+bytes but for the order of the metadata keys, which it takes from a hash map). Verifying reads the header by hand
+(no torch); loading uses safetensors + torch, imported inside `load_release` only.
 """
 
 from __future__ import annotations
@@ -25,6 +46,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -38,6 +60,11 @@ CARD = "README.md"
 MAPS_FILE = "maps.safetensors"
 DOC_FILES = frozenset({CARD})  # documentation: present in the folder, never hashed
 UNHASHED = frozenset({CARD, MANIFEST})  # the manifest cannot list itself
+GITATTRIBUTES, DOWNLOAD_CACHE, HF_DIR = ".gitattributes", ".cache", "huggingface"  # left by `hf download`
+HUB_LEFTOVERS = frozenset({GITATTRIBUTES, DOWNLOAD_CACHE})
+META_FORMAT, META_FACTS = "format", "ridgefill.facts"  # maps.safetensors `__metadata__` keys
+NOT_FACTS = frozenset({"files", "eval"})  # the manifest fields outside the hash (see the module docstring)
+_MAX_HEADER = 100 << 20  # a safetensors header larger than this is refused unread
 
 CODES, SCALES, BIAS, WEIGHT = "codes", "scales", "bias", "weight"
 PROJECTOR_DTYPES = ("int8", "bf16", "f32")
@@ -135,6 +162,21 @@ def _release_tensors(
     return out, dtype
 
 
+def facts_of(manifest: dict) -> dict:
+    """The manifest's facts: every field but `files` and `eval`, as maps.safetensors records them."""
+    return {k: v for k, v in manifest.items() if k not in NOT_FACTS}
+
+
+def facts_json(manifest: dict) -> str:
+    """The `ridgefill.facts` metadata value: the facts as compact JSON, keys sorted, ASCII only.
+    ValueError for anything that is not plain JSON (NaN, inf, objects)."""
+    try:
+        return json.dumps(facts_of(manifest), sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                          allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"manifest is not plain JSON: {e}") from None
+
+
 def _manifest_layer_indices(manifest: dict) -> set[int] | None:
     layers = manifest.get("layers")
     if isinstance(layers, list) and all(isinstance(x, dict) and "index" in x for x in layers):
@@ -153,7 +195,7 @@ def write_release(
     out_dir: Path,
     maps: dict[int, dict[str, np.ndarray]],
     manifest: dict,
-    card: str,
+    card: str | Callable[[dict], str],
     *,
     weight_dtype: str | None = None,
     group_size: int = int8.GROUP_SIZE,
@@ -165,7 +207,9 @@ def write_release(
     bias stored bf16) or {"weight": float32, "bias": float32} (unquantized; `weight_dtype` "f32" (default)
     or "bf16", bias stored in the same dtype). `manifest` holds the caller's fields; `format`, `projector`
     and `files` are set here (the caller's `projector` keys are kept, ours win). If the manifest has
-    `layers: [{index, ...}]`, its indices must be exactly the keys of `maps`.
+    `layers: [{index, ...}]`, its indices must be exactly the keys of `maps`. The facts (the manifest written,
+    less `files` and `eval`) go into maps.safetensors' metadata, so its hash covers them. `card` is the model
+    card's text, or a function of the manifest written that returns it.
 
     Everything is written into a temporary sibling folder and renamed into place. An existing non-empty
     `out_dir` is refused (BadInput) unless `overwrite=True`, and even then only if it is a release folder
@@ -177,7 +221,6 @@ def write_release(
     want = _manifest_layer_indices(manifest)
     if want is not None and want != {int(k) for k in maps}:
         raise ValueError(f"manifest layers {sorted(want)} do not match the maps' layers {sorted(maps)}")
-    blob = _encode_safetensors(tensors, {"format": FORMAT})
 
     written = dict(manifest)
     written.pop("files", None)
@@ -188,11 +231,13 @@ def write_release(
         "group_size": group_size if dtype == "int8" else None,
         "files": [MAPS_FILE],
     }
+    blob = _encode_safetensors(tensors, {META_FORMAT: FORMAT, META_FACTS: facts_json(written)})
     written["files"] = {MAPS_FILE: hashlib.sha256(blob).hexdigest()}
     try:
         text = json.dumps(written, sort_keys=True, indent=2, allow_nan=False) + "\n"
     except (TypeError, ValueError) as e:
         raise ValueError(f"manifest is not plain JSON: {e}") from None
+    card_text = card(json.loads(text)) if callable(card) else card
 
     if out_dir.exists() or out_dir.is_symlink():
         if not out_dir.is_dir():
@@ -211,7 +256,7 @@ def write_release(
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; a release folder should look like any other
         _write_file(tmp / MAPS_FILE, blob)
         _write_file(tmp / MANIFEST, text.encode())
-        _write_file(tmp / CARD, card.encode("utf-8"))
+        _write_file(tmp / CARD, card_text.encode("utf-8"))
         move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -253,10 +298,13 @@ def verify_release(dir: Path) -> dict:
     """Check a release folder against its manifest and return the manifest; BadInput on the first problem.
 
     Refuses: a missing or unparsable ridgefill.json, a wrong `format`, a `files` entry that is not a bare
-    file name inside the folder (or names README.md / ridgefill.json), a listed file that is missing or whose
-    sha256 differs, a projector tensor file not listed in `files`, and any entry of the folder that `files`
-    does not list. Only README.md (documentation, may be rewritten by the Hub) and ridgefill.json itself are
-    exempt; nothing else is ignored — not dotfiles, not `.gitattributes`, not subfolders.
+    file name inside the folder (or names README.md, ridgefill.json, .gitattributes or .cache), `files` without
+    maps.safetensors, a listed file that is missing or whose sha256 differs, a projector tensor file not listed in
+    `files`, any entry of the folder that `files` does not list, a maps.safetensors that records no facts, and a
+    manifest whose fields (all but `files` and `eval`) differ from the facts maps.safetensors records (the first
+    differing field is named). Exempt entries: README.md (documentation, may be rewritten by the Hub),
+    ridgefill.json itself, and what `hf download` leaves: a regular file `.gitattributes` and a folder `.cache`
+    holding only `huggingface/`. No other dotfile or subfolder is ignored.
     """
     dir = Path(dir)
     if not dir.is_dir():
@@ -280,10 +328,12 @@ def verify_release(dir: Path) -> dict:
     for name in sorted(files):
         if not is_bare_name(name):
             raise BadInput(f"{MANIFEST}: files entry {name!r} is not a bare file name inside the release folder")
-        if name in UNHASHED:
+        if name in UNHASHED or name in HUB_LEFTOVERS:
             raise BadInput(f"{MANIFEST}: files entry {name!r} must not be listed (it is never hashed)")
         if not isinstance(files[name], str) or not _SHA256_RE.match(files[name]):
             raise BadInput(f"{MANIFEST}: files entry {name!r} has no valid sha256 (64 lowercase hex digits)")
+    if MAPS_FILE not in files:
+        raise BadInput(f"{MANIFEST}: 'files' does not list {MAPS_FILE} (the file that records the release facts)")
     for name in _projector_files(manifest):
         if name not in files:
             raise BadInput(f"{MANIFEST}: projector file {name!r} is not listed in 'files'")
@@ -293,13 +343,105 @@ def verify_release(dir: Path) -> dict:
         if not (dir / name).is_file():
             raise BadInput(f"{name}: listed in {MANIFEST} but not a regular file")
     for name in sorted(os.listdir(dir)):
-        if name not in files and name not in UNHASHED:
+        if name not in files and name not in UNHASHED and not _hub_leftover(dir / name):
             raise BadInput(f"{name}: in the release folder but not listed in {MANIFEST}")
     for name in sorted(files):
         got = sha256_file(dir / name)
         if got != files[name]:
             raise BadInput(f"{name}: sha256 mismatch (expected {files[name]}, got {got})")
+    _check_facts(manifest, read_metadata(dir / MAPS_FILE))
     return manifest
+
+
+def _hub_leftover(path: Path) -> bool:
+    """True for what `hf download --local-dir` adds to a folder: the regular file `.gitattributes`, and a
+    folder `.cache` whose only entry is the folder `huggingface` (symbolic links are never accepted)."""
+    if path.is_symlink():
+        return False
+    if path.name == GITATTRIBUTES:
+        return path.is_file()
+    if path.name == DOWNLOAD_CACHE and path.is_dir():
+        hf = path / HF_DIR
+        return os.listdir(path) == [HF_DIR] and hf.is_dir() and not hf.is_symlink()
+    return False
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file, read from its header by hand (no torch); BadInput if the
+    header cannot be read."""
+    name = Path(path).name
+
+    def bad(why: str) -> BadInput:
+        return BadInput(f"{name}: not a readable safetensors file ({why})")
+
+    size = Path(path).stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad("shorter than its 8-byte header length")
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, _MAX_HEADER):
+            raise bad(f"header length {n} does not fit the file")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise bad("__metadata__ is not an object of strings")
+    return meta
+
+
+def _check_facts(manifest: dict, meta: dict[str, str]) -> None:
+    """Refuse a manifest whose facts differ from those maps.safetensors records, naming the first field."""
+    raw = meta.get(META_FACTS)
+    if raw is None:
+        raise BadInput(f"{MAPS_FILE}: records no release facts (no '{META_FACTS}' metadata; written by an older "
+                       "ridgefill): export the release again")
+    try:
+        recorded = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{MAPS_FILE}: '{META_FACTS}' metadata is not JSON ({e.msg})") from None
+    if not isinstance(recorded, dict):
+        raise BadInput(f"{MAPS_FILE}: '{META_FACTS}' metadata is not a JSON object")
+    diff = _difference(facts_of(manifest), recorded, "")
+    if diff is not None:
+        raise BadInput(f"{MANIFEST}: {diff} (the manifest was edited)")
+
+
+_ABSENT = object()
+
+
+def _show(value) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _difference(given, recorded, path: str) -> str | None:
+    """The first field (in sorted order) where the manifest's value differs from the recorded one, as a phrase;
+    None if they are the same JSON. Values are compared as JSON text, so 16 and 16.0 or 1 and true differ."""
+    if isinstance(given, dict) and isinstance(recorded, dict):
+        for key in sorted(set(given) | set(recorded), key=str):
+            d = _difference(given.get(key, _ABSENT), recorded.get(key, _ABSENT), f"{path}.{key}" if path else key)
+            if d is not None:
+                return d
+        return None
+    if isinstance(given, list) and isinstance(recorded, list) and len(given) == len(recorded):
+        for i, (g, r) in enumerate(zip(given, recorded)):
+            d = _difference(g, r, f"{path}[{i}]")
+            if d is not None:
+                return d
+        return None
+    if given is _ABSENT:
+        return f"{path!r} is missing but {MAPS_FILE} records {_show(recorded)}"
+    if recorded is _ABSENT:
+        return f"{path!r} is {_show(given)} but {MAPS_FILE} records no such field"
+    if json.dumps(given, sort_keys=True) == json.dumps(recorded, sort_keys=True):
+        return None
+    return f"{path!r} is {_show(given)} but {MAPS_FILE} records {_show(recorded)}"
 
 
 def _projector_files(manifest: dict) -> list[str]:
