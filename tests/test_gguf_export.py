@@ -21,10 +21,7 @@ from ridgefill.errors import BadInput
 from ridgefill.export import gguf as G
 from ridgefill.export import int8, release
 from clirun import cli
-
-LAYERS = (2, 12, 13)  # "blk.12" sorts before "blk.2": tensor order must be numeric
-D_OUT, D_IN = 96, 160  # not square (orientation); d_in = 5 Q8_0 blocks, and a ragged int8 group (128 + 32)
-FP = "e" * 64
+from fakestore import D_IN, D_OUT, FP, LAYERS, calibration_mean, fake_chain, float_maps
 
 
 def manifest(d_out: int = D_OUT) -> dict:
@@ -41,19 +38,6 @@ def manifest(d_out: int = D_OUT) -> dict:
         "heldout": {"fitted": {"k_cosine": 0.96512, "v_cosine": 0.80934}, "identity": {"k_cosine": 0.857,
                     "v_cosine": 0.574}, "rows": 1843, "metric": "kv", "int8_score": 0.8856, "float_score": 0.8871},
     }
-
-
-def float_maps(seed: int = 0, d_in: int = D_IN) -> dict[int, dict[str, np.ndarray]]:
-    """Rows spanning 1e-7..30 in magnitude (f16 subnormal scales up to large ones), a zero row, a zero block."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for layer in LAYERS:
-        row_scale = np.geomspace(1e-7, 30.0, D_OUT)[rng.permutation(D_OUT)]  # [d_out]
-        w = (rng.standard_normal((D_OUT, d_in)) * row_scale[:, None]).astype(np.float32)  # [d_out, d_in]
-        w[5] = 0.0
-        w[7, 32:64] = 0.0
-        out[layer] = {"weight": w, "bias": (rng.standard_normal(D_OUT) * 3).astype(np.float32)}
-    return out
 
 
 def int8_maps(seed: int = 0, d_in: int = D_IN) -> dict[int, dict[str, np.ndarray]]:
@@ -260,41 +244,6 @@ def test_gguf_module_is_lazy():
 # ----------------------------------------------------------------------------------------- CLI, store
 
 
-def fake_chain(root: Path, d_in: int = D_IN) -> dict[str, str]:
-    """A capture, solve and quantize artifact with the files and fields export reads; no model involved."""
-    from ridgefill.capture.run import DOCS
-    from ridgefill.export.quantize import QUANT
-    from ridgefill.solve.run import MAPS, REPORT
-
-    st = Store(root)
-    model = {"name": "fake/Model-1", "revision": None, "model_type": "llama", "num_layers": 14,
-             "hidden_size": D_OUT, "fingerprint": FP}
-    docs = [{"name": "a", "role": "calibration", "sha256": "a" * 64, "tokens": 60},
-            {"name": "b", "role": "held_out", "sha256": "b" * 64, "tokens": 40}]
-    with st.build("capture", {"stage": "capture", "model": FP, "skip_first": 1, "chat": False, "d_in": d_in}) as b:
-        (b.path / DOCS).write_text(json.dumps(docs))
-        cap = b.commit(info={"model": model, "layer_kinds": {str(i): "attention" for i in range(14)}})
-    fm = float_maps(d_in=d_in)
-    mean = {"k_cosine": 0.9, "v_cosine": 0.8}
-    report = {"split": 2, "alpha": 1e-3, "lambda": 0.5, "rows": 59, "metric": "kv", "held_out_rows": 40,
-              "fitted": {"mean": mean}, "identity": {"mean": {"k_cosine": 0.7, "v_cosine": 0.5}}}
-    with st.build("solve", {"stage": "solve", "capture": cap.id, "chat_share": None, "split": 2}) as b:
-        tensors.save(b.path / MAPS, {f"layer.{l}.{k}": v for l, m in fm.items() for k, v in m.items()})
-        (b.path / REPORT).write_text(json.dumps(report))
-        sol = b.commit(info={"capture": cap.id, "model": model}, summary={"layers": list(LAYERS), "split": 2})
-    arrays = {}
-    for l, m in fm.items():
-        codes, bits = int8.quantize(m["weight"])
-        arrays[f"layer.{l}.codes"] = codes
-        arrays[f"layer.{l}.scales"] = tensors.BF16(bits)
-        arrays[f"layer.{l}.bias"] = tensors.BF16(int8.f32_to_bf16_bits(m["bias"]))
-    with st.build("quantize", {"stage": "quantize", "solve": sol.id}) as b:
-        tensors.save(b.path / QUANT, arrays, {"group_size": "128"})
-        q = b.commit(info={"solve": sol.id, "capture": cap.id, "model": model},
-                     summary={"score_int8": 0.79, "score_float": 0.8, "split": 2})
-    return {"capture": cap.id, "solve": sol.id, "quantize": q.id}
-
-
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("store") / "store"
@@ -314,29 +263,74 @@ def test_cli_exports_a_quantize_artifact_as_gguf(chain, tmp_path):
     assert sorted(p.name for p in art.iterdir()) == ["artifact.json", "maps.gguf"]
     rec = json.loads((art / "artifact.json").read_text())["recipe"]
     rel_id = rec["source"].split("/")[1]
-    assert rec == {"stage": "export", "version": 1, "format": "gguf", "source": f"export/{rel_id}"}
+    assert rec == {"stage": "export", "version": 2, "format": "gguf", "source": f"export/{rel_id}"}
+    assert doc["summary"]["bias_correction"] is True
 
-    # the GGUF's facts are the release's manifest; its maps are the int8 release decoded, re-quantized
+    # the GGUF's facts are the release's manifest (its maps: see test_store_gguf_is_one_rounding_of_the_float_maps)
     rel = tmp_path / "rel"
     assert cli("export", ids["quantize"], "--out", rel, "--store", root).returncode == 0  # the default format
     assert (root / "export" / rel_id / "ridgefill.json").read_bytes() == (rel / "ridgefill.json").read_bytes()
-    want, maps = release.load_release(rel)
+    want, _ = release.load_release(rel)
     facts, got = G.load_gguf(out)
-    assert facts == no_nulls(want)
-    for layer in LAYERS:
-        assert np.array_equal(got[layer]["bias"], maps[layer]["bias"])
-        assert (np.abs(got[layer]["weight"] - maps[layer]["weight"]) <= q8_0_bound(maps[layer]["weight"])).all()
+    assert facts == no_nulls(want) and sorted(got) == list(LAYERS)
     from gguf import GGUFReader
 
     fields = GGUFReader(out).fields
     assert fields["ridgefill.gguf.source_artifact"].contents() == f"quantize/{ids['quantize']}"
     assert fields["ridgefill.gguf.release_artifact"].contents() == f"export/{rel_id}"
+    assert fields["ridgefill.gguf.float_maps_artifact"].contents() == f"solve/{ids['solve']}"
 
     # again: a cache hit, and the identical file is left alone
     mtime = out.stat().st_mtime_ns
     r = cli("export", ids["quantize"], "--format", "gguf", "--out", out, "--store", root, "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["cached"] is True
     assert "left alone" in r.stderr and out.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("stage", ["quantize", "solve"])
+def test_store_gguf_is_one_rounding_of_the_float_maps(chain, tmp_path, stage):
+    """From the store the Q8_0 weights are the float maps rounded once (bit-exact against the brute-force Q8_0 of
+    the solve's float weights, not of the int8 maps), and the bias takes the rounding error along the calibration
+    mean: at the mean, the GGUF's maps give the float maps' output. The old path (the int8 release decoded and
+    rounded again, the int8 bias kept) is computed alongside: its error is larger, and at the mean it is off."""
+    root, ids = chain
+    out = tmp_path / "m.gguf"
+    r = cli("export", ids[stage], "--format", "gguf", "--out", out, "--store", root, "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)["summary"]
+    _, got = G.load_gguf(out)
+    from gguf import GGUFReader
+
+    blocks = {t.name: np.asarray(t.data) for t in GGUFReader(out).tensors}
+    mean = calibration_mean()
+    fm = float_maps()
+    from ridgefill.export.quantize import load_quant
+
+    int8_maps_ = {l: (int8.dequantize(q["codes"], q["scale_bits"]), q["bias"])  # as the old path decoded them
+                  for l, q in load_quant(Store(root).get(ids["quantize"])).items()}
+    worst_new = worst_old = 0.0
+    for layer in LAYERS:
+        w = fm[layer]["weight"].astype(np.float64)
+        b = fm[layer]["bias"].astype(np.float64)
+        assert blocks[G.tensor_name(layer, "weight")].tobytes() == q8_0_reference(fm[layer]["weight"])
+        wq, bq = got[layer]["weight"].astype(np.float64), got[layer]["bias"].astype(np.float64)
+        err = np.abs(wq - w)
+        assert (err <= q8_0_bound(fm[layer]["weight"])).all()  # one rounding
+        assert np.array_equal(got[layer]["bias"], (b + (w - wq) @ mean).astype(np.float32))
+        scale = np.abs(w) @ np.abs(mean) + np.abs(b)  # [d_out]: the size of the terms summed at the mean
+        assert (np.abs((wq @ mean + bq) - (w @ mean + b)) <= 1e-6 * scale).all()
+        worst_new = max(worst_new, err.max() / np.abs(w).max())
+        # the old path: from a quantize artifact, Q8_0 of the decoded int8 weights with the int8 release's
+        # (int8-corrected, bf16) bias; from a solve artifact, Q8_0 of the float weights with the bias unchanged
+        if stage == "quantize":
+            old_w = G.dequantize_q8_0(G.q8_0(layer, int8_maps_[layer][0])).astype(np.float64)
+            old_b = int8_maps_[layer][1].astype(np.float64)
+        else:
+            old_w, old_b = wq, b
+        worst_old = max(worst_old, np.abs(old_w - w).max() / np.abs(w).max())
+        assert np.abs((old_w @ mean + old_b) - (w @ mean + b)).max() > 1e3 * (1e-6 * scale).max()
+    assert summary["q8_0_max_rel_error_worst"] == pytest.approx(worst_new)
+    assert worst_new < worst_old if stage == "quantize" else worst_new == worst_old
 
 
 def test_byte_identical_in_a_fresh_store(chain, tmp_path):

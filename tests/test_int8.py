@@ -1,4 +1,4 @@
-"""int8 group quantization (DESIGN.md §4): exact codes on hand-made rows, a slow reference, torch bf16."""
+"""int8 group quantization (docs/format.md, the int8 projector): exact codes on hand-made rows, a slow reference, torch bf16."""
 
 from __future__ import annotations
 

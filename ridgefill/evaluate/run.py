@@ -57,7 +57,7 @@ def load_source(store: Store, source: str) -> MapsSource:
     import json
 
     from ridgefill.capture.run import DOCS
-    from ridgefill.export import int8, release
+    from ridgefill.export import release
 
     p = Path(source)
     if (p / release.MANIFEST).is_file():
@@ -69,9 +69,9 @@ def load_source(store: Store, source: str) -> MapsSource:
     if art.stage not in ("solve", "quantize"):
         raise BadInput(f"artifact {art.id} is a {art.stage} artifact; eval takes a release folder, solve or quantize artifact")
     if art.stage == "quantize":
-        from ridgefill.export.quantize import load_quant
+        from ridgefill.export.quantize import decoded_maps
 
-        maps = {l: (int8.dequantize(q["codes"], q["scale_bits"]), q["bias"]) for l, q in load_quant(art).items()}
+        maps = decoded_maps(art)  # with the artifact's own group size
     else:
         from ridgefill.solve.run import load_maps
 

@@ -1,13 +1,18 @@
-"""`ridgefill export`: a release folder (DESIGN §5) from a quantize or solve artifact.
+"""`ridgefill export`: a release folder (format `ridgefill-maps/1`, see ridgefill.export.release) from a quantize
+or solve artifact.
 
 The release is built inside the store as an export artifact (content-hashed like every stage) and then
-copied to `--out`. The manifest gathers the model, split, layers, fit and held-out figures from the
-upstream artifacts.
+copied to `--out`: into a temporary sibling folder, swapped in by `release.move_into_place` (the same swap as
+`pull`: an old release there is renamed aside and only deleted once the new one is in place, and restored if
+the rename fails). The manifest gathers the model, split, layers, fit and held-out figures from the upstream
+artifacts; a quantize artifact's group size is the one it was quantized with.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from ridgefill.artifacts import Artifact, Store
@@ -16,7 +21,7 @@ from ridgefill.export import release
 from ridgefill.export.card import model_card
 from ridgefill.output import Output
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: maps.safetensors records the release facts
 RELEASE_DIR = "release"
 DEFAULT_TAIL = 512
 
@@ -44,9 +49,14 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
         docs = json.loads(cap.file(DOCS).read_text())
         rep = json.loads(sol.file("report.json").read_text())
         manifest = _manifest(src, sol, cap, rep, docs, tail)
+        if src.stage == "quantize":
+            from ridgefill.export.quantize import group_size, load_quant
+
+            maps, group = load_quant(src), {"group_size": group_size(src)}
+        else:
+            maps, group = _float_maps(src), {"weight_dtype": "f32"}
         with store.build("export", recipe) as build:
-            release.write_release(build.path / RELEASE_DIR, _maps(src), manifest, model_card(_for_card(manifest, src)),
-                                  weight_dtype=None if src.stage == "quantize" else "f32")
+            release.write_release(build.path / RELEASE_DIR, maps, manifest, model_card, **group)
             _flatten(build.path / RELEASE_DIR, build.path)
             art = build.commit(info={"source": src.id, "solve": sol.id, "capture": cap.id},
                                summary={"split": manifest["split"], "files": sorted(manifest_files(build.path))})
@@ -67,11 +77,7 @@ def _flatten(rel: Path, dest: Path) -> None:
     rel.rmdir()
 
 
-def _maps(src: Artifact) -> dict:
-    if src.stage == "quantize":
-        from ridgefill.export.quantize import load_quant
-
-        return load_quant(src)
+def _float_maps(src: Artifact) -> dict:
     from ridgefill.solve.run import load_maps
 
     return {l: {"weight": w, "bias": b} for l, (w, b) in load_maps(src).items()}
@@ -108,27 +114,27 @@ def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list
     }
 
 
-def _for_card(manifest: dict, src: Artifact) -> dict:
-    proj = {"dtype": "int8", "group_size": 128} if src.stage == "quantize" else {"dtype": "f32"}
-    return {**manifest, "format": release.FORMAT, "projector": proj}
-
-
 def _copy_out(art: Artifact, out_dir: Path, force: bool) -> Path:
-    """Copy the release to out_dir (temp sibling, then rename). An identical release there is left alone."""
+    """Copy the release to out_dir (temporary sibling, then `release.move_into_place`). An identical release
+    there is left alone; a different one is only replaced with force."""
     names = manifest_files(art.path)
     if out_dir.is_dir() and any(out_dir.iterdir()):
         same = sorted(p.name for p in out_dir.iterdir()) == sorted(names) and all(
-            (out_dir / n).read_bytes() == (art.path / n).read_bytes() for n in names)
+            (out_dir / n).is_file() and (out_dir / n).read_bytes() == (art.path / n).read_bytes() for n in names)
         if same:
             return out_dir
         if not force:
             raise BadInput(f"--out {out_dir} holds a different release; pass --force to replace it")
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for n in names:
-        shutil.copyfile(art.path / n, tmp / n)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; a release folder should look like any other
+        for n in names:
+            shutil.copyfile(art.path / n, tmp / n)
+        release.move_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out_dir

@@ -1,9 +1,10 @@
 """`ridgefill export --format gguf`: the maps of a release as one GGUF file (Q8_0 weights, F32 biases).
 
-The GGUF is the release re-encoded: it is made from a verified release (a release folder, or the export
-artifact that `ridgefill export` builds from a quantize or solve artifact), built as its own export artifact
-in the store (recipe: format "gguf" + the release artifact's id, or the release manifest's sha256) and
-copied to `--out FILE.gguf`. Written with gguf-py (imported inside functions, so `import ridgefill` stays light).
+The GGUF carries the facts of a verified release (a release folder, or the export artifact that `ridgefill
+export` builds from a quantize or solve artifact: facts are only ever read through `release.load_release`),
+is built as its own export artifact in the store (recipe: format "gguf" + the release artifact's id, or the
+release manifest's sha256) and copied to `--out FILE.gguf`. Written with gguf-py (imported inside functions, so
+`import ridgefill` stays light).
 
 File layout `ridgefill-maps-gguf/1` (this module owns every name below):
 
@@ -16,7 +17,8 @@ File layout `ridgefill-maps-gguf/1` (this module owns every name below):
       general.base_model.count / .0.name / .0.version, general.file_type = 7 (MOSTLY_Q8_0),
       general.quantization_version, general.license (if the manifest has one)
       ridgefill.gguf.format = "ridgefill-maps-gguf/1"; ridgefill.gguf.source_artifact / .release_artifact
-      (store ids, when made from the store)
+      (store ids, when made from the store); ridgefill.gguf.float_maps_artifact ("solve/<id>", when the
+      weights were quantized from the store's float maps with the bias correction below)
       ridgefill.<path> for every fact of the release manifest (ridgefill.json), flattened with dots:
       str -> STRING, bool -> BOOL, int -> INT64, float -> FLOAT64, list of one scalar type -> ARRAY;
       null and [] are left out. Two exceptions: `layers` [{index, kind}] becomes ridgefill.layers (INT64
@@ -26,10 +28,19 @@ File layout `ridgefill-maps-gguf/1` (this module owns every name below):
 Q8_0 (GGML): blocks of 32 consecutive input columns; in float32 d = absmax / 127, code = roundf(w * (1 / d))
 (half away from zero), stored as f16(d) and 32 int8 (gguf-py's encoder matches ggml-quants.c bit for bit). The
 codes are computed against d, not f16(d), so |w - code * f16(d)| <= d / 2 + 127 |f16(d) - d| (plus float32
-rounding). For an int8 release the float map is the decoded release (codes * bf16 scales), re-quantized; the bias
-is the release's bias, unchanged (its int8 bias correction stays; the Q8_0 step adds no correction of its own,
-because a release folder does not carry the calibration mean). d_in must be a multiple of 32 (a padded map would
-need a padded split state, so it is refused), and no block's scale may overflow f16 (|w| above 127 * 65504).
+rounding). d_in must be a multiple of 32 (a padded map would need a padded split state, so it is refused), and
+no block's scale may overflow f16 (|w| above 127 * 65504).
+
+Which float maps are quantized:
+- from the store (a quantize or solve artifact): the solve artifact's float maps W, b (for a quantize
+  artifact, the solve upstream of it: its int8 codes are not re-quantized, so there is one rounding, not two),
+  with the bias correction `quantize` applies to int8: the rounding error along the calibration mean is folded
+  into the bias, b_q = b + (W - W_q) mean_x (float64, stored F32), so W_q mean_x + b_q = W mean_x + b.
+  mean_x is the capture's mean split state, mixed as the solve mixed it. The projector facts in the metadata
+  (ridgefill.projector.*) describe the release, not this file's Q8_0 weights.
+- from a release folder: the release's maps as decoded (for int8, codes * bf16 scales, re-quantized) and
+  the release's bias unchanged (its int8 correction stays; a release folder does not carry the calibration
+  mean, so the Q8_0 step adds no correction of its own).
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ from ridgefill.errors import BadInput
 from ridgefill.export import release
 from ridgefill.output import Output
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: from the store, Q8_0 of the float maps with the bias correction; release facts hashed
 LAYOUT = "ridgefill-maps-gguf/1"
 ARCH = "ridgefill"
 GGUF_FILE = "maps.gguf"
@@ -58,6 +69,7 @@ QK8_0 = 32  # Q8_0 block: 32 weights share one f16 scale
 PREFIX = f"{ARCH}."
 OWN = "ridgefill.gguf."  # keys about this file, not facts of the release manifest
 K_FORMAT, K_SOURCE, K_RELEASE = OWN + "format", OWN + "source_artifact", OWN + "release_artifact"
+K_FLOAT = OWN + "float_maps_artifact"
 K_LAYERS, K_KINDS = "ridgefill.layers", "ridgefill.layer_kinds"  # manifest `layers`
 K_FILES, K_SHA = "ridgefill.files", "ridgefill.files_sha256"  # manifest `files`
 _SPECIAL = (K_LAYERS, K_KINDS, K_FILES, K_SHA)
@@ -184,7 +196,7 @@ def general_metadata(manifest: dict, provenance: dict[str, str] | None = None) -
         out["general.base_model.0.version"] = ("str", str(model["revision"]))
     if isinstance(manifest.get("license"), str) and manifest["license"]:
         out["general.license"] = ("str", manifest["license"])
-    for key, k in (("source_artifact", K_SOURCE), ("release_artifact", K_RELEASE)):
+    for key, k in (("source_artifact", K_SOURCE), ("release_artifact", K_RELEASE), ("float_maps_artifact", K_FLOAT)):
         if (provenance or {}).get(key):
             out[k] = ("str", provenance[key])
     return out
@@ -232,15 +244,25 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------- write, read
 
 
-def encode_tensors(maps: dict[int, dict[str, np.ndarray]]) -> tuple[list, dict]:
-    """{layer: {weight f32, bias f32}} -> ([(name, array, ggml type name)] in layer order, error figures)."""
+def encode_tensors(maps: dict[int, dict[str, np.ndarray]], mean_x: np.ndarray | None = None) -> tuple[list, dict]:
+    """{layer: {weight f32, bias f32}} -> ([(name, array, ggml type name)] in layer order, error figures).
+
+    With `mean_x` [d_in] (the calibration mean) each bias takes the rounding error along it:
+    b_q = b + (W - W_q) mean_x, computed in float64 and stored as float32. Error figures per layer, against
+    the given float weights: max_abs and max_rel (max |W_q - W| / max |W|)."""
     tensors, errors = [], {}
     for layer in sorted(maps):
         w, b = maps[layer]["weight"], np.asarray(maps[layer]["bias"])
         q = q8_0(layer, w)
         if b.dtype != np.float32 or b.shape != (w.shape[0],):
             raise ValueError(f"layer {layer}: bias must be float32 [{w.shape[0]}], got {b.dtype} {tuple(b.shape)}")
-        err = np.abs(dequantize_q8_0(q) - w).max(initial=0.0)
+        deq = dequantize_q8_0(q)  # [d_out, d_in]
+        if mean_x is not None:
+            mean_x = np.asarray(mean_x, dtype=np.float64)
+            if mean_x.shape != (w.shape[1],):
+                raise ValueError(f"layer {layer}: calibration mean has shape {mean_x.shape}, expected ({w.shape[1]},)")
+            b = (b.astype(np.float64) + (w.astype(np.float64) - deq) @ mean_x).astype(np.float32)
+        err = np.abs(deq - w).max(initial=0.0)
         errors[str(layer)] = {"max_abs": float(err), "max_rel": float(err / max(np.abs(w).max(initial=0.0), 1e-30))}
         tensors += [(tensor_name(layer, "weight"), q, "Q8_0"), (tensor_name(layer, "bias"), b, "F32")]
     return tensors, errors
@@ -331,24 +353,44 @@ def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail
                 check_row_length(layer, d_in)
         rel, _, _ = build.export(store, ref, None, out, tail=tail)
         source = f"export/{rel.id}"
-        provenance = {"source_artifact": f"{src.stage}/{src.id}", "release_artifact": source}
+        sol = store.get(src.info["solve"], stage="solve") if src.stage == "quantize" else src
+        provenance = {"source_artifact": f"{src.stage}/{src.id}", "release_artifact": source,
+                      "float_maps_artifact": f"solve/{sol.id}"}
         info = {"source": src.id, "release": rel.id, **{k: rel.info[k] for k in ("solve", "capture") if k in rel.info}}
     recipe = {"stage": "export", "version": FORMAT_VERSION, "format": "gguf", "source": source}
     art = store.cached("export", recipe)
     cached = art is not None
     if not cached:
+        mean_x = None
         if maps is None:
-            manifest, maps = _load_release_artifact(rel)
-        tensors, errors = encode_tensors(maps)
+            manifest, _ = _load_release_artifact(rel)  # the facts, verified as a user's release would be
+            maps, mean_x = float_maps_and_mean(store, sol, manifest)
+        tensors, errors = encode_tensors(maps, mean_x)
         with store.build("export", recipe) as b:
             write_gguf(b.path / GGUF_FILE, manifest, tensors, provenance)
             summary = {"format": "gguf", "split": manifest.get("split"), "files": [GGUF_FILE],
                        "tensors": len(tensors), "bytes": (b.path / GGUF_FILE).stat().st_size,
+                       "bias_correction": mean_x is not None,
                        "q8_0_max_abs_error": max(e["max_abs"] for e in errors.values()),
                        "q8_0_max_rel_error_worst": max(e["max_rel"] for e in errors.values())}
             art = b.commit(info={**info, "gguf_py": _gguf_version(), "q8_0_errors": errors}, summary=summary)
     copied = _copy_out(art, target, force, out) if target is not None else None
     return art, cached, copied
+
+
+def float_maps_and_mean(store: Store, sol: Artifact, manifest: dict) -> tuple[dict, np.ndarray]:
+    """The solve artifact's float maps ({layer: {weight, bias}} float32) and its calibration mean (float64
+    [d_in]), checked against the release's facts (same layers, same split)."""
+    from ridgefill.export.quantize import calibration_mean
+    from ridgefill.solve.run import load_maps
+
+    store.verify(sol)
+    maps = {l: {"weight": w, "bias": b} for l, (w, b) in load_maps(sol).items()}
+    layers = [x["index"] for x in manifest.get("layers", [])]
+    if layers != sorted(maps) or manifest.get("split") != sol.manifest["summary"]["split"]:
+        raise BadInput(f"solve artifact {sol.id} does not match the release built from it (layers {sorted(maps)}, "
+                       f"split {sol.manifest['summary']['split']})")
+    return maps, calibration_mean(store, sol)
 
 
 def _source_row_lengths(src: Artifact) -> list[tuple[int, int]]:

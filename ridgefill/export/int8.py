@@ -1,8 +1,9 @@
-"""Group-wise int8 quantization of the RidgeFill maps (DESIGN.md §4 "int8").
+"""Group-wise int8 quantization of the RidgeFill maps (the `int8` projector of docs/format.md).
 
 Pure numpy: arrays in, arrays out, no I/O, no torch (in the manner of gguf-py's quants.py).
 
-Per output row, the input columns are cut into groups of `GROUP_SIZE` (128) consecutive columns; when `d_in`
+Per output row, the input columns are cut into groups of `group` consecutive columns (`GROUP_SIZE`, 128, unless
+the caller says otherwise: a quantize artifact and a release record the size they used); when `d_in`
 is not a multiple of the group size the last group is shorter. Each group stores one bf16 scale and one int8
 code per weight. Exactly, for a group `g` of a float32 row:
 

@@ -1,13 +1,14 @@
-"""`ridgefill quantize`: int8 maps (DESIGN §4, "int8") with their error and held-out score.
+"""`ridgefill quantize`: int8 maps (group-wise, see ridgefill.export.int8) with their error and held-out score.
 
 Bias correction: the weight error W - W_q costs (W - W_q) x on every row. Its part along the calibration mean,
 (W - W_q) mean_x, is the same on every row, so it is folded into the bias: b_q = b + (W - W_q) mean_x. This
 matters on models with massive activations (Gemma 3: one split-state dimension reaches 4.5e4 against a median
-of 50), where the small weights of that column round coarsely in their group of 128 and the error is
-multiplied by the huge, nearly constant input.
+of 50), where the small weights of that column round coarsely in their group (128 columns by default) and the
+error is multiplied by the huge, nearly constant input.
 
 The quantize artifact stores the maps already in the release tensor layout (codes, bf16 scales, bf16
-bias), so export only copies them.
+bias), so export only copies them; the group size is in its recipe and its quant.safetensors metadata
+(`group_size`), and every reader takes it from there (`group_size`, `decoded_maps`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ def quantize(store: Store, maps_ref: str, out: Output, group: int = int8.GROUP_S
     from ridgefill.models.device import where
     from ridgefill.solve.run import load_maps, warn_if_mixed
 
-    from ridgefill.capture.run import load_stats
-
     place = where(device, dtype, device_map, max_memory)
     sol = store.get(maps_ref, stage="solve")
     recipe = {"stage": "quantize", "version": FORMAT_VERSION, "solve": sol.id, "dtype": "int8", "group_size": group,
@@ -47,7 +46,7 @@ def quantize(store: Store, maps_ref: str, out: Output, group: int = int8.GROUP_S
     maps = load_maps(sol)
     cap = store.get(sol.info["capture"], stage="capture")
     warn_if_mixed(cap, place, out)
-    mean_x = load_stats(cap, sol.recipe["split"], sol.recipe["chat_share"]).mean_x
+    mean_x = calibration_mean(store, sol)
     arrays, qmaps, errors = {}, {}, {}
     for l, (w, b) in maps.items():
         codes, scale_bits, bias_bits = quantize_map(w, b, mean_x, group)
@@ -68,6 +67,15 @@ def quantize(store: Store, maps_ref: str, out: Output, group: int = int8.GROUP_S
         art = build.commit(info={"solve": sol.id, **{k: sol.info[k] for k in ("capture", "model", "model_spec")}},
                            summary=summary)
     return art, False
+
+
+def calibration_mean(store: Store, sol: Artifact) -> np.ndarray:
+    """mean_x [d_in] float64: the mean split state of the solve's calibration rows (its capture's statistics at its
+    split, raw and chat mixed by its chat_share), the direction the bias correction folds the rounding error along."""
+    from ridgefill.capture.run import load_stats
+
+    cap = store.get(sol.info["capture"], stage="capture")
+    return load_stats(cap, sol.recipe["split"], sol.recipe["chat_share"]).mean_x
 
 
 def quantize_map(w: np.ndarray, b: np.ndarray, mean_x: np.ndarray, group: int = int8.GROUP_SIZE):
@@ -98,10 +106,34 @@ def _scores(store: Store, cap: Artifact, sol: Artifact, maps: dict, qmaps: dict,
     return out[0], out[1]
 
 
+def group_size(art: Artifact) -> int:
+    """The group size a quantize artifact was quantized with. Its recipe's `group_size` and the `group_size`
+    metadata of its quant.safetensors must agree where both are present (RidgefillError otherwise)."""
+    from ridgefill.errors import RidgefillError
+    from ridgefill.export.release import read_metadata
+
+    recorded = read_metadata(art.file(QUANT)).get("group_size")
+    group = art.recipe.get("group_size", recorded)
+    if recorded is not None and str(group) != recorded:
+        raise RidgefillError(f"quantize artifact {art.id}: {QUANT} records group size {recorded}, its recipe {group}")
+    if isinstance(group, str) and group.isdigit():
+        group = int(group)
+    if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+        raise RidgefillError(f"quantize artifact {art.id} records no valid group size ({group!r})")
+    return group
+
+
 def load_quant(art: Artifact) -> dict[int, dict[str, np.ndarray]]:
-    """{layer: {"codes", "scale_bits", "bias" (float32)}} as `release.write_release` takes them."""
+    """{layer: {"codes", "scale_bits", "bias" (float32)}} as `release.write_release` takes them, with
+    `group_size(art)`."""
     arrays, _ = tensors.load(art.file(QUANT))
     layers = sorted({int(k.split(".")[1]) for k in arrays})
     return {l: {"codes": arrays[tensor_name(l, CODES)],
                 "scale_bits": arrays[tensor_name(l, SCALES)].bits,
                 "bias": int8.bf16_bits_to_f32(arrays[tensor_name(l, BIAS)].bits)} for l in layers}
+
+
+def decoded_maps(art: Artifact) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """{layer: (W float32 [d_out, d_in], b float32 [d_out])}: the int8 maps decoded with the artifact's group size."""
+    group = group_size(art)
+    return {l: (int8.dequantize(q["codes"], q["scale_bits"], group), q["bias"]) for l, q in load_quant(art).items()}

@@ -1,0 +1,79 @@
+"""A store chain without a model: hand-made capture, solve and quantize artifacts holding exactly the files and
+fields that `export` (release and GGUF) and `eval`'s source loader read. Shared by test_release.py and
+test_gguf_export.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ridgefill.artifacts import Store, tensors
+from ridgefill.export import int8
+
+LAYERS = (2, 12, 13)  # "layer.12" / "blk.12" sort before "layer.2": orders must be numeric
+D_OUT, D_IN = 96, 160  # not square (orientation); d_in = 5 Q8_0 blocks, and a ragged int8 group (128 + 32)
+FP = "e" * 64
+MODEL = {"name": "fake/Model-1", "revision": None, "model_type": "llama", "num_layers": 14, "hidden_size": D_OUT,
+         "fingerprint": FP}
+
+
+def float_maps(seed: int = 0, d_in: int = D_IN) -> dict[int, dict[str, np.ndarray]]:
+    """Rows spanning 1e-7..30 in magnitude (f16 subnormal scales up to large ones), a zero row, a zero block."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for layer in LAYERS:
+        row_scale = np.geomspace(1e-7, 30.0, D_OUT)[rng.permutation(D_OUT)]  # [d_out]
+        w = (rng.standard_normal((D_OUT, d_in)) * row_scale[:, None]).astype(np.float32)  # [d_out, d_in]
+        w[5] = 0.0
+        w[7, 32:64] = 0.0
+        out[layer] = {"weight": w, "bias": (rng.standard_normal(D_OUT) * 3).astype(np.float32)}
+    return out
+
+
+def calibration_mean(d_in: int = D_IN) -> np.ndarray:
+    """A mean split state with one massive dimension (as Gemma 3 has), float64 [d_in]."""
+    mean = np.random.default_rng(7).standard_normal(d_in) * 2.0
+    mean[d_in // 3] = 4.5e4
+    return mean
+
+
+def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE) -> dict[str, str]:
+    """A capture (documents and split-2 statistics), a solve (float maps, report) and a quantize artifact (int8
+    maps at `group`, bias-corrected along the calibration mean as `quantize` does); returns their ids."""
+    from ridgefill.capture.run import DOCS, STATS
+    from ridgefill.capture.stats import Moments
+    from ridgefill.export.quantize import QUANT, quantize_map
+    from ridgefill.solve.run import MAPS, REPORT
+
+    st = Store(root)
+    docs = [{"name": "a", "role": "calibration", "sha256": "a" * 64, "tokens": 60},
+            {"name": "b", "role": "held_out", "sha256": "b" * 64, "tokens": 40}]
+    mean = calibration_mean(d_in)
+    moments = Moments.empty(len(LAYERS), d_in, D_OUT)
+    moments.n, moments.mean_x[:] = 59, mean
+    with st.build("capture", {"stage": "capture", "model": FP, "skip_first": 1, "chat": False, "d_in": d_in}) as b:
+        (b.path / DOCS).write_text(json.dumps(docs))
+        tensors.save(b.path / STATS, moments.to_arrays("raw.split2"), {"splits": "2", "variants": "raw"})
+        cap = b.commit(info={"model": MODEL, "layer_kinds": {str(i): "attention" for i in range(14)}})
+    fm = float_maps(d_in=d_in)
+    mean_scores = {"k_cosine": 0.9, "v_cosine": 0.8}
+    report = {"split": 2, "alpha": 1e-3, "lambda": 0.5, "rows": 59, "metric": "kv", "held_out_rows": 40,
+              "fitted": {"mean": mean_scores}, "identity": {"mean": {"k_cosine": 0.7, "v_cosine": 0.5}}}
+    with st.build("solve", {"stage": "solve", "capture": cap.id, "chat_share": None, "split": 2}) as b:
+        tensors.save(b.path / MAPS, {f"layer.{l}.{k}": v for l, m in fm.items() for k, v in m.items()})
+        (b.path / REPORT).write_text(json.dumps(report))
+        sol = b.commit(info={"capture": cap.id, "model": MODEL}, summary={"layers": list(LAYERS), "split": 2})
+    arrays = {}
+    for l, m in fm.items():
+        codes, bits, bias_bits = quantize_map(m["weight"], m["bias"], mean, group)
+        arrays[f"layer.{l}.codes"] = codes
+        arrays[f"layer.{l}.scales"] = tensors.BF16(bits)
+        arrays[f"layer.{l}.bias"] = tensors.BF16(bias_bits)
+    with st.build("quantize", {"stage": "quantize", "solve": sol.id, "group_size": group}) as b:
+        tensors.save(b.path / QUANT, arrays, {"group_size": str(group)})
+        q = b.commit(info={"solve": sol.id, "capture": cap.id, "model": MODEL},
+                     summary={"score_int8": 0.79, "score_float": 0.8, "split": 2})
+    return {"capture": cap.id, "solve": sol.id, "quantize": q.id}
