@@ -262,6 +262,7 @@ def test_a_release_fetched_with_hf_download_verifies(hub, home, tmp_path):
     assert (out / ".cache" / "huggingface" / "download" / f"{MAPS_FILE}.metadata").is_file()
     r = run(hub, home, "verify", out)
     assert r.returncode == 0, r.stderr
+    assert f"1 file(s) match {MANIFEST} ({MAPS_FILE}), and its facts match those {MAPS_FILE} records" in r.stderr
     assert release.load_release(out)[0] == release.verify_release(src)
     r = run(hub, home, "push", out, "--repo", repo_id, "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["unchanged"] is True, r.stderr

@@ -49,11 +49,13 @@ def verify(
     json: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Check every file of a release folder against its manifest (exit 2 naming the bad file)."""
-    from ridgefill.export.release import verify_release
+    """Check every file of a release folder against its manifest, and the manifest against the facts
+    maps.safetensors records (exit 2 naming the bad file or field)."""
+    from ridgefill.export.release import MAPS_FILE, verify_release
 
     out = output(json)
     manifest = verify_release(folder)
     files = sorted(manifest["files"])
-    out.info(f"[green]ok[/green] {folder}: {len(files)} file(s) match ridgefill.json ({', '.join(files)})")
+    out.info(f"[green]ok[/green] {folder}: {len(files)} file(s) match ridgefill.json ({', '.join(files)}), and its "
+             f"facts match those {MAPS_FILE} records")
     out.result({"ok": True, "folder": str(folder), "files": manifest["files"]}, primary=None)
