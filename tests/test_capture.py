@@ -271,7 +271,7 @@ def test_capture_never_runs_the_last_layer_or_the_head(tmp_path, corpus, monkeyp
 
     monkeypatch.setattr(models, "load_model", counting)
     art, cached = run(Store(tmp_path / "store"), request.getfixturevalue(arch), corpus, splits=(1, 2))
-    assert not cached and art.manifest["summary"]["units_computed"] == 6
+    assert not cached
     chunks = sum(-(-d["tokens"] // 32) for d in json.loads(art.file(DOCS).read_text()))
     assert calls["layer -2"] == chunks  # the hooks count: every chunk ran the layers up to the last one
     assert calls["last layer"] == calls["final norm"] == calls["lm head"] == calls["causal lm"] == 0

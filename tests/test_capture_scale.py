@@ -180,6 +180,8 @@ def test_torchrun_rank_death_fails_clearly_and_the_rerun_resumes(tmp_path, tiny_
     assert p.returncode == 0, err
     assert f"resuming capture {ref_id} at unit 2/" in err  # after round 1 (blocks 0 and 1), not from scratch
     assert files_of(store / "capture" / ref_id) == files_of(tmp_path / "ref" / "capture" / ref_id)
+    summary = json.loads((store / "capture" / ref_id / "artifact.json").read_text())["summary"]
+    assert summary["resumed_at_unit"] == 2 and summary["units_computed"] == summary["units"] - 2
 
 
 def free_port() -> int:
