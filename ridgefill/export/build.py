@@ -98,10 +98,14 @@ def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list
     if src.stage == "quantize":
         heldout["int8_score"] = round(src.manifest["summary"]["score_int8"], 6)
         heldout["float_score"] = round(src.manifest["summary"]["score_float"], 6)
+    from ridgefill.models.spec import upstream  # for the model card: base model, its license, a portable spec
+
+    up = upstream(cap.info.get("model_spec", ""), model["name"], model.get("revision"))
     return {
+        **({"license": up["license"]} if "license" in up else {}),
         "model": {"name": model["name"], "revision": model.get("revision"), "architecture": model["model_type"],
                   "num_layers": model["num_layers"], "hidden_size": model["hidden_size"],
-                  "fingerprint": model["fingerprint"]},
+                  "fingerprint": model["fingerprint"], **{k: up[k] for k in ("base_model", "source", "spec") if k in up}},
         "split": split,
         "tail_default": tail,
         "layers": [{"index": l, "kind": kinds.get(str(l), "attention")} for l in layers],
