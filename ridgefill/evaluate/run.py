@@ -21,7 +21,7 @@ from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 
-FORMAT_VERSION = 3  # 2: single needles in noise filler; 3: nofill needles, "ridgefill+rows"
+FORMAT_VERSION = 4  # 2: single needles in noise filler; 3: nofill needles, "ridgefill+rows"; 4: row 0 exact
 RESULTS = "results.json"
 ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
 DEFAULT_ARMS = ARMS[:4]  # "+rows" is optional (it costs another fill per sample)
