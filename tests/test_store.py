@@ -293,3 +293,31 @@ def test_artifacts_ls_rounds_for_people_and_commands_report_a_damaged_manifest(t
     assert r.returncode == 1 and bad in r.stderr
     r = cli("artifacts", "show", cap.id, "--store", tmp_path, "--json")  # shown, with a warning
     assert r.returncode == 0 and json.loads(r.stdout)["recipe"]["trust_remote_code"] is True and bad in r.stderr
+
+
+def test_upstream_artifacts_are_found_through_the_hashed_recipe_not_info(tmp_path):
+    """`info` is not covered by the id: pointing a quantize artifact's info at another chain changes nothing that
+    export, eval's loader or quantize's calibration mean read."""
+    from fakestore import fake_chain
+
+    from ridgefill.evaluate.run import load_source
+    from ridgefill.export.build import export
+    from ridgefill.export.quantize import calibration_mean
+    from ridgefill.output import Output
+
+    a, b = fake_chain(tmp_path), fake_chain(tmp_path, d_in=192)
+    st = Store(tmp_path)
+    q = st.get(a["quantize"])
+    path = q.path / "artifact.json"
+    man = json.loads(path.read_text())
+    man["info"].update(solve=b["solve"], capture=b["capture"])
+    path.write_text(json.dumps(man))
+    q = st.get(a["quantize"])
+    assert st.upstream(q, "solve").id == a["solve"] and st.upstream(q, "capture").id == a["capture"]
+    assert calibration_mean(st, st.get(a["solve"])).shape == (160,)
+    art, _, _ = export(st, a["quantize"], None, Output(quiet=True))
+    manifest = json.loads((art.path / "ridgefill.json").read_text())
+    assert (manifest["fit"]["solve_id"], manifest["fit"]["capture_id"]) == (a["solve"], a["capture"])
+    assert load_source(st, a["quantize"]).calibration == frozenset({"a" * 64})
+    with pytest.raises(BadInput, match="was not made from a compact artifact"):
+        st.upstream(q, "compact")

@@ -36,6 +36,7 @@ _BUILDING: set[str] = set()  # lock paths of the builds this process is inside (
 MANIFEST = "artifact.json"
 FORMAT = "ridgefill-artifact/1"
 STAGES = ("capture", "solve", "quantize", "export", "eval", "compact", "fold")
+UPSTREAM = {"solve": "capture", "quantize": "solve", "fold": "compact"}  # stage -> the recipe key naming its input
 
 
 def canonical_json(obj: Any) -> str:
@@ -319,6 +320,17 @@ class Store:
             if p.name != MANIFEST and p.name not in files:
                 out.append(f"{p.name}: not listed in {MANIFEST}")
         return out
+
+    def upstream(self, art: Artifact, stage: str) -> Artifact:
+        """The `stage` artifact that `art` was made from, followed through the hashed recipes (solve -> capture,
+        quantize -> solve, fold -> compact), never through the unhashed `info`."""
+        cur = art
+        while cur.stage != stage:
+            key = UPSTREAM.get(cur.stage)
+            if key is None or not isinstance(cur.recipe.get(key), str):
+                raise BadInput(f"artifact {art.stage}/{art.id} was not made from a {stage} artifact")
+            cur = self.get(f"{key}/{cur.recipe[key]}", stage=key)
+        return cur
 
     def verify(self, art: Artifact) -> None:
         probs = self.problems(art)

@@ -76,7 +76,7 @@ def load_source(store: Store, source: str) -> MapsSource:
         from ridgefill.solve.run import load_maps
 
         maps = load_maps(art)
-    cap = store.get(art.info["capture"], stage="capture")
+    cap = store.upstream(art, "capture")
     docs = json.loads(cap.file(DOCS).read_text())
     calib = frozenset(d["sha256"] for d in docs if d["role"] == "calibration")
     split = int(art.manifest["summary"]["split"])

@@ -39,8 +39,8 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
         raise BadInput(f"artifact {src.id} is a {src.stage} artifact; export takes a quantize or solve artifact")
     if out_dir is not None:
         release.check_out_dir(out_dir)
-    sol = store.get(src.info["solve"], stage="solve") if src.stage == "quantize" else src
-    cap = store.get(sol.info["capture"], stage="capture")
+    sol = store.upstream(src, "solve")
+    cap = store.upstream(sol, "capture")
     recipe = {"stage": "export", "version": FORMAT_VERSION, "source": f"{src.stage}/{src.id}", "tail": tail}
     art = store.cached("export", recipe)
     cached = art is not None

@@ -353,7 +353,7 @@ def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail
                 check_row_length(layer, d_in)
         rel, _, _ = build.export(store, ref, None, out, tail=tail)
         source = f"export/{rel.id}"
-        sol = store.get(src.info["solve"], stage="solve") if src.stage == "quantize" else src
+        sol = store.upstream(src, "solve")
         provenance = {"source_artifact": f"{src.stage}/{src.id}", "release_artifact": source,
                       "float_maps_artifact": f"solve/{sol.id}"}
         info = {"source": src.id, "release": rel.id, **{k: rel.info[k] for k in ("solve", "capture") if k in rel.info}}

@@ -44,7 +44,7 @@ def quantize(store: Store, maps_ref: str, out: Output, group: int = int8.GROUP_S
         return hit, True
     store.verify(sol)
     maps = load_maps(sol)
-    cap = store.get(sol.info["capture"], stage="capture")
+    cap = store.upstream(sol, "capture")
     warn_if_mixed(cap, place, out)
     mean_x = calibration_mean(store, sol)
     arrays, qmaps, errors = {}, {}, {}
@@ -74,7 +74,7 @@ def calibration_mean(store: Store, sol: Artifact) -> np.ndarray:
     split, raw and chat mixed by its chat_share), the direction the bias correction folds the rounding error along."""
     from ridgefill.capture.run import load_stats
 
-    cap = store.get(sol.info["capture"], stage="capture")
+    cap = store.upstream(sol, "capture")
     return load_stats(cap, sol.recipe["split"], sol.recipe["chat_share"]).mean_x
 
 
