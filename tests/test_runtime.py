@@ -422,3 +422,24 @@ def test_load_release_maps_refusals(lm_of, tmp_path):
     (tmp_path / "bad" / "maps.safetensors").write_bytes(blob[:-4] + bytes(4))  # a byte changed on disk
     with pytest.raises(BadInput, match="sha256"):
         load_release_maps(llama, tmp_path / "bad")
+
+
+def test_sliding_layers_fill_only_the_rows_a_query_sees(lm_of):
+    """Gemma's sliding layers (window 8 here) write keys only for filled rows within a window of the next query row
+    (an exact row or the tail); full layers fill every prefix row. Row 0 and row 5 are exact, the tail is 26..29."""
+    lm = lm_of("gemma3_text")
+    ids, S, T = tokens(30, seed=12), 2, 4
+    assert lm.adapter.layer_kinds[2] == "sliding_attention" and lm.adapter.layer_kinds[3] == "full_attention"
+    rows, kv = {}, lm.adapter.kv
+
+    def spy(l, x):
+        rows[l] = x.shape[0]
+        return kv(l, x)
+
+    lm.adapter.kv = spy
+    try:
+        res = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=random_maps(lm, S), exact_rows=[5])
+    finally:
+        del lm.adapter.kv
+    assert res.exact_rows == [0, 5]
+    assert rows == {2: len([*range(1, 5), *range(19, 26)]), 3: 26 - 2}

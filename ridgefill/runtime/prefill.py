@@ -33,8 +33,9 @@ place, and writes the rows being run into their own slots when the attention cal
 slots become an ordinary `DynamicCache(config=...)` (sliding layers keep their last window - 1 rows, as the stock
 cache does), so decoding continues with the stock model at positions N, N+1, ...
 
-In sliding-window late layers only the prefix rows that some query (or the final cache) can see are filled:
-rows more than a window behind the first query row get no keys at all.
+In sliding-window late layers only the prefix rows that some query row (an exact row or the tail) sees are
+filled: a row more than a window behind the next query row gets no keys at all. The final cache keeps only the
+last window - 1 rows, which the tail's queries see.
 
 Devices. The same code runs on a CPU, a GPU, and a model that accelerate spread over several devices and disk
 (`load_model(device_map=...)`): the inputs go to the embeddings' device, each layer's key/value slots are made on
@@ -229,7 +230,10 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select):
     if rows:
         is_fill[torch.tensor(rows, device=device)] = False
     fill_pos = all_pos[is_fill] if arm != "nofill" else all_pos[:0]
-    first_query = int(q_pos[0])
+    if layers.window:  # sliding layers fill only the rows some query row sees: the next query at or after them
+        nxt = torch.searchsorted(q_pos, fill_pos)  # q_pos is sorted; fill rows are never query rows
+        ahead = torch.cat([q_pos, q_pos.new_tensor([n + layers.window])])[nxt]
+        fill_pos_sliding = fill_pos[ahead - fill_pos < layers.window]
     hq = hidden[:, q_pos.to(hidden.device)]  # [1, Q, d]
     x_split = h_split.float()
     valid_store = [every] * split
@@ -241,7 +245,7 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select):
         kind = ad.layer_kinds[l]
         pos = fill_pos
         if kind == SLIDING and layers.window:
-            pos = pos[pos > first_query - layers.window]  # older rows are outside every query's window
+            pos = fill_pos_sliding  # the other rows are outside every query's window
         if pos.numel():
             x = x_split[pos.to(x_split.device)].to(dev)  # [F, d] float32, on the layer's device
             if arm.startswith("ridgefill"):
