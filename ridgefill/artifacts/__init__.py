@@ -1,4 +1,4 @@
-"""Content-addressed artifact store (DESIGN §3)."""
+"""Content-addressed artifact store (docs/store.md)."""
 
 from ridgefill.artifacts.store import Artifact, Store, recipe_id, sha256_file
 

@@ -1,1 +1,1 @@
-"""Capture: run the model over calibration text and accumulate the ridge statistics (DESIGN §4)."""
+"""Capture: run the model over calibration text and accumulate the ridge statistics (docs/capture.md)."""

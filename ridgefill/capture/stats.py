@@ -1,4 +1,4 @@
-"""Streaming second moments for the ridge fit, merged exactly with Chan's parallel update (DESIGN §4).
+"""Streaming second moments for the ridge fit, merged exactly with Chan's parallel update (docs/capture.md).
 
 For one split, x is the split state h_S and y_l the input of late layer l. A `Moments` holds, in float64:
 n, mean_x [dx], cxx = sum (x - mean_x)(x - mean_x)^T [dx, dx], mean_y [k, dy],

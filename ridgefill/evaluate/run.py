@@ -1,4 +1,4 @@
-"""`ridgefill eval`: run the fill arms against the exact model and gate a release (seed 000, §3.1 and §9).
+"""`ridgefill eval`: run the fill arms against the exact model and gate a release (docs/method.md#measuring-a-release).
 
 Two measurements, both on text never used for calibration:
 - long documents: ΔNLL against exact on the scored stretch (the last `scored` tokens), on all, novel and key

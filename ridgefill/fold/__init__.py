@@ -1,4 +1,5 @@
-"""Fold: turn an attention-biased compacted KV cache into a plain one (DESIGN.md §4 "Fold", §5b).
+"""Fold: turn an attention-biased compacted KV cache into a plain one (docs/method.md#compaction-and-the-fold,
+docs/cache.md).
 
 Attention-Matching-style compaction keeps `r` keys per (layer, KV head), fits a per-key logit bias `beta`
 and refits the values; the fold moves each kept key along one direction `u` per head,

@@ -1,4 +1,5 @@
-"""`ridgefill compact`: an Attention-Matching-style biased compacted cache of one context (DESIGN.md §4, §5b).
+"""`ridgefill compact`: an Attention-Matching-style biased compacted cache of one context (docs/method.md#am-style-compaction,
+docs/cache.md).
 
 Per full-attention layer and KV head the same number `r = floor(budget * N)` of keys is kept: the ones with the
 highest RMS attention over the reference queries; weights `w` in [e^-3, e^3] are fitted so the kept keys carry each
@@ -11,7 +12,7 @@ Two dtypes: the cache dtype (`--cache-dtype`, the recipe's `dtype`, bfloat16 by 
 rounded to; the model dtype (`--dtype`, the recipe's `model_dtype`, recorded with `device` unless the run is
 cpu / float32) is what the model computes the context's keys, values and reference queries in.
 
-The artifact holds `cache.safetensors` (DESIGN §5b), `context.safetensors` (the context's token ids, so `fold` and
+The artifact holds `cache.safetensors` (docs/cache.md), `context.safetensors` (the context's token ids, so `fold` and
 its check need no input file) and `report.json` (per head: weight-fit residuals, output error on fit and
 held-out queries).
 """

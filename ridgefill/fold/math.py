@@ -1,4 +1,5 @@
-"""Per-head math of AM-style compaction and the fold (DESIGN.md §4 "Fold"; seed 001 §2, §3, §A.1, §A.5).
+"""Per-head math of AM-style compaction and the fold (docs/method.md#compaction-and-the-fold;
+the fold paper's §2, §3, §A.1, §A.5, cited in docs/method.md#references).
 
 Pure numpy for ONE (layer, KV head): arrays in, arrays out, no I/O, no torch. Inputs may be float32; all
 arithmetic is float64. Shapes: `m` reference queries, `n` full-cache keys, `r` kept keys, `hd` head dim.
@@ -12,7 +13,7 @@ The four r-key caches compared by `arms` (all use the keys chosen by `select_key
     fold   keys fold_keys(K, beta, fold_direction(Q), s) rounded to the cache dtype, values refit without beta
 
 Why the fold works: its logit is `s q.k + beta (q.u)`, i.e. AM's with beta scaled by `q.u`. It is exact when
-`q.u = 1`; to first order in beta its output error is `|q.u - 1|` times that of drop (seed §3.3, §A.5).
+`q.u = 1`; to first order in beta its output error is `|q.u - 1|` times that of drop (fold paper §3.3, §A.5).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class LogWeightFit(NamedTuple):
 
 
 def fit_log_weights(Q, K, keep, s: float, box: float = 3.0, max_iter: int = 300, tol: float = 1e-9) -> LogWeightFit:
-    """AM-style bias fit: beta [r] so that the kept keys carry each query's full attention mass (seed §2, §A.1).
+    """AM-style bias fit: beta [r] so that the kept keys carry each query's full attention mass (fold paper §2, §A.1).
 
     Q [m, hd] reference queries, K [n, hd] the full cache, keep [r] indices into K. With L = s Q K^T [m, n]
     and m_q = max_i L_qi (stabilisation), solve box_nnls for w in [e^-box, e^box]:
@@ -129,7 +130,7 @@ def refit_values(Q, K_kept, s: float, target, beta=None, ridge: float = 1e-6) ->
 
 
 def fold_direction(Q, rho: float = 1e-3) -> np.ndarray:
-    """u [hd] = (Sigma + rho' I)^-1 mu / (mu^T (Sigma + rho' I)^-1 mu) for pooled queries Q [m, hd] (seed §3.2).
+    """u [hd] = (Sigma + rho' I)^-1 mu / (mu^T (Sigma + rho' I)^-1 mu) for pooled queries Q [m, hd] (fold paper §3.2).
 
     mu [hd] is the mean of Q's rows, Sigma [hd, hd] their population covariance (1/m), rho' = rho * trace(Sigma)
     / hd. u minimises u^T (Sigma + rho' I) u subject to mu.u = 1: mean(Q u) = 1 with the spread of q.u (plus

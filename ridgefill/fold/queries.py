@@ -1,7 +1,7 @@
 """The model side of the fold: a context's keys/values and the reference queries that attend to them.
 
-The fold (DESIGN.md section 4 "Fold", section 5b) compacts one context's KV cache per (layer, KV head) and fits
-the compact cache on *reference queries*, the queries the model itself sends to that context (seed 001 §2, §A.1).
+The fold (docs/method.md#reference-queries, docs/cache.md) compacts one context's KV cache per (layer, KV head) and fits
+the compact cache on *reference queries*, the queries the model itself sends to that context (fold paper §2, §A.1).
 This module runs the prefills and captures, for every attention layer `l`:
 
     cc = context_cache(lm, ids)                     # ids [N] -> cc.keys[l], cc.values[l]: [kv_heads, N, hd]
@@ -21,7 +21,7 @@ would be 4 GB of logits. Queries are kept only for the requested rows, so memory
 Query sources:
 
 - "context": the context prefill's own queries, rows 0..N-1.
-- "repeat" (default, as in seed §A.1): a second prefill that asks the model to repeat the context. Its ids are
+- "repeat" (default, as in the fold paper's §A.1): a second prefill that asks the model to repeat the context. Its ids are
   spliced, not re-tokenized: `context ids + instruction ids + answer ids`, with the context at positions 0..N-1
   exactly as in the context prefill, so the answer rows' queries are queries against the very cache
   `context_cache` returns. With a chat template the instruction ids are the template's text between the user
@@ -32,7 +32,7 @@ Query sources:
   The answer is the context ids again, minus a leading BOS (a second BOS mid-sequence is not what a model
   would write). The reference queries are those of the answer rows.
 
-Pooling (DESIGN.md section 4): query head `h` belongs to KV head `h // group`, `group = heads // kv_heads`
+Pooling (docs/method.md#reference-queries): query head `h` belongs to KV head `h // group`, `group = heads // kv_heads`
 (transformers' repeat_kv order). Row order within a KV head is token-major: row `i * group + j` is query head
 `g * group + j` at the i-th selected token, tokens in ascending position. Fit and held-out shares are chosen by
 token, so each token's `group` rows stay together.
@@ -57,7 +57,7 @@ SOURCES = ("repeat", "context")
 INSTRUCTION = "Repeat the text above exactly."
 PLAIN_SEPARATOR = "\n\n"  # around the instruction when the tokenizer has no chat template
 DEFAULT_HOLDOUT = 0.2
-DEFAULT_CAP = 4096  # query tokens; covers a whole 2K-4K context (seed §A.1 uses all of it), ~300 MB at most
+DEFAULT_CAP = 4096  # query tokens; covers a whole 2K-4K context (the fold paper's §A.1 uses all of it), ~300 MB at most
 _SENTINEL = "\ue000ridgefill-context\ue000"  # a private-use marker no template produces on its own
 _ATTENTION_KINDS = ("full_attention", "sliding_attention")
 
@@ -282,7 +282,7 @@ class ReferenceQueries:
     seconds: float = 0.0
 
     def counts(self) -> dict:
-        """What the artifact manifest records about the queries (DESIGN.md section 5b)."""
+        """What the artifact manifest records about the queries (docs/cache.md#manifests)."""
         return {
             "source": self.source,
             "template": self.template,

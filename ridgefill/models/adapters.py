@@ -1,10 +1,10 @@
 """Per-architecture access to decoder layers: norms, projections, RoPE, and what a layer writes to its cache.
 
-The fill (DESIGN.md section 1) replaces a late layer's input by a prediction and then needs exactly what that
+The fill (docs/method.md#the-fill-at-run-time) replaces a late layer's input by a prediction and then needs exactly what that
 layer would have written to its KV cache. `Adapter.kv(l, x)` computes it by calling the layer's own modules in
 the order its forward does (input norm -> k_proj -> k_norm; input norm -> v_proj), so it matches the real
 forward bit for bit (tests/test_models.py checks this with hooks). RoPE is left out: it is a rotation, so cosine
-scores do not need it (DESIGN.md section 4), and a fill runtime applies it with `rotary` + `apply_rope`.
+scores do not need it (docs/method.md#choosing-alpha), and a fill runtime applies it with `rotary` + `apply_rope`.
 
 Supported: llama (and SmolLM2), qwen2 (q/k/v biases, no QK-norm), qwen3 and gemma3_text (QK-norm; Gemma 3 also
 has separate RoPE for sliding and full-attention layers).
