@@ -3,6 +3,7 @@
 
 import contextlib
 import io
+import os
 import subprocess
 import sys
 
@@ -11,12 +12,14 @@ def cli(*args, **kw):
     return subprocess.run([sys.executable, "-m", "ridgefill", *map(str, args)], capture_output=True, text=True, **kw)
 
 
-def cli_here(*args) -> subprocess.CompletedProcess:
-    """`ridgefill ARGS` through `ridgefill.cli.main` in this process; what it printed and its exit code."""
+def cli_here(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`ridgefill ARGS` through `ridgefill.cli.main` in this process (no interpreter start-up): exit code, stdout,
+    stderr. `env` adds environment variables for the call."""
     from ridgefill.cli import main
 
-    out, err, argv = io.StringIO(), io.StringIO(), sys.argv
+    out, err, argv, saved = io.StringIO(), io.StringIO(), sys.argv, dict(os.environ)
     sys.argv = ["ridgefill", *map(str, args)]
+    os.environ.update(env or {})
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -26,4 +29,6 @@ def cli_here(*args) -> subprocess.CompletedProcess:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         sys.argv = argv
-    return subprocess.CompletedProcess(sys.argv, code, out.getvalue(), err.getvalue())
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())

@@ -1,41 +1,19 @@
 """The CLI through its real entry point: fast --help and --version, exit codes, JSON on stdout, -q/--quiet,
 shell completion, the --token warning, artifacts commands."""
 
-import contextlib
 import importlib.metadata
-import io
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from clirun import cli
+from clirun import cli, cli_here
 
 HEAVY = ("torch", "transformers", "safetensors", "huggingface_hub")
 
 
-def here(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`ridgefill ARGS` through `ridgefill.cli.main` in this process (no interpreter start-up): exit code, stdout,
-    stderr. `env` adds environment variables for the call."""
-    from ridgefill.cli import main
-
-    out, err, argv, saved = io.StringIO(), io.StringIO(), sys.argv, dict(os.environ)
-    sys.argv = ["ridgefill", *map(str, args)]
-    os.environ.update(env or {})
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main()
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = argv
-        os.environ.clear()
-        os.environ.update(saved)
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+here = cli_here  # the CLI in this process (tests/clirun.py)
 
 
 def run_main_and_list_heavy(*args: str) -> subprocess.CompletedProcess:

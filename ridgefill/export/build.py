@@ -10,9 +10,7 @@ artifacts; a quantize artifact's group size is the one it was quantized with.
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from ridgefill.artifacts import Artifact, Store
@@ -129,12 +127,8 @@ def _copy_out(art: Artifact, out_dir: Path, force: bool) -> Path:
             return out_dir
         if not force:
             raise BadInput(f"--out {out_dir} holds a different release; pass --force to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = release.staging_dir(out_dir)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; a release folder should look like any other
         for n in names:
             shutil.copyfile(art.path / n, tmp / n)
         release.move_into_place(tmp, out_dir)

@@ -247,13 +247,8 @@ def write_release(
                 raise BadInput(f"{out_dir}: exists and is not empty (pass overwrite to replace it)")
             if not (out_dir / MANIFEST).is_file():
                 raise BadInput(f"{out_dir}: not empty and not a ridgefill release; refusing to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = staging_dir(out_dir)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; a release folder should look like any other
         _write_file(tmp / MAPS_FILE, blob)
         _write_file(tmp / MANIFEST, text.encode())
         _write_file(tmp / CARD, card_text.encode("utf-8"))
@@ -271,6 +266,16 @@ def check_out_dir(out_dir: Path) -> None:
         raise BadInput(f"--out {out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
         raise BadInput(f"--out {out_dir} exists, is not empty and is not a release folder")
+
+
+def staging_dir(out_dir: Path) -> Path:
+    """A new empty sibling folder of out_dir to fill and then `move_into_place`, with a plain folder's mode."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; a release folder should look like any other
+    return tmp
 
 
 def move_into_place(tmp: Path, out_dir: Path) -> None:
