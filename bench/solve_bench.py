@@ -5,7 +5,8 @@
 The grid uses one eigendecomposition of Cxx for every alpha (ridgefill.solve.ridge); "one solve" is a plain
 linear solve of (Cxx + lambda I) W^T = Cxy for a single alpha, all late layers at once; "direct per alpha" is
 that solve repeated for every alpha of the grid. Scoring on held-out
-rows is timed separately (it needs the model's K/V projections).
+rows is timed separately (it needs the model's K/V projections). The comparison lives here only: `ridgefill solve`
+runs the eigen path and no direct solve.
 """
 
 from __future__ import annotations
