@@ -105,3 +105,119 @@ def test_example_gates_load():
     for g in gates:
         rules = load_gate(g)
         assert rules["arm"] == "ridgefill" and rules["thresholds"]
+
+
+# ---------------------------------------------------------------- the summary, by hand
+
+
+def _doc(tokens, novel, key, dnll, dnll_novel, dnll_key, kl, top1):
+    return {"tokens": tokens, "novel_tokens": novel, "key_tokens": key, "dnll": dnll, "dnll_novel": dnll_novel,
+            "dnll_key": dnll_key, "kl": kl, "top1": top1}
+
+
+def _needle(length, correct, seconds):
+    return {"task": "single", "length": length, "depth": 0.5, "seed": 0, "answers": ["x"],
+            "correct": dict(zip(("exact", "ridgefill", "identity"), correct)),
+            "seconds": dict(zip(("exact", "ridgefill", "identity"), seconds))}
+
+
+# Three documents (16, 8 and 24 scored tokens; the second has no key token) and four needle samples at two lengths.
+HAND = {
+    "split": 2, "num_layers": 4, "tail": 48,
+    "documents": [
+        {"name": "a", "tokens": 128, "seconds": {},
+         "ridgefill": _doc(16, 10, 3, 0.10, 0.05, 0.90, 0.20, 0.750),
+         "identity": _doc(16, 10, 3, 0.30, 0.20, 1.50, 0.50, 0.500)},
+        {"name": "b", "tokens": 128, "seconds": {},
+         "ridgefill": _doc(8, 4, 0, 0.02, 0.01, None, 0.10, 0.875),
+         "identity": _doc(8, 4, 0, 0.20, 0.10, None, 0.30, 0.625)},
+        {"name": "c", "tokens": 128, "seconds": {},
+         "ridgefill": _doc(24, 12, 5, -0.04, 0.08, 0.30, 0.15, 0.8),
+         "identity": _doc(24, 12, 5, 0.40, 0.35, 2.10, 0.60, 0.4)},
+    ],
+    "needles": [
+        _needle(600, (True, True, False), (1.0, 0.5, 0.4)),
+        _needle(700, (True, False, False), (2.0, 0.8, 0.7)),
+        _needle(700, (False, False, False), (2.2, 1.0, 0.9)),
+        _needle(600, (True, True, True), (1.1, 0.6, 0.5)),
+    ],
+}
+
+
+def _enumerated(d, w=None):
+    """The exact bootstrap distribution of the (weighted) mean: all n^n equally likely resamples, sorted."""
+    import itertools
+
+    n = len(d)
+    w = [1.0] * n if w is None else w
+    return sorted(sum(w[i] * d[i] for i in idx) / sum(w[i] for i in idx)
+                  for idx in itertools.product(range(n), repeat=n))
+
+
+def _exact_quantile(vals, p):
+    """Smallest x with P(X <= x) >= p over the sorted, equally likely vals."""
+    import math
+
+    return vals[max(math.ceil(p * len(vals) - 1e-12), 1) - 1]
+
+
+def _seeded(d, w, samples, seed):
+    """The percentile interval as documented: default_rng(seed) draws samples x n unit indices."""
+    import numpy as np
+
+    d, w = np.asarray(d, float), np.ones(len(d)) if w is None else np.asarray(w, float)
+    idx = np.random.default_rng(seed).integers(0, len(d), size=(samples, len(d)))
+    stats = (w[idx] * d[idx]).sum(1) / w[idx].sum(1)
+    return [float(q) for q in np.quantile(stats, [0.025, 0.975])]
+
+
+def test_summary_by_hand():
+    """ΔNLL weighted by scored tokens, needle %, prefill time at the longest length, speed-up, ceiling, and every
+    interval: against arithmetic done here and an independent bootstrap."""
+    from ridgefill.evaluate.run import EvalConfig, summarize
+
+    cfg = EvalConfig(arms=("exact", "ridgefill", "identity"), tail=48, lengths=(600, 700), seed=11, bootstrap=20000)
+    s = summarize(HAND, cfg)
+    approx = lambda x: pytest.approx(x, rel=1e-12, abs=1e-15)  # noqa: E731
+    assert (s["documents"], s["samples"]) == (3, 4)
+    rf, ident, ex = s["arms"]["ridgefill"], s["arms"]["identity"], s["arms"]["exact"]
+    # needle accuracy in points
+    assert (ex["needle"], rf["needle"], ident["needle"]) == (75.0, 50.0, 25.0)
+    # ΔNLL: token-weighted over documents; the document without key tokens counts nothing for dnll_key
+    assert rf["dnll"] == approx((16 * 0.10 + 8 * 0.02 + 24 * -0.04) / 48)
+    assert rf["dnll_novel"] == approx((10 * 0.05 + 4 * 0.01 + 12 * 0.08) / 26)
+    assert rf["dnll_key"] == approx((3 * 0.90 + 5 * 0.30) / 8)
+    assert ident["dnll"] == approx((16 * 0.30 + 8 * 0.20 + 24 * 0.40) / 48)
+    assert ident["dnll_key"] == approx((3 * 1.50 + 5 * 2.10) / 8)
+    # KL and top-1: the mean of the documents' means
+    assert rf["kl"] == approx((0.20 + 0.10 + 0.15) / 3) and rf["top1"] == approx((0.750 + 0.875 + 0.8) / 3)
+    # prefill time: samples at the longest length only; speed-up against exact's
+    assert ex["prefill_s"] == approx(2.1) and rf["prefill_s"] == approx(0.9) and ident["prefill_s"] == approx(0.8)
+    assert rf["speedup"] == approx(2.1 / 0.9) and ident["speedup"] == approx(2.1 / 0.8) and "speedup" not in ex
+    # ceiling: (S (N - T) + L T) / (L N) of the layer work at N = the longest length
+    assert s["ceiling_r"] == approx((2 * (700 - 48) + 4 * 48) / (4 * 700))
+    assert s["ceiling_speedup"] == approx(4 * 700 / (2 * (700 - 48) + 4 * 48))
+
+    # intervals: (values, weights, point) of each; the weights drop the document without key tokens
+    dn = lambda arm, k: [d[arm][k] for d in HAND["documents"]]  # noqa: E731
+    w = lambda arm, k: [d[arm][k] for d in HAND["documents"]]  # noqa: E731
+    hit = lambda arm: [100.0 * n["correct"][arm] for n in HAND["needles"]]  # noqa: E731
+    cases = {
+        ("ridgefill", "dnll_ci"): (dn("ridgefill", "dnll"), w("ridgefill", "tokens"), rf["dnll"]),
+        ("ridgefill", "dnll_novel_ci"): (dn("ridgefill", "dnll_novel"), w("ridgefill", "novel_tokens"), rf["dnll_novel"]),
+        ("ridgefill", "dnll_key_ci"): ([0.90, 0.30], [3, 5], rf["dnll_key"]),
+        ("identity", "dnll_ci"): (dn("identity", "dnll"), w("identity", "tokens"), ident["dnll"]),
+        ("ridgefill", "needle_minus_exact"): ([a - b for a, b in zip(hit("ridgefill"), hit("exact"))], None, -25.0),
+        ("identity", "needle_minus_exact"): ([a - b for a, b in zip(hit("identity"), hit("exact"))], None, -50.0),
+        ("rmi", "needle"): ([a - b for a, b in zip(hit("ridgefill"), hit("identity"))], None, 25.0),
+        ("rmi", "dnll_key"): ([0.90 - 1.50, 0.30 - 2.10], [3, 5], (3 * -0.6 + 5 * -1.8) / 8),
+    }
+    for (arm, key), (d, wt, point) in cases.items():
+        got = s["ridgefill_minus_identity"][key] if arm == "rmi" else s["arms"][arm][key]
+        assert got["mean"] == approx(point) and got["n"] == len(d), (arm, key)
+        assert got["low"] <= point <= got["high"], (arm, key)
+        exact = _enumerated(d, wt)
+        for side, p in (("low", 0.025), ("high", 0.975)):  # Monte-Carlo error in p: ~1.1e-3 at 20000 samples
+            lo, hi = _exact_quantile(exact, p - 0.006), _exact_quantile(exact, p + 0.006)
+            assert lo - 1e-12 <= got[side] <= hi + 1e-12, (arm, key, side, got[side], lo, hi)
+        assert [got["low"], got["high"]] == pytest.approx(_seeded(d, wt, cfg.bootstrap, cfg.seed), abs=1e-12)
