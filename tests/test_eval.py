@@ -174,6 +174,8 @@ def _seeded(d, w, samples, seed):
 def test_summary_by_hand():
     """ΔNLL weighted by scored tokens, needle %, prefill time at the longest length, speed-up, ceiling, and every
     interval: against arithmetic done here and an independent bootstrap."""
+    from dataclasses import replace
+
     from ridgefill.evaluate.run import EvalConfig, summarize
 
     cfg = EvalConfig(arms=("exact", "ridgefill", "identity"), tail=48, lengths=(600, 700), seed=11, bootstrap=20000)
@@ -220,4 +222,9 @@ def test_summary_by_hand():
         for side, p in (("low", 0.025), ("high", 0.975)):  # Monte-Carlo error in p: ~1.1e-3 at 20000 samples
             lo, hi = _exact_quantile(exact, p - 0.006), _exact_quantile(exact, p + 0.006)
             assert lo - 1e-12 <= got[side] <= hi + 1e-12, (arm, key, side, got[side], lo, hi)
-        assert [got["low"], got["high"]] == pytest.approx(_seeded(d, wt, cfg.bootstrap, cfg.seed), abs=1e-12)
+    # the draws themselves: with few resamples the percentiles interpolate between single draws, so they show
+    # whether the intervals come from default_rng(seed) over the right units
+    few = summarize(HAND, replace(cfg, bootstrap=37))
+    for (arm, key), (d, wt, point) in cases.items():
+        got = few["ridgefill_minus_identity"][key] if arm == "rmi" else few["arms"][arm][key]
+        assert [got["low"], got["high"]] == pytest.approx(_seeded(d, wt, 37, cfg.seed), abs=1e-12), (arm, key)
