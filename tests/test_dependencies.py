@@ -57,3 +57,19 @@ def test_torch_floor_is_what_transformers_needs():
     assert torch, "transformers names no torch requirement"
     lows = [Version(s.version) for r in torch for s in r.specifier if s.operator == ">="]
     assert floor("torch") >= max(lows)
+
+
+def test_an_older_transformers_is_refused_at_load_time():
+    """A --no-deps install can still hold transformers 5.23, which would run without an error and give wrong
+    statistics: load_model refuses it in one line, and the floor it names is pyproject.toml's."""
+    import pytest
+
+    from ridgefill.errors import BadInput
+    from ridgefill.models.load import TRANSFORMERS_FLOOR, check_transformers
+
+    assert Version(".".join(map(str, TRANSFORMERS_FLOOR))) == floor("transformers")
+    with pytest.raises(BadInput, match=r"^transformers 5\.23\.0 is too old: ridgefill needs >= 5\.24 "):
+        check_transformers("5.23.0")
+    check_transformers("5.24.0")
+    check_transformers("6.0.0.dev0")
+    check_transformers()  # the installed one

@@ -65,6 +65,24 @@ class LoadedModel:
             self._cleanup()
 
 
+TRANSFORMERS_FLOOR = (5, 24)  # the first release whose models take `cache=` (pyproject.toml says the same)
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Refuse a transformers older than 5.24: its models swallow the `cache=` keyword without an error, so a
+    capture would silently lose every chunk's left context (an install with --no-deps can get there)."""
+    import re
+
+    if version is None:
+        from importlib.metadata import version as installed
+
+        version = installed("transformers")
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m and (int(m.group(1)), int(m.group(2))) < TRANSFORMERS_FLOOR:
+        raise BadInput(f"transformers {version} is too old: ridgefill needs >= "
+                       f"{'.'.join(map(str, TRANSFORMERS_FLOOR))} (pip install -U 'transformers>=5.24')")
+
+
 def load_model(
     ref: ModelRef,
     *,
@@ -90,6 +108,7 @@ def load_model(
     from ridgefill.models.adapters import adapter_for
     from ridgefill.models.device import check_device_map
 
+    check_transformers()
     if dtype not in DTYPES:
         raise BadInput(f"unknown dtype '{dtype}' (choose one of: {', '.join(DTYPES)})")
     device_map, max_memory = check_device_map(device_map, max_memory, device)
