@@ -18,6 +18,7 @@ def solve(
     alpha: Annotated[Optional[list[float]], typer.Option("--alpha", help="Alpha grid (repeatable). Default 1e-5 ... 1.")] = None,
     metric: Annotated[str, typer.Option("--metric", help="Held-out selection metric: kv (K/V cosine) or input (input cosine).")] = "kv",
     chat_share: Annotated[Optional[float], typer.Option("--chat-share", help="Weight of chat-template rows when the capture has them.")] = None,
+    alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Give every late layer the alpha best for its own held-out score (default: one alpha shared by all).")] = False,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     device_map: DeviceMapOpt = None,
@@ -27,14 +28,14 @@ def solve(
     debug: DebugOpt = False,
 ) -> None:
     """Fit ridge maps for every late layer over the alpha grid; choose alpha on held-out rows."""
-    from ridgefill.solve.run import REPORT, extension_lines, solve as run
+    from ridgefill.solve.run import REPORT, extension_lines, per_layer_lines, solve as run
 
     out = output(json)
     art, cached = run(store(store_root), capture, out, model=model, split=split, alphas=alpha, metric=metric,
-                      chat_share=chat_share, device=device, dtype=dtype, device_map=device_map, max_memory=max_memory)
+                      chat_share=chat_share, alpha_per_layer=alpha_per_layer, device=device, dtype=dtype, device_map=device_map, max_memory=max_memory)
     report = jsonlib.loads(art.file(REPORT).read_text())
     out.table(grid_table(report))
-    for line in extension_lines(report):
+    for line in extension_lines(report) + per_layer_lines(report):
         out.info(line)
     out.table(layer_table(report))
     done(out, "solve", art, cached)
@@ -43,7 +44,8 @@ def solve(
 def grid_table(report: dict):
     from rich.table import Table
 
-    t = Table(title=f"held-out score per alpha ({report['metric']})")
+    shared = "; * the best shared alpha" if report.get("per_layer") else ""
+    t = Table(title=f"held-out score per alpha ({report['metric']}){shared}")
     for c in ("alpha", "score", "K cos", "V cos", "input cos"):
         t.add_column(c, justify="right")
     for g in report["grid"]:
@@ -56,12 +58,15 @@ def grid_table(report: dict):
 def layer_table(report: dict):
     from rich.table import Table
 
-    t = Table(title=f"split {report['split']}, alpha {report['alpha']:g}: fitted (identity) per late layer")
-    for c in ("layer", "K cos", "V cos", "input cos", "rel. sq. err", "expl. var"):
+    per = (report.get("per_layer") or {}).get("alpha")  # {layer: alpha} when the alphas are per layer
+    setting = "per-layer alpha" if per else f"alpha {report['alpha']:g}"
+    t = Table(title=f"split {report['split']}, {setting}: fitted (identity) per late layer")
+    for c in ("layer", *(("alpha",) if per else ()), "K cos", "V cos", "input cos", "rel. sq. err", "expl. var"):
         t.add_column(c, justify="right")
     keys = ("k_cosine", "v_cosine", "input_cosine", "rel_se", "explained_var")
     fit, ident = report["fitted"], report["identity"]
     rows = [(l, fit["layers"][l], ident["layers"][l]) for l in sorted(fit["layers"], key=int)] + [("mean", fit["mean"], ident["mean"])]
     for name, f, i in rows:
-        t.add_row(str(name), *(f"{f[k]:.4f} ({i[k]:.4f})" for k in keys))
+        alpha = (f"{per[name]:g}" if name in per else "",) if per else ()
+        t.add_row(str(name), *alpha, *(f"{f[k]:.4f} ({i[k]:.4f})" for k in keys))
     return t

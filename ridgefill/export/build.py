@@ -107,13 +107,22 @@ def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list
         "split": split,
         "tail_default": tail,
         "layers": [{"index": l, "kind": kinds.get(str(l), "attention")} for l in layers],
-        "fit": {"alpha": rep["alpha"], "lambda": rep["lambda"], "rows": rep["rows"], "documents": len(calib),
+        "fit": {**_ridge_setting(rep), "rows": rep["rows"], "documents": len(calib),
                 "tokens": sum(d["tokens"] for d in calib),
                 "calibration_sha256": sorted(d["sha256"] for d in calib),
                 "capture_id": cap.id, "solve_id": sol.id, "skip_first_rows": cap.recipe["skip_first"],
                 "chat": cap.recipe["chat"], "chat_share": sol.recipe["chat_share"]},
         "heldout": heldout,
     }
+
+
+def _ridge_setting(rep: dict) -> dict:
+    """The fit's alpha and lambda: `alpha`, `lambda` (one for every layer), or, for a solve with per-layer alphas,
+    `alpha_per_layer`, `lambda_per_layer` ({layer: value}) and no `alpha` / `lambda`: no single alpha made the maps."""
+    per = rep.get("per_layer")
+    if per is None:
+        return {"alpha": rep["alpha"], "lambda": rep["lambda"]}
+    return {"alpha_per_layer": per["alpha"], "lambda_per_layer": per["lambda"]}
 
 
 def _copy_out(art: Artifact, out_dir: Path, force: bool) -> Path:

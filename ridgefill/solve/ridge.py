@@ -1,14 +1,15 @@
 """Ridge regression for every late layer of a split, over a grid of alphas (docs/method.md, "Ridge maps").
 
 lambda = alpha * trace(Cxx) / d_in makes alpha scale-free. One eigendecomposition Cxx = V diag(s) V^T
-serves the whole grid: W_l^T = V diag(1/(s + lambda)) V^T Cxy_l and b_l = mean_y_l - W_l mean_x.
+serves the whole grid: W_l^T = V diag(1/(s + lambda)) V^T Cxy_l and b_l = mean_y_l - W_l mean_x, with one lambda
+for every layer (maps_at) or one per layer (maps_per_layer, docs/method.md "Per-layer alpha").
 Pure numpy, float64.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -46,6 +47,20 @@ def maps_at(e: Eig, alpha: float) -> tuple[np.ndarray, np.ndarray]:
     wt = e.v @ (inv[:, None] * e.p)  # W_l^T: [dx, dx] @ [k, dx, dy] -> [k, dx, dy]
     w = np.ascontiguousarray(wt.transpose(0, 2, 1))  # [k, dy, dx]
     b = e.m.mean_y - w @ e.m.mean_x  # [k, dy]
+    return w, b
+
+
+def maps_per_layer(e: Eig, alphas: Sequence[float], index: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Weights [n, dy, dx] and biases [n, dy] with a lambda of its own per layer: layer index[j] (a position in
+    0..k-1; default every layer, in order) at alphas[j]. The same eigendecomposition as maps_at; with one alpha
+    repeated it gives maps_at's maps."""
+    index = list(range(e.p.shape[0])) if index is None else list(index)
+    if len(alphas) != len(index):
+        raise ValueError(f"{len(alphas)} alphas for {len(index)} layers")
+    inv = 1.0 / (e.s[None, :] + np.array([[lam(float(a), e)] for a in alphas]))  # [n, dx]
+    wt = e.v @ (inv[:, :, None] * e.p[index])  # W_l^T: [dx, dx] @ [n, dx, dy] -> [n, dx, dy]
+    w = np.ascontiguousarray(wt.transpose(0, 2, 1))  # [n, dy, dx]
+    b = e.m.mean_y[index] - w @ e.m.mean_x  # [n, dy]
     return w, b
 
 
@@ -115,3 +130,31 @@ def _step(a: float, ratio: float, down: bool) -> float:
     exact = a / ratio if down else a * ratio
     rounded = float(f"{exact:.2g}")
     return rounded if (rounded < a if down else rounded > a) else exact
+
+
+def search_per_layer(alphas, scored: dict[float, Sequence[float]], score_layer: Callable[[int, float], float]) -> list[dict]:
+    """Each layer's own best alpha. `scored` {alpha: [score of layer i, i = 0..k-1]} holds what the shared search
+    already scored (its grid, extensions included); score_layer(i, alpha) scores layer i alone at an alpha it lacks.
+
+    Per layer i, `search` runs over the given `alphas` on layer i's own score, with search's rules for an open
+    edge: the scores `scored` has are reused, so a layer only costs new scoring where its own search goes past
+    what the shared one scored. The layer's alpha is then the best of every alpha scored for it (the shared grid
+    and its own extension), exact ties to the smaller alpha; the shared grid's best alpha is among them, so no
+    layer scores below it. Returns per layer {"alpha", "score", "grid": [{"alpha", "score"}] by alpha,
+    "extended": search's extensions of that layer}.
+    """
+    k = len(next(iter(scored.values())))
+    out = []
+    for i in range(k):
+        own = {a: float(s[i]) for a, s in scored.items()}  # alpha -> layer i's score
+
+        def score_of(a: float, i=i, own=own) -> dict:
+            if a not in own:
+                own[a] = float(score_layer(i, a))
+            return {"score": own[a]}
+
+        _, _, extensions = search(alphas, score_of)
+        best = max(own, key=lambda a: (own[a], -a))
+        out.append({"alpha": best, "score": own[best], "grid": [{"alpha": a, "score": own[a]} for a in sorted(own)],
+                    "extended": extensions})
+    return out

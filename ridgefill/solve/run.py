@@ -11,7 +11,7 @@ from ridgefill.artifacts import tensors
 from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
-from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose, lam, maps_at, search
+from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose, lam, maps_at, maps_per_layer, search, search_per_layer
 
 FORMAT_VERSION = 2  # 2: the grid is extended past an open edge (ridge.search)
 MAPS = "maps.safetensors"
@@ -72,6 +72,7 @@ def solve(
     alphas: list[float] | None = None,
     metric: str = "kv",
     chat_share: float | None = None,
+    alpha_per_layer: bool = False,
     *,
     device: str = "auto",
     dtype: str = "auto",
@@ -80,7 +81,9 @@ def solve(
 ) -> tuple[Artifact, bool]:
     """Run (or find cached) the solve. device / dtype / device_map / max_memory place the model that scores the
     held-out rows (ridgefill.models.device); its device kind and dtype go into the recipe (nothing for cpu /
-    float32), and a warning says so when they differ from the capture's."""
+    float32), and a warning says so when they differ from the capture's. alpha_per_layer: every late layer gets
+    the alpha best for its own held-out score (ridge.search_per_layer), instead of one shared by all; the recipe
+    records it only when on, so the default's id is what it always was."""
     from ridgefill.capture.run import load_heldout, load_stats
     from ridgefill.models.device import where
 
@@ -96,6 +99,8 @@ def solve(
     split = pick_split(cap, split)
     recipe = {"stage": "solve", "version": FORMAT_VERSION, "capture": cap.id, "model": ref.fingerprint,
               "split": split, "alphas": alphas, "metric": metric, "chat_share": chat_share, **place.recipe()}
+    if alpha_per_layer:
+        recipe["alpha_per_layer"] = True
     warn_if_mixed(cap, place, out)
     hit = store.cached("solve", recipe)
     if hit is not None:
@@ -114,6 +119,7 @@ def solve(
     scorer = Scorer(lm.adapter, held, split, ref.num_layers)
 
     t_maps, t_score = 0.0, 0.0
+    scored = {}  # alpha -> the full scores (per layer too), for alpha_per_layer
 
     def score_at(a: float) -> dict:
         nonlocal t_maps, t_score
@@ -123,13 +129,22 @@ def solve(
         t = time.perf_counter()
         s = scorer.score(w, b)
         t_score += time.perf_counter() - t
+        scored[a] = s
         return {"alpha": a, "lambda": lam(a, e), "score": objective(s, metric), **s["mean"]}
 
     grid, best, extended = search(alphas, score_at)  # past an open edge the grid goes on (ridge.search)
-    w, b = maps_at(e, best["alpha"])
-    fitted = scorer.score(w, b)
-    identity = scorer.score(None, None)
     layers = scorer.layers
+    per_layer = None
+    if alpha_per_layer:
+        t = time.perf_counter()
+        w, b, per_layer = fit_per_layer(e, scorer, alphas, scored, best, metric)
+        fitted = scorer.score(w, b)
+        per_layer = {**per_layer, "score": objective(fitted, metric)}
+        t_per = time.perf_counter() - t
+    else:
+        w, b = maps_at(e, best["alpha"])
+        fitted = scorer.score(w, b)
+    identity = scorer.score(None, None)
     report = {
         "split": split, "metric": metric, "alpha": best["alpha"], "lambda": best["lambda"], "grid": grid,
         "extended": extended,
@@ -137,18 +152,75 @@ def solve(
         "timings": {"eig_s": t_eig, "maps_all_alphas_s": t_maps, "grid_s": t_eig + t_maps,
                     "scoring_s": t_score},
     }
+    if per_layer is not None:
+        report["per_layer"] = per_layer  # "alpha", "lambda" and "grid" above stay the shared search's
+        report["timings"]["per_layer_s"] = t_per  # choosing the alphas, their maps and scoring those
     with store.build("solve", recipe) as build:
         arrays = {}
         for i, l in enumerate(layers):
             arrays[f"layer.{l}.weight"] = w[i].astype(np.float32)  # [d_out, d_in]
             arrays[f"layer.{l}.bias"] = b[i].astype(np.float32)  # [d_out]
-        tensors.save(build.path / MAPS, arrays, {"split": str(split), "alpha": repr(best["alpha"])})
+        meta = ({"alpha_per_layer": ",".join(f"{l}:{per_layer['alpha'][str(l)]!r}" for l in layers)}
+                if per_layer else {"alpha": repr(best["alpha"])})
+        tensors.save(build.path / MAPS, arrays, {"split": str(split), **meta})
         write_json(build.path / REPORT, report)
         summary = {"split": split, "alpha": best["alpha"], "score": best["score"],
                    "fitted": fitted["mean"], "identity": identity["mean"], "layers": layers}
+        if per_layer:
+            summary["per_layer"] = {k: per_layer[k] for k in ("alpha", "lambda", "score", "shared_score")}
         art = build.commit(info={"capture": cap.id, "model": cap.info["model"], "model_spec": cap.info["model_spec"],
                                  "placement": lm.placement()}, summary=summary)
     return art, False
+
+
+def fit_per_layer(e, scorer, alphas: list[float], scored: dict, best: dict, metric: str):
+    """Maps with each late layer at its own best alpha (ridge.search_per_layer over its own held-out objective,
+    reusing every score the shared search made), and the report's `per_layer` section but its "score":
+    {"alpha", "lambda": {layer: value}, "shared_score", "shared_fitted" (the shared best's full scores),
+    "layers": {layer: {"score", "shared_score", "grid"}}, "extended": [{"layer", "edge", "to", "steps",
+    "stopped"}], "layer_scorings" (single-layer scorings past the shared grid)}."""
+    from ridgefill.solve.score import layer_objective
+
+    layers = scorer.layers
+    own = {a: [layer_objective(s["layers"][str(l)], metric) for l in layers] for a, s in scored.items()}
+    extra = 0
+
+    def score_layer(i: int, a: float) -> float:
+        nonlocal extra
+        extra += 1
+        w, b = maps_per_layer(e, [a], [i])  # [1, dy, dx], [1, dy]
+        return layer_objective(scorer.layer_scores(layers[i], scorer.x @ w[0].T + b[0]), metric)
+
+    chosen = search_per_layer(alphas, own, score_layer)
+    w, b = maps_per_layer(e, [c["alpha"] for c in chosen])
+    section = {
+        "alpha": {str(l): c["alpha"] for l, c in zip(layers, chosen)},
+        "lambda": {str(l): lam(c["alpha"], e) for l, c in zip(layers, chosen)},
+        "shared_score": best["score"], "shared_fitted": scored[best["alpha"]],
+        "layers": {str(l): {"score": c["score"], "shared_score": own[best["alpha"]][i], "grid": c["grid"]}
+                   for i, (l, c) in enumerate(zip(layers, chosen))},
+        "extended": [{"layer": l, **x} for l, c in zip(layers, chosen) for x in c["extended"]],
+        "layer_scorings": extra,
+    }
+    return w, b, section
+
+
+def per_layer_lines(report: dict) -> list[str]:
+    """For people, when the alphas are per layer: their range and the held-out score against the shared alpha's
+    (one line), and one line per layer whose own search went past the grid's edge."""
+    p = report.get("per_layer")
+    if not p:
+        return []
+    lo, hi = min(p["alpha"].values()), max(p["alpha"].values())
+    d = p["score"] - p["shared_score"]
+    lines = [f"per-layer alphas {lo:g} .. {hi:g} over {len(p['alpha'])} layers: held-out score {p['score']:.4f} "
+             f"vs {p['shared_score']:.4f} with the shared alpha {report['alpha']:g} ({d:+.4f})"]
+    past = sorted({x["layer"] for x in p["extended"]})
+    if p["layer_scorings"]:
+        lines.append(f"layer{'s' * (len(past) != 1)} {', '.join(map(str, past))}: alpha at the grid's edge, "
+                     f"searched on alone ({p['layer_scorings']} single-layer scoring"
+                     f"{'s' * (p['layer_scorings'] != 1)}; report.json per_layer.extended)")
+    return lines
 
 
 def extension_lines(report: dict) -> list[str]:

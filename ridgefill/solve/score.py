@@ -64,5 +64,10 @@ class Scorer:
 
 
 def objective(scores: dict, metric: str) -> float:
-    m = scores["mean"]
+    """The selection score of a Scorer.score result: of its mean over the late layers."""
+    return layer_objective(scores["mean"], metric)
+
+
+def layer_objective(m: dict[str, float], metric: str) -> float:
+    """The selection score of one set of figures (one layer's, or their mean): kv or input."""
     return (m["k_cosine"] + m["v_cosine"]) / 2 if metric == "kv" else m["input_cosine"]
