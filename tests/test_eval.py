@@ -55,6 +55,50 @@ def test_eval_writes_artifact_and_release_summary(release, tiny_llama):
     assert json.loads(again.stdout)["cached"] is True
 
 
+def test_eval_arms_equal_their_own_prefills(release, tiny_llama):
+    """Eval builds every fill arm from one exact forward per prompt. Its figures equal those of independent
+    `prefill` calls per arm (today's arms, recomputed here from the documents and needle prompts), and the speed
+    comes from one timed prefill per arm and length."""
+    import numpy as np
+    import torch
+
+    from ridgefill.evaluate import metrics, texts
+    from ridgefill.evaluate.needles import score_answer
+    from ridgefill.evaluate.run import EvalConfig, evaluate, load_source, needle_suite
+    from ridgefill.models import load_model, resolve_model
+    from ridgefill.runtime import greedy, prefill
+
+    _, st, sol, rel = release
+    cfg = EvalConfig(tail=48, scored=16, doc_tokens=128, lengths=(600, 700), documents=2, seed=3)
+    art, _ = evaluate(st, str(tiny_llama), str(rel), cfg, Output(quiet=True))
+    res = json.loads(art.file("results.json").read_text())
+    lm = load_model(resolve_model(str(tiny_llama), store_root=st.root), store_root=st.root)
+    src = load_source(st, str(rel))
+    fill = lambda arm: {"split": src.split, "tail": 48, "maps": src.maps if arm == "ridgefill" else None}  # noqa: E731
+    docs = texts.long_documents(lm.tokenizer, 128, limit=2)
+    for d, row in zip(docs, res["documents"]):
+        ids = torch.tensor(d.ids[:128])
+        targets, pick = ids[-16:].numpy(), slice(48 - 16 - 1, 48 - 1)
+        le = prefill(lm, ids, "exact", split=src.split, tail=48).logits[pick].numpy()
+        nll = metrics.token_nll(le, targets)
+        key = metrics.key_mask(nll, metrics.token_nll(prefill(lm, ids[-48:], "exact", split=0, tail=48).logits[pick].numpy(), targets))
+        for arm in ("ridgefill", "identity", "nofill"):
+            la = prefill(lm, ids, arm, **fill(arm)).logits[pick].numpy()
+            want = metrics.doc_summary(nll, metrics.token_nll(la, targets), metrics.kl_exact_arm(le, la),
+                                       metrics.top1_agree(le, la), metrics.novel_mask(ids.numpy(), 128 - 16), key)
+            for k, v in want.items():
+                assert row[arm][k] == (None if v is None else pytest.approx(v, abs=1e-4)), (arm, k)
+    suite = needle_suite(lm, cfg)
+    assert len(suite) == len(res["needles"]) > 0
+    for s, row in zip(suite, res["needles"]):
+        for arm in cfg.arms:
+            p = prefill(lm, torch.tensor(s.prompt_ids), arm, **fill(arm))
+            assert row["correct"][arm] == score_answer(s, lm.tokenizer.decode(greedy(lm, p, s.max_new_tokens)))
+    assert [t["length"] for t in res["timing"]] == sorted({s.context_tokens for s in suite})
+    assert all(set(t["seconds"]) == set(cfg.arms) and min(t["seconds"].values()) > 0 for t in res["timing"])
+    assert np.isclose(art.manifest["summary"]["arms"]["exact"]["prefill_s"], res["timing"][-1]["seconds"]["exact"])
+
+
 def test_gate_exit_code_names_the_threshold(release, tiny_llama, tmp_path):
     _, st, sol, rel = release
     gate = tmp_path / "gate.toml"
@@ -115,32 +159,37 @@ def _doc(tokens, novel, key, dnll, dnll_novel, dnll_key, kl, top1):
             "dnll_key": dnll_key, "kl": kl, "top1": top1}
 
 
-def _needle(length, correct, seconds):
+def _needle(length, correct):
     return {"task": "single", "length": length, "depth": 0.5, "seed": 0, "answers": ["x"],
-            "correct": dict(zip(("exact", "ridgefill", "identity"), correct)),
-            "seconds": dict(zip(("exact", "ridgefill", "identity"), seconds))}
+            "correct": dict(zip(("exact", "ridgefill", "identity"), correct))}
 
 
-# Three documents (16, 8 and 24 scored tokens; the second has no key token) and four needle samples at two lengths.
+def _timing(length, seconds):
+    return {"length": length, "tokens": length, "seconds": dict(zip(("exact", "ridgefill", "identity"), seconds))}
+
+
+# Three documents (16, 8 and 24 scored tokens; the second has no key token), four needle samples at two lengths and
+# one timed prefill per arm at each length.
 HAND = {
     "split": 2, "num_layers": 4, "tail": 48,
     "documents": [
-        {"name": "a", "tokens": 128, "seconds": {},
+        {"name": "a", "tokens": 128,
          "ridgefill": _doc(16, 10, 3, 0.10, 0.05, 0.90, 0.20, 0.750),
          "identity": _doc(16, 10, 3, 0.30, 0.20, 1.50, 0.50, 0.500)},
-        {"name": "b", "tokens": 128, "seconds": {},
+        {"name": "b", "tokens": 128,
          "ridgefill": _doc(8, 4, 0, 0.02, 0.01, None, 0.10, 0.875),
          "identity": _doc(8, 4, 0, 0.20, 0.10, None, 0.30, 0.625)},
-        {"name": "c", "tokens": 128, "seconds": {},
+        {"name": "c", "tokens": 128,
          "ridgefill": _doc(24, 12, 5, -0.04, 0.08, 0.30, 0.15, 0.8),
          "identity": _doc(24, 12, 5, 0.40, 0.35, 2.10, 0.60, 0.4)},
     ],
     "needles": [
-        _needle(600, (True, True, False), (1.0, 0.5, 0.4)),
-        _needle(700, (True, False, False), (2.0, 0.8, 0.7)),
-        _needle(700, (False, False, False), (2.2, 1.0, 0.9)),
-        _needle(600, (True, True, True), (1.1, 0.6, 0.5)),
+        _needle(600, (True, True, False)),
+        _needle(700, (True, False, False)),
+        _needle(700, (False, False, False)),
+        _needle(600, (True, True, True)),
     ],
+    "timing": [_timing(600, (1.0, 0.5, 0.4)), _timing(700, (2.1, 0.9, 0.8))],
 }
 
 
@@ -193,7 +242,7 @@ def test_summary_by_hand():
     assert ident["dnll_key"] == approx((3 * 1.50 + 5 * 2.10) / 8)
     # KL and top-1: the mean of the documents' means
     assert rf["kl"] == approx((0.20 + 0.10 + 0.15) / 3) and rf["top1"] == approx((0.750 + 0.875 + 0.8) / 3)
-    # prefill time: samples at the longest length only; speed-up against exact's
+    # prefill time: the timed prefill at the longest length; speed-up against exact's
     assert ex["prefill_s"] == approx(2.1) and rf["prefill_s"] == approx(0.9) and ident["prefill_s"] == approx(0.8)
     assert rf["speedup"] == approx(2.1 / 0.9) and ident["speedup"] == approx(2.1 / 0.8) and "speedup" not in ex
     # ceiling: (S (N - T) + L T) / (L N) of the layer work at N = the longest length

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ridgefill.errors import BadInput
-from ridgefill.runtime import ARMS, SlotCache, ceiling, greedy, prefill
+from ridgefill.runtime import ARMS, SlotCache, ceiling, exact_run, greedy, prefill, prefill_from
 from conftest import TINY_FIXTURES
 
 ALL = list(TINY_FIXTURES)
@@ -443,3 +443,57 @@ def test_sliding_layers_fill_only_the_rows_a_query_sees(lm_of):
         del lm.adapter.kv
     assert res.exact_rows == [0, 5]
     assert rows == {2: len([*range(1, 5), *range(19, 26)]), 3: 26 - 2}
+
+
+# -- shared exact work: exact_run + prefill_from ----------------------------------------------------------------------
+
+
+def _same_cache(lm, a, b, nxt):
+    """Two prefills' caches continue alike: the same logits for the same next tokens (stock model or SlotCache)."""
+    if isinstance(a, SlotCache):
+        for t in nxt:
+            torch.testing.assert_close(a.step(int(t)), b.step(int(t)), atol=1e-4, rtol=1e-4)
+    else:
+        torch.testing.assert_close(decode_logits(lm, a, nxt), decode_logits(lm, b, nxt), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ALL)
+def test_prefill_from_an_exact_run_equals_prefill(arch, lm_of):
+    """Every fill arm at every split, built from one exact run, equals the arm's own prefill: logits, cache
+    (decoding continues alike) and exact rows; the exact arm equals prefill's exact arm bit for bit. One run
+    serves all of it, and building arms (and decoding from them) leaves the run as it was."""
+    lm = lm_of(arch)
+    L = lm.adapter.num_layers
+    ids, T = tokens(20, seed=21), 6
+    splits = list(range(L + 1))
+    run = exact_run(lm, ids, splits=splits, logits_rows=T)
+    ex = prefill(lm, ids, "exact", split=0, tail=T)
+    assert torch.equal(run.logits, ex.logits)
+    nxt = tokens(3, seed=22)
+    _same_cache(lm, run.result(T).cache, ex.cache, nxt)
+    maps = {S: random_maps(lm, S, seed=S) for S in splits}
+    for S in splits:
+        for arm in ("ridgefill", "identity", "nofill"):
+            kw = dict(split=S, tail=T, maps=maps[S] if arm == "ridgefill" else None, exact_rows=[4])
+            got, want = prefill_from(lm, run, arm, **kw), prefill(lm, ids, arm, **kw)
+            torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+            assert got.exact_rows == want.exact_rows == [0, 4]
+            _same_cache(lm, got.cache, want.cache, nxt)
+    again = prefill_from(lm, run, "ridgefill", split=2, tail=T, maps=maps[2], logits_rows=1)
+    torch.testing.assert_close(again.logits, prefill(lm, ids, "ridgefill", split=2, tail=T, maps=maps[2]).logits[-1:],
+                               atol=1e-4, rtol=1e-4)
+    assert torch.equal(exact_run(lm, ids, splits=[], logits_rows=T).logits, run.logits)
+
+
+def test_prefill_from_refusals(lm_of):
+    lm = lm_of("llama")
+    ids = tokens(12)
+    run = exact_run(lm, ids, splits=[2])
+    with pytest.raises(BadInput, match="kept no state for split 1"):
+        prefill_from(lm, run, "identity", split=1, tail=4)
+    with pytest.raises(BadInput, match="use prefill"):
+        prefill_from(lm, run, "ridgefill+rows", split=2, tail=4, maps=random_maps(lm, 2))
+    with pytest.raises(BadInput, match="logits_rows must be in 1..4"):
+        prefill_from(lm, run, "identity", split=2, tail=4, logits_rows=5)
+    with pytest.raises(BadInput, match="out of range"):
+        exact_run(lm, ids, splits=[lm.adapter.num_layers + 1])

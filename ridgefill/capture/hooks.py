@@ -15,10 +15,11 @@ class StopForward(Exception):
 
 
 @contextmanager
-def layer_inputs(layers, wanted: list[int]) -> Iterator[dict[int, object]]:
-    """Record `h_l` (the input of layer l, [batch, seq, d]) for each l in `wanted` into the yielded dict."""
+def layer_inputs(layers, wanted: list[int], stop: bool = True) -> Iterator[dict[int, object]]:
+    """Record `h_l` (the input of layer l, [batch, seq, d]) for each l in `wanted` into the yielded dict; with
+    `stop`, the forward ends (StopForward) once the last of them is recorded."""
     seen: dict[int, object] = {}
-    last = max(wanted)
+    last = max(wanted) if stop and wanted else None
     handles = []
 
     def make(idx: int):

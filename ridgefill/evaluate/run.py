@@ -21,7 +21,8 @@ from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 
-FORMAT_VERSION = 4  # 2: single needles in noise filler; 3: nofill needles, "ridgefill+rows"; 4: row 0 exact
+FORMAT_VERSION = 5  # 2: single needles in noise filler; 3: nofill needles, "ridgefill+rows"; 4: row 0 exact;
+# 5: arms built from one exact run per prompt, speed from one timed prefill per arm and length ("timing")
 RESULTS = "results.json"
 ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
 DEFAULT_ARMS = ARMS[:4]  # "+rows" is optional (it costs another fill per sample)
@@ -123,8 +124,13 @@ def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output
     from ridgefill.runtime import maps_on_devices
 
     src = replace(src, maps=maps_on_devices(lm, src.maps, range(src.split, ref.num_layers)))  # once, not per prefill
+    suite = needle_suite(lm, cfg)
     results = {"split": src.split, "num_layers": ref.num_layers, "tail": cfg.tail,
-               "documents": _documents(lm, src, cfg, out), "needles": _needles(lm, src, cfg, out)}
+               "documents": _documents(lm, src, cfg, out), "needles": _needles(lm, src, cfg, suite, out)}
+    prompts = {}
+    for s in suite:  # the first sample of each length
+        prompts.setdefault(s.context_tokens, s.prompt_ids)
+    results["timing"] = time_prefills(lm, src, cfg.arms, cfg.tail, prompts)
     results["summary"] = summarize(results, cfg)
     with store.build("eval", recipe) as build:
         write_json(build.path / RESULTS, results)
@@ -138,12 +144,28 @@ def _fill_args(src: MapsSource, arm: str, tail: int, probe=None) -> dict:
     return args | ({"probe": probe} if arm == "ridgefill+rows" and probe is not None else {})
 
 
+def _arms_from(lm, run, src: MapsSource, arms, tail: int, probe=None, logits_rows=None) -> dict:
+    """Each arm's PrefillResult for one prompt, built from its exact run (`runtime.prefill_from`): the fill arms
+    only run their late layers. "ridgefill+rows" picks its rows inside a prefill of its own."""
+    from ridgefill.runtime import prefill
+    from ridgefill.runtime.prefill import prefill_from
+
+    res = {}
+    for arm in arms:
+        if arm == "exact":
+            res[arm] = run.result(tail)
+        elif arm == "ridgefill+rows":
+            res[arm] = prefill(lm, run.ids, arm, logits_rows=logits_rows, **_fill_args(src, arm, tail, probe))
+        else:
+            res[arm] = prefill_from(lm, run, arm, logits_rows=logits_rows, **_fill_args(src, arm, tail))
+    return res
+
+
 def _documents(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
     import torch
 
     from ridgefill.evaluate import metrics, texts
-    from ridgefill.runtime import prefill
-    from ridgefill.runtime.prefill import PROBE_ROWS
+    from ridgefill.runtime.prefill import PROBE_ROWS, exact_run
 
     docs = texts.long_documents(lm.tokenizer, cfg.doc_tokens, limit=cfg.documents)
     if len(docs) < cfg.documents:
@@ -153,29 +175,27 @@ def _documents(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
         raise BadInput(f"evaluation documents were used for calibration: {', '.join(reused)}")
     T, K = cfg.tail, cfg.scored
     rows = []
-    with out.progress("documents", total=len(docs) * len(cfg.arms)) as bar:
+    with out.progress("documents", total=len(docs)) as bar:
         for i, d in enumerate(docs):
             ids = torch.tensor(d.ids[: cfg.doc_tokens])
             N = len(ids)
             targets = ids[N - K :].numpy()  # the scored stretch
             pick = slice(T - K - 1, T - 1)  # tail rows whose next-token prediction is a scored token
-            exact = prefill(lm, ids, "exact", split=src.split, tail=T)
-            tail_only = prefill(lm, ids[N - T :], "exact", split=src.split, tail=T)  # context cut to the tail
-            le = _host(exact.logits[pick])
+            run = exact_run(lm, ids, splits=[src.split], logits_rows=T)  # shared by every arm
+            tail_only = exact_run(lm, ids[N - T :], logits_rows=T)  # the context cut to the tail
+            le = _host(run.logits[pick])
             nll_exact = metrics.token_nll(le, targets)
             key = metrics.key_mask(nll_exact, metrics.token_nll(_host(tail_only.logits[pick]), targets))
             novel = metrics.novel_mask(ids.numpy(), N - K)
             probe = range(N - K - PROBE_ROWS, N - K)  # "+rows": the stretch just before the scored tokens
-            row = {"name": d.name, "tokens": N, "seconds": {"exact": exact.seconds}}
-            for j, arm in enumerate(cfg.arms):
-                if arm != "exact":
-                    res = prefill(lm, ids, arm, **_fill_args(src, arm, T, probe))
-                    la = _host(res.logits[pick])
-                    row[arm] = metrics.doc_summary(nll_exact, metrics.token_nll(la, targets),
-                                                   metrics.kl_exact_arm(le, la), metrics.top1_agree(le, la), novel, key)
-                    row["seconds"][arm] = res.seconds
-                bar.update(i * len(cfg.arms) + j + 1, (i + 1) * N, f"doc {i + 1}/{len(docs)} · {arm}")
+            row = {"name": d.name, "tokens": N}
+            fills = [a for a in cfg.arms if a != "exact"]
+            for arm, res in _arms_from(lm, run, src, fills, T, probe).items():
+                la = _host(res.logits[pick])
+                row[arm] = metrics.doc_summary(nll_exact, metrics.token_nll(la, targets),
+                                               metrics.kl_exact_arm(le, la), metrics.top1_agree(le, la), novel, key)
             rows.append(row)
+            bar.update(i + 1, (i + 1) * N, f"doc {i + 1}/{len(docs)}")
     return rows
 
 
@@ -184,14 +204,13 @@ def _host(logits):
     return logits.float().cpu().numpy()
 
 
-def _needles(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
-    import torch
-
-    from ridgefill.evaluate.needles import build_suite, noise_haystack, score_answer
-    from ridgefill.runtime import greedy, prefill
+def needle_suite(lm, cfg: EvalConfig) -> list:
+    """The needle samples of `cfg` whose needles lie wholly in the filled prefix: single needles in RULER's noise
+    filler, the other tasks in prose."""
+    from ridgefill.evaluate.needles import build_suite, noise_haystack
 
     chat = bool(getattr(lm.tokenizer, "chat_template", None))
-    try:  # single needles in RULER's noise filler, the other tasks in prose
+    try:
         suite = []
         for tasks, hay in (([t for t in cfg.tasks if t == "single"], noise_haystack()),
                            ([t for t in cfg.tasks if t != "single"], None)):
@@ -200,20 +219,42 @@ def _needles(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
                                      samples=cfg.samples, seed=cfg.seed, tail=cfg.tail, chat=chat, haystack=hay)
     except ValueError as e:  # e.g. a length too short for the question
         raise BadInput(f"needles: {e}") from None
-    suite = [s for s in suite if s.in_filled_region(cfg.tail)]
-    arms = cfg.arms
+    return [s for s in suite if s.in_filled_region(cfg.tail)]
+
+
+def _needles(lm, src: MapsSource, cfg: EvalConfig, suite: list, out: Output) -> list[dict]:
+    import torch
+
+    from ridgefill.evaluate.needles import score_answer
+    from ridgefill.runtime import greedy
+    from ridgefill.runtime.prefill import exact_run
+
     rows = []
-    with out.progress("needles", total=len(suite) * len(arms)) as bar:
+    with out.progress("needles", total=len(suite)) as bar:
         for i, s in enumerate(suite):
-            ids = torch.tensor(s.prompt_ids)
+            run = exact_run(lm, torch.tensor(s.prompt_ids), splits=[src.split])  # shared by every arm
             row = {"task": s.task, "length": s.context_tokens, "depth": s.depth, "seed": s.seed,
-                   "answers": s.answers, "correct": {}, "seconds": {}}
-            for j, arm in enumerate(arms):
-                res = prefill(lm, ids, arm, **_fill_args(src, arm, cfg.tail))
+                   "answers": s.answers, "correct": {}}
+            for arm, res in _arms_from(lm, run, src, cfg.arms, cfg.tail, logits_rows=1).items():
                 text = lm.tokenizer.decode(greedy(lm, res, s.max_new_tokens), skip_special_tokens=True)
-                row["correct"][arm], row["seconds"][arm] = bool(score_answer(s, text)), res.seconds
-                bar.update(i * len(arms) + j + 1, (i + 1) * len(s.prompt_ids), f"sample {i + 1}/{len(suite)} · {arm}")
+                row["correct"][arm] = bool(score_answer(s, text))
             rows.append(row)
+            bar.update(i + 1, (i + 1) * len(s.prompt_ids), f"sample {i + 1}/{len(suite)}")
+    return rows
+
+
+def time_prefills(lm, src: MapsSource, arms, tail: int, prompts: dict) -> list[dict]:
+    """The measured prefill speed: one real, timed `prefill` per arm and length ({length: prompt ids}), the arms
+    interleaved within each length, so a slow spell of a shared machine does not favour one arm."""
+    import torch
+
+    from ridgefill.runtime import prefill
+
+    rows = []
+    for length, ids in sorted(prompts.items()):
+        ids = torch.tensor(ids)
+        rows.append({"length": length, "tokens": len(ids),
+                     "seconds": {arm: prefill(lm, ids, arm, **_fill_args(src, arm, tail)).seconds for arm in arms}})
     return rows
 
 
@@ -236,7 +277,7 @@ def summarize(results: dict, cfg: EvalConfig) -> dict:
             s["needle"] = float(np.mean(acc[arm]))
             if arm != "exact":
                 s["needle_minus_exact"] = boot(acc[arm], acc["exact"])
-        secs = [n["seconds"][arm] for n in needles if n["length"] == longest and arm in n["seconds"]]
+        secs = [t["seconds"][arm] for t in results.get("timing", []) if t["length"] == longest]
         if secs:
             s["prefill_s"] = float(np.mean(secs))
         if arm != "exact":

@@ -17,7 +17,7 @@ Importing this package imports torch; `import ridgefill` does not import this pa
 
 from ridgefill.runtime.cache import SlotCache, greedy
 from ridgefill.runtime.maps import ReleaseMaps, load_release_maps, maps_on_devices
-from ridgefill.runtime.prefill import ARMS, PrefillResult, ceiling, prefill
+from ridgefill.runtime.prefill import ARMS, ExactRun, PrefillResult, ceiling, exact_run, prefill, prefill_from
 
-__all__ = ["ARMS", "PrefillResult", "ReleaseMaps", "SlotCache", "ceiling", "greedy", "load_release_maps",
-           "maps_on_devices", "prefill"]  # fmt: skip
+__all__ = ["ARMS", "ExactRun", "PrefillResult", "ReleaseMaps", "SlotCache", "ceiling", "exact_run", "greedy",
+           "load_release_maps", "maps_on_devices", "prefill", "prefill_from"]  # fmt: skip

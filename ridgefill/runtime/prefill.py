@@ -124,16 +124,19 @@ def prefill(
     row_share: float = ROW_SHARE,
     probe=None,
     anchor: int = ANCHOR_ROWS,
+    logits_rows: int | None = None,
 ) -> PrefillResult:
     """Prefill `input_ids` [N] (one sequence) with `arm`; see the module docstring.
 
     `row_share` and `probe` (prompt positions; default the last 64) only matter for "ridgefill+rows". `anchor`:
-    how many first prompt rows run every layer in the fill arms (0 fills the sink too, for comparison only)."""
+    how many first prompt rows run every layer in the fill arms (0 fills the sink too, for comparison only).
+    `logits_rows`: how many last rows get logits (default `tail`; 1 is enough to decode)."""
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     n = int(ids.shape[0])
     if not (isinstance(anchor, int) and anchor >= 0):
         raise BadInput(f"anchor must be a non-negative number of rows, got {anchor!r}")
     rows = _check(lm, n, arm, split, tail, maps, exact_rows)
+    keep = _logits_rows(logits_rows, tail)
     if arm != "exact":
         rows = sorted(set(rows) | set(range(min(anchor, n - tail))))
     select = None
@@ -151,15 +154,139 @@ def prefill(
     start = time.perf_counter()
     with torch.no_grad():
         if arm == "exact":
-            out = lm.model(input_ids=ids[None], use_cache=True, logits_to_keep=tail)
-            logits = out.logits[0, -tail:].float()
+            out = lm.model(input_ids=ids[None], use_cache=True, logits_to_keep=keep)
+            logits = out.logits[0, -keep:].float()
             cache = getattr(out, "cache", None)  # 5.x name; `past_key_values` is a deprecated alias
         else:
-            logits, cache, rows = _fill(lm, ids, arm, split, tail, maps, rows, select)
+            logits, cache, rows = _fill(lm, ids, arm, split, tail, maps, rows, select, keep)
     _sync()  # a GPU runs asynchronously: the clock stops when its work is done
     seconds = time.perf_counter() - start
     return PrefillResult(logits=logits, cache=cache, seconds=seconds, arm=arm, split=split, tail=tail,
                          num_rows=n, exact_rows=rows)  # fmt: skip
+
+
+def _logits_rows(logits_rows, tail: int) -> int:
+    if logits_rows is None:
+        return tail
+    if not (isinstance(logits_rows, int) and 1 <= logits_rows <= tail):
+        raise BadInput(f"logits_rows must be in 1..{tail} (the tail), got {logits_rows!r}")
+    return logits_rows
+
+
+@dataclass
+class ExactRun:
+    """One exact forward that many fills are built from (`exact_run`, then `prefill_from` per arm and split).
+
+    Every fill arm at split S runs layers 0..S-1 exactly on every row, and the exact forward has run them all: so
+    the exact forward's cache (its early layers) and its hidden state entering layer S are all a fill needs, and
+    only the late layers' work remains per arm. Nothing here is ever modified: `prefill_from` copies what it keeps.
+    """
+
+    ids: torch.Tensor  # [N], on the input device
+    logits: torch.Tensor  # [logits_rows, vocab] float32: exact's last rows
+    cache: Any  # the stock forward's DynamicCache
+    states: dict[int, torch.Tensor]  # {split S: the hidden state entering layer S, [N, d] in the model dtype}
+    seconds: float  # the whole forward, hooks included
+
+    def result(self, tail: int) -> PrefillResult:
+        """The exact arm, as `prefill(..., "exact")` returns it (with its own cache, to decode from)."""
+        n = int(self.ids.shape[0])
+        return PrefillResult(logits=self.logits, cache=_cache_copy(self.cache, len(self.cache.layers)),
+                             seconds=self.seconds, arm="exact", tail=tail, num_rows=n)
+
+
+def exact_run(lm, input_ids: torch.Tensor, *, splits=(), logits_rows: int = 1) -> ExactRun:
+    """The stock model's forward over `input_ids` [N], keeping its cache, the last `logits_rows` rows' logits
+    and the hidden state entering each layer of `splits` (memory: len(splits) x N x d)."""
+    from ridgefill.capture.hooks import layer_inputs
+
+    ad = lm.adapter
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(ad.device)
+    n, splits = int(ids.shape[0]), sorted({int(s) for s in splits})
+    if not 1 <= logits_rows <= n:
+        raise BadInput(f"logits_rows must be in 1..{n}, got {logits_rows}")
+    bad = [s for s in splits if not 0 <= s <= ad.num_layers]
+    if bad:
+        raise BadInput(f"split(s) {bad} out of range 0..{ad.num_layers}")
+    _sync()
+    start = time.perf_counter()
+    layers = list(ad.layers) + [ad.base.norm]  # S = L: the state after the last layer is the final norm's input
+    with torch.no_grad(), layer_inputs(layers, splits, stop=False) as seen:
+        out = lm.model(input_ids=ids[None], use_cache=True, logits_to_keep=logits_rows)
+    states = {s: seen[s][0] for s in splits}
+    _sync()
+    return ExactRun(ids=ids, logits=out.logits[0].float(), cache=out.cache, states=states,
+                    seconds=time.perf_counter() - start)
+
+
+def prefill_from(
+    lm,
+    run: ExactRun,
+    arm: str,
+    *,
+    split: int,
+    tail: int,
+    maps: dict | None = None,
+    exact_rows=None,
+    anchor: int = ANCHOR_ROWS,
+    logits_rows: int | None = None,
+) -> PrefillResult:
+    """The fill arm `arm` ("ridgefill", "identity" or "nofill") at `split`, built from an exact run of the same
+    prompt: the same result as `prefill(lm, run.ids, arm, ...)` up to float round-off, for the cost of the late
+    layers alone. `seconds` is the time of that remaining work, not a prefill's: time arms with `prefill`."""
+    n = int(run.ids.shape[0])
+    if arm not in ("ridgefill", "identity", "nofill"):
+        raise BadInput(f"prefill_from builds 'ridgefill', 'identity' or 'nofill', not '{arm}' (use prefill)")
+    if split not in run.states:
+        raise BadInput(f"the exact run kept no state for split {split} (it has {sorted(run.states)})")
+    if not (isinstance(anchor, int) and anchor >= 0):
+        raise BadInput(f"anchor must be a non-negative number of rows, got {anchor!r}")
+    rows = _check(lm, n, arm, split, tail, maps, exact_rows)
+    rows = sorted(set(rows) | set(range(min(anchor, n - tail))))
+    keep = _logits_rows(logits_rows, tail)
+    ad = lm.adapter
+    if arm == "ridgefill":
+        maps = maps_on_devices(lm, maps, range(split, ad.num_layers))
+    _sync()
+    start = time.perf_counter()
+    with torch.no_grad():
+        layers = Layers(lm)
+        h = run.states[split]
+        rope = layers.rope(h[None], torch.arange(n, device=ad.device))
+        logits, late = _late(lm, layers, h, rope, arm, split, tail, maps, rows, keep)
+        if arm == "nofill":
+            early = []
+            for l in range(split):
+                k, v = run.cache.layers[l].keys[0], run.cache.layers[l].values[0]  # a sliding layer: its last rows
+                pos = torch.arange(n - k.shape[1], n, device=k.device).expand(ad.num_kv_heads, -1)
+                early.append({"keys": k, "values": v, "positions": pos})
+            all_pos = torch.arange(n, device=ad.device)
+            cache = SlotCache(lm, early + _late_slots(ad, late, all_pos), n)
+        else:
+            cache = _cache_copy(run.cache, split, lm.model.config)
+            for l, (keys, values, _) in enumerate(late, start=split):
+                cache.update(keys, values, l)
+    _sync()
+    return PrefillResult(logits=logits, cache=cache, seconds=time.perf_counter() - start, arm=arm, split=split,
+                         tail=tail, num_rows=n, exact_rows=rows)
+
+
+def _cache_copy(cache, layers: int, config=None):
+    """A cache whose first `layers` layers are copies of `cache`'s: the rest are `cache`'s own layers, or, given
+    the model `config`, fresh empty ones. Decoding replaces a layer's tensors (it concatenates), so the tensors
+    shared with `cache` are never written."""
+    import copy
+
+    from transformers import DynamicCache
+
+    if config is None:
+        new = copy.copy(cache)
+        new.layers = list(cache.layers)
+    else:
+        new = DynamicCache(config=config)
+    for l in range(layers):
+        new.layers[l] = copy.copy(cache.layers[l])
+    return new
 
 
 def _sync() -> None:
@@ -186,43 +313,66 @@ def _attention_received(ad, l, x, pos, keys, window) -> torch.Tensor:
     return scores.softmax(dim=-1).sum(dim=(0, 1))
 
 
-def _fill(lm, ids, arm, split, tail, maps, rows, select):
+def _fill(lm, ids, arm, split, tail, maps, rows, select, keep):
     from transformers import DynamicCache
 
     model, ad = lm.model, lm.adapter
     layers = Layers(lm)
     # Positions, masks and row indices live on the input device and move to each layer's device (with a device
     # map every layer may sit on another one); each layer's key/value slots are made on its own device.
-    device, dtype = ad.device, ad.dtype
-    n, L = int(ids.shape[0]), ad.num_layers
+    device = ad.device
+    n = int(ids.shape[0])
     prefix = n - tail
     all_pos = torch.arange(n, device=device)
-    kv_shape = (1, ad.num_kv_heads, n, ad.head_dim)
-
-    def new_slots(l):
-        return torch.zeros(kv_shape, dtype=dtype, device=ad.layer_device(l))
-
     hidden = base_hidden = ad.base.embed_tokens(ids[None].to(device))  # [1, N, d]; Gemma's embedding scales
     rope = layers.rope(base_hidden, all_pos)  # [1, N, hd] per layer kind
     received = torch.zeros(n, device=device) if select else None
 
-    kv_store: list[tuple[torch.Tensor, torch.Tensor]] = []
+    early: list[tuple[torch.Tensor, torch.Tensor]] = []
     # Early layers: every row, exactly.
     every = torch.ones(n, dtype=torch.bool, device=device)
     for l in range(split):
-        keys, values = new_slots(l), new_slots(l)
+        keys, values = _new_slots(ad, l, n), _new_slots(ad, l, n)
         layer_in = hidden
         hidden = layers.run(l, hidden, all_pos, rope, keys, values, every, every_row=True)
-        kv_store.append((keys, values))
+        early.append((keys, values))
         if select:
             probe = torch.tensor(select[1], device=layer_in.device)
             received += _attention_received(ad, l, layer_in[0, probe], probe, keys, layers.window).to(device)
-    h_split = hidden[0]  # [N, d]: the split state
     if select:  # "+rows": the most-attended prefix rows become exact rows
         order = torch.argsort(-received[:prefix], stable=True)  # ties: earlier position first
         rows = sorted(set(rows) | set(order[: min(select[0], prefix)].tolist()))
+    logits, late = _late(lm, layers, hidden[0], rope, arm, split, tail, maps, rows, keep)
+    if arm == "nofill":
+        slots = [{"keys": k[0], "values": v[0], "positions": all_pos.expand(ad.num_kv_heads, n)} for k, v in early]
+        return logits, SlotCache(lm, slots + _late_slots(ad, late, all_pos), n), rows
+    cache = DynamicCache(config=model.config)
+    for l, (keys, values) in enumerate(early + [(k, v) for k, v, _ in late]):
+        cache.update(keys, values, l)  # sliding layers keep their last window - 1 rows, as in a stock prefill
+    return logits, cache, rows
 
-    # Late layers: the query rows (exact rows + tail) run; the filled rows only write keys/values.
+
+def _new_slots(ad, l: int, n: int) -> torch.Tensor:
+    """Zeroed key (or value) slots of layer l for n rows, on the layer's device: [1, kv_heads, n, head_dim]."""
+    return torch.zeros((1, ad.num_kv_heads, n, ad.head_dim), dtype=ad.dtype, device=ad.layer_device(l))
+
+
+def _late_slots(ad, late, all_pos) -> list[dict]:
+    """SlotCache layers of the late layers (the "nofill" arm's holes are empty slots, position -1)."""
+    n = all_pos.shape[0]
+    return [{"keys": k[0], "values": v[0], "positions": torch.where(ok, all_pos, -1).expand(ad.num_kv_heads, n)}
+            for k, v, ok in late]  # fmt: skip
+
+
+def _late(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep):
+    """Late layers from the split state h_split [N, d]: the query rows (exact rows + tail) run every layer; the
+    filled rows only write keys/values. Returns the last `keep` rows' logits and, per late layer, (keys, values,
+    valid slots)."""
+    ad = lm.adapter
+    device, dtype = ad.device, ad.dtype
+    n, L = int(h_split.shape[0]), ad.num_layers
+    prefix = n - tail
+    all_pos = torch.arange(n, device=device)
     q_pos = torch.tensor(rows + list(range(prefix, n)), dtype=torch.long, device=device)
     q_rope = {kind: (cos[:, q_pos.to(cos.device)], sin[:, q_pos.to(sin.device)]) for kind, (cos, sin) in rope.items()}
     is_fill = torch.zeros(n, dtype=torch.bool, device=device)
@@ -234,12 +384,12 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select):
         nxt = torch.searchsorted(q_pos, fill_pos)  # q_pos is sorted; fill rows are never query rows
         ahead = torch.cat([q_pos, q_pos.new_tensor([n + layers.window])])[nxt]
         fill_pos_sliding = fill_pos[ahead - fill_pos < layers.window]
-    hq = hidden[:, q_pos.to(hidden.device)]  # [1, Q, d]
+    hq = h_split[q_pos.to(h_split.device)][None]  # [1, Q, d]
     x_split = h_split.float()
-    valid_store = [every] * split
+    late = []
     for l in range(split, L):
         dev = ad.layer_device(l)
-        keys, values = new_slots(l), new_slots(l)
+        keys, values = _new_slots(ad, l, n), _new_slots(ad, l, n)
         kv_valid = torch.zeros(n, dtype=torch.bool, device=device)
         kv_valid[q_pos] = True
         kind = ad.layer_kinds[l]
@@ -262,15 +412,5 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select):
             values[0, :, at] = v.transpose(0, 1).to(dev, dtype)
             kv_valid[pos] = True
         hq = layers.run(l, hq, q_pos, q_rope, keys, values, kv_valid)
-        kv_store.append((keys, values))
-        valid_store.append(kv_valid)
-
-    logits = final_logits(lm, hq[0, -tail:])
-    if arm == "nofill":
-        slots = [{"keys": k[0], "values": v[0], "positions": torch.where(ok, all_pos, -1).expand(ad.num_kv_heads, n)}
-                 for (k, v), ok in zip(kv_store, valid_store)]  # fmt: skip
-        return logits, SlotCache(lm, slots, n), rows
-    cache = DynamicCache(config=model.config)
-    for l, (keys, values) in enumerate(kv_store):
-        cache.update(keys, values, l)  # sliding layers keep their last window - 1 rows, as in a stock prefill
-    return logits, cache, rows
+        late.append((keys, values, kv_valid))
+    return final_logits(lm, hq[0, -keep:]), late
