@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperGroup
 
-from ridgefill.cli import artifacts, capture, eval, export, fold, quantize, release, solve
+from ridgefill.cli import artifacts, capture, eval, export, fold, quantize, release, solve, sweep
 from ridgefill.cli import hub
 from ridgefill.cli.common import QuietOpt
 
@@ -85,6 +85,7 @@ app.command("verify")(export.verify)
 app.command("push")(hub.push)
 app.command("pull")(hub.pull)
 app.command("eval")(eval.eval_)
+app.command("sweep")(sweep.sweep)
 app.command("release")(release.release)
 app.command("compact")(fold.compact)
 app.command("fold")(fold.fold)

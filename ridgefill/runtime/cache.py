@@ -73,16 +73,19 @@ class SlotCache:
         return final_logits(self.lm, h[0, -1:])[0]
 
 
-def greedy(lm, res, max_new: int) -> list[int]:
+def greedy(lm, res, max_new: int, stop=None) -> list[int]:
     """Greedy tokens continuing from a prefill's cache (`res`: a `PrefillResult`): at most `max_new`, stopping
     before the tokenizer's end-of-sequence token. The first token is the argmax of the prefill's last logits
     row; the next ones come from the stock model on a `DynamicCache`, or from `SlotCache.step`. The cache grows
-    in place: decode from a fresh prefill to start again."""
+    in place: decode from a fresh prefill to start again. `stop(tokens) -> bool`, if given, is asked after each
+    token whether the tokens so far are enough (e.g. an answer is complete), and ends decoding when it says so."""
     eos = lm.tokenizer.eos_token_id
     cache, nxt, toks = res.cache, int(res.logits[-1].argmax()), []
     with torch.inference_mode():
         while len(toks) < max_new and nxt != eos:
             toks.append(nxt)
+            if stop is not None and stop(toks):
+                break
             if isinstance(cache, SlotCache):
                 nxt = int(cache.step(nxt).argmax())
             else:

@@ -1,0 +1,57 @@
+"""`ridgefill sweep MODEL [--splits 8-24]`: which split to ship, measured."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from ridgefill.cli.common import (DEFAULT_STORE, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, JsonOpt, MaxMemoryOpt,
+                                  ModelArg, StoreOpt, done, output, store)
+
+
+def sweep(
+    model: ModelArg,
+    splits: Annotated[Optional[str], typer.Option("--splits", help="Splits to measure: 8-24, 8-24:2, 8,12,16 (default: 8 evenly spaced over the middle half of the layers).")] = None,
+    data: Annotated[Optional[list[str]], typer.Option("--data", help="Calibration text for the capture (as in `capture`; default builtin:default). Repeatable.")] = None,
+    capture_ref: Annotated[Optional[str], typer.Option("--capture", help="Reuse this capture artifact (it must have every split).")] = None,
+    length: Annotated[int, typer.Option("--length", help="Prompt length in tokens (needles, documents, speed).")] = 4096,
+    tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = 512,
+    samples: Annotated[int, typer.Option("--samples", help="Single-needle prompts, the same at every split.")] = 40,
+    documents: Annotated[int, typer.Option("--documents", help="Long documents for the ΔNLL figures.")] = 4,
+    scored: Annotated[int, typer.Option("--scored", help="Scored stretch: the last tokens of each document.")] = 256,
+    max_needle_drop: Annotated[float, typer.Option("--max-needle-drop", help="Budget: needle accuracy points below exact.")] = 10.0,
+    max_key_dnll: Annotated[float, typer.Option("--max-key-dnll", help="Budget: key-token ΔNLL in nats.")] = 0.5,
+    quantize: Annotated[bool, typer.Option("--quantize/--float", help="Measure the int8 maps a release ships, or the float maps.")] = True,
+    alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Solve each layer at its own best alpha.")] = False,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    store_root: StoreOpt = DEFAULT_STORE,
+    json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Measure several splits (needles, key-token ΔNLL, speed-up) and recommend the shallowest within budget."""
+    from ridgefill.evaluate.report import table
+    from ridgefill.evaluate.sweep import PLOT, RESULT, SweepConfig, parse_splits, sweep as run
+
+    out = output(json)
+    cfg = SweepConfig(splits=parse_splits(splits) if splits is not None else (), length=length, tail=tail,
+                      samples=samples, documents=documents, scored=scored, max_needle_drop=max_needle_drop,
+                      max_key_dnll=max_key_dnll, quantize=quantize, alpha_per_layer=alpha_per_layer, seed=seed)
+    if splits is not None and not cfg.splits:
+        from ridgefill.errors import BadInput
+
+        raise BadInput("--splits is empty")
+    art, cached = run(store(store_root), model, cfg, out, data=data, capture_ref=capture_ref, device=device,
+                      dtype=dtype, device_map=device_map, max_memory=max_memory)
+    import json as _json
+
+    result = _json.loads(art.file(RESULT).read_text())
+    out.table(table(result, result["recommended"]))
+    out.info(result["retrieval"]["line"])
+    out.info(f"[bold]recommended:[/bold] {result['recommended']['reason']}")
+    out.info(f"plot: {art.path / PLOT}")
+    done(out, "sweep", art, cached)

@@ -1,0 +1,344 @@
+"""`ridgefill sweep`: measure several split layers side by side and recommend the one to ship (docs/sweep.md).
+
+One capture pass serves every split (or a capture that has them). Each split is solved and quantized as a release
+would be, then measured against the exact model on text never used for calibration:
+- held-out K/V cosine of the fitted maps and of the identity fill (from solve);
+- ΔNLL on all, novel and key tokens of long documents, at `length` tokens with the last `scored` scored;
+- single-needle retrieval in RULER's noise filler, `samples` prompts of `length` tokens whose needle lies in the
+  filled prefix (the same prompts at every split, so the differences are paired), by greedy decoding;
+- the compute ceiling at `length` and `tail`, and the prefill speed-up measured at `length`: one timed prefill per
+  arm and split, interleaved.
+Every prompt gets one exact forward that keeps the hidden state entering every split; each (split, arm) only runs
+its late layers on top of it (`runtime.prefill_from`). The figures per split are eval's (`evaluate.run.summarize`),
+the recommendation and the table / plot are `evaluate.report`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from ridgefill.artifacts import Artifact, Store
+from ridgefill.artifacts.store import write_json
+from ridgefill.errors import BadInput
+from ridgefill.output import Output
+
+FORMAT_VERSION = 1
+RESULT, PLOT, TABLE = "sweep.json", "sweep.png", "sweep.md"
+ARMS = ("ridgefill", "identity")
+DEFAULT_SPLITS = 8  # evenly spaced over the middle half of the layers
+NEEDLE_DEPTHS = 8  # the single-needle samples spread over this many depths of the filled prefix
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    splits: tuple[int, ...] = ()  # empty: DEFAULT_SPLITS evenly spaced over layers L/4 .. 3L/4
+    length: int = 4096
+    tail: int = 512
+    samples: int = 40  # single-needle prompts (at least 40: a 30-point difference is then significant)
+    documents: int = 4
+    scored: int = 256
+    max_needle_drop: float = 10.0  # points below exact
+    max_key_dnll: float = 0.5  # nats
+    quantize: bool = True  # measure the int8 maps a release ships (False: the float maps)
+    alpha_per_layer: bool = False
+    seed: int = 0
+    bootstrap: int = 10000
+
+
+def parse_splits(text: str) -> tuple[int, ...]:
+    """'8-24' (a range), '8-24:2' (a range with a step), '8,12,16' or a mix: '8-12,16'. Refuses what is not."""
+    out: list[int] = []
+    for part in (p.strip() for p in str(text).split(",")):
+        m = re.fullmatch(r"(\d+)(?:-(\d+)(?::(\d+))?)?", part)
+        if not m:
+            raise BadInput(f"--splits: '{part}' is not a split, a range A-B or A-B:STEP (e.g. 8-24, 8-24:2, 8,12,16)")
+        a, b, step = int(m[1]), int(m[2] or m[1]), int(m[3] or 1)
+        if step < 1:
+            raise BadInput(f"--splits: the step in '{part}' must be at least 1")
+        if b < a:
+            raise BadInput(f"--splits: the range '{part}' is empty")
+        out += range(a, b + 1, step)
+    return tuple(sorted(set(out)))
+
+
+def default_splits(num_layers: int) -> tuple[int, ...]:
+    return tuple(sorted({int(x) for x in np.round(np.linspace(num_layers / 4, 3 * num_layers / 4, DEFAULT_SPLITS))}))
+
+
+def check_config(cfg: SweepConfig, num_layers: int) -> tuple[int, ...]:
+    """The splits to measure; BadInput names the first problem (before any work)."""
+    splits = tuple(sorted(set(cfg.splits))) if cfg.splits else default_splits(num_layers)
+    if not splits:
+        raise BadInput("the split list is empty")
+    bad = [s for s in splits if not 0 < s < num_layers]
+    if bad:
+        raise BadInput(f"split(s) {', '.join(map(str, bad))} out of range: the model has {num_layers} layers "
+                       f"(use 1..{num_layers - 1})")
+    for name in ("max_needle_drop", "max_key_dnll"):
+        v = getattr(cfg, name)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise BadInput(f"--{name.replace('_', '-')} must be a number >= 0 (got {v})")
+    if not 0 < cfg.scored < cfg.tail:
+        raise BadInput(f"need 0 < --scored ({cfg.scored}) < --tail ({cfg.tail})")
+    if cfg.length <= cfg.tail:
+        raise BadInput(f"--length ({cfg.length}) must be longer than --tail ({cfg.tail}): the fill skips the rows "
+                       "before the tail")
+    if cfg.samples < 1 or cfg.documents < 1:
+        raise BadInput("--samples and --documents must be at least 1")
+    return splits
+
+
+def sweep(
+    store: Store,
+    model: str,
+    cfg: SweepConfig,
+    out: Output,
+    *,
+    data: list[str] | None = None,
+    capture_ref: str | None = None,
+    capture_args: dict | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    device_map=None,
+    max_memory=None,
+) -> tuple[Artifact, bool]:
+    """Run (or find cached) the sweep. `capture_ref`: a capture artifact that has every split (else one capture of
+    `data` with these splits, `capture_args` being further CaptureConfig fields). Returns (artifact, cached)."""
+    from ridgefill.capture.run import CaptureConfig, capture
+    from ridgefill.export.quantize import quantize
+    from ridgefill.models import resolve_model
+    from ridgefill.models.device import where
+    from ridgefill.solve.run import solve
+
+    place = where(device, dtype, device_map, max_memory)
+    ref = resolve_model(model, store_root=store.root)
+    splits = check_config(cfg, ref.num_layers)
+    cfg = replace(cfg, splits=splits)
+    if capture_ref is not None:
+        cap = store.get(capture_ref, stage="capture")
+        if cap.recipe["model"] != ref.fingerprint:
+            raise BadInput(f"capture {cap.id} was made with a different model ({cap.info['model']['name']}) "
+                           f"than '{model}'")
+        missing = [s for s in splits if s not in cap.recipe["splits"]]
+        if missing:
+            flags = " ".join(f"--split {s}" for s in splits)
+            raise BadInput(f"capture {cap.id} lacks split(s) {', '.join(map(str, missing))} (it has "
+                           f"{', '.join(map(str, cap.recipe['splits']))}): capture them with `ridgefill capture "
+                           f"{model} {flags}`, or sweep its own splits")
+    else:
+        cap_cfg = CaptureConfig(**{"device": device, "dtype": dtype, "device_map": device_map,
+                                   "max_memory": tuple(max_memory or ()), **(capture_args or {}), "splits": splits})
+        cap, _ = capture(store, model, list(data or ["builtin:default"]), cap_cfg, out)
+    fits = []
+    for s in splits:
+        out.info(f"[bold]split {s}[/bold]: solve{' + quantize' if cfg.quantize else ''}")
+        sol, _ = solve(store, cap.id, out, split=s, alpha_per_layer=cfg.alpha_per_layer, device=device, dtype=dtype,
+                       device_map=device_map, max_memory=max_memory)
+        q = quantize(store, sol.id, out, device=device, dtype=dtype, device_map=device_map,
+                     max_memory=max_memory)[0] if cfg.quantize else None
+        fits.append((s, sol, q))
+    recipe = {"stage": "sweep", "version": FORMAT_VERSION, "model": ref.fingerprint, "capture": cap.id,
+              "maps": {str(s): (q or sol).id for s, sol, q in fits},
+              **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}, **place.recipe()}
+    hit = store.cached("sweep", recipe)
+    if hit is not None:
+        return hit, True
+
+    from ridgefill.models import load_model
+    from ridgefill.runtime import maps_on_devices
+
+    lm = load_model(ref, store_root=store.root, trust_remote_code=cap.recipe.get("trust_remote_code", False),
+                    **place.load_args())
+    out.info(f"model on {place.describe()}")
+    maps = {s: maps_on_devices(lm, _maps_of(q or sol), range(s, ref.num_layers)) for s, sol, q in fits}
+    calib = _calibration(store, cap)
+    docs = _documents(lm, cfg, maps, calib, out)
+    needles = _needles(lm, cfg, maps, out)
+    timing = _timing(lm, cfg, maps, needles["prompt"], out)
+    result = _result(model, ref.num_layers, cfg, fits, docs, needles, timing)
+    from ridgefill.evaluate.report import plot, recommend, retrieval_edge, write_markdown
+
+    rec = recommend(result)
+    result["recommended"] = rec
+    result["retrieval"] = retrieval_edge(result)
+    with store.build("sweep", recipe) as build:
+        write_json(build.path / RESULT, result)
+        plot(result, rec, build.path / PLOT)
+        (build.path / TABLE).write_text(write_markdown(result, rec) + "\n" + result["retrieval"]["line"] + "\n")
+        summary = {"recommended": rec["split"], "reason": rec["reason"], "qualifying": rec["qualifying"],
+                   "retrieval": result["retrieval"]["line"], "splits": list(splits), "capture": cap.id,
+                   "maps": recipe["maps"], "exact_needle": result["exact"]["needle"]}
+        art = build.commit(info={"model_spec": model, "placement": lm.placement()}, summary=summary)
+    return art, False
+
+
+def _maps_of(art: Artifact) -> dict:
+    if art.stage == "quantize":
+        from ridgefill.export.quantize import decoded_maps
+
+        return decoded_maps(art)
+    from ridgefill.solve.run import load_maps
+
+    return load_maps(art)
+
+
+def _calibration(store: Store, cap: Artifact) -> set:
+    from ridgefill.capture.run import DOCS
+
+    return {d["sha256"] for d in json.loads(cap.file(DOCS).read_text()) if d["role"] == "calibration"}
+
+
+def _documents(lm, cfg: SweepConfig, maps: dict, calib: set, out: Output) -> list[dict]:
+    """Per document: {"name", "tokens", split: {arm: doc_summary}}."""
+    import torch
+
+    from ridgefill.evaluate import metrics, texts
+    from ridgefill.runtime.prefill import exact_run, prefill_from
+
+    docs = texts.long_documents(lm.tokenizer, cfg.length, limit=cfg.documents)
+    if len(docs) < cfg.documents:
+        raise BadInput(f"only {len(docs)} evaluation documents have {cfg.length} tokens (lower --documents or "
+                       "--length)")
+    reused = texts.reused([(d.name, d.text) for d in docs], calib)
+    if reused:
+        raise BadInput(f"evaluation documents were used for calibration: {', '.join(reused)}")
+    T, K, N = cfg.tail, cfg.scored, cfg.length
+    pick = slice(T - K - 1, T - 1)  # tail rows whose next-token prediction is a scored token
+    rows = []
+    with out.progress("documents", total=len(docs)) as bar:
+        for i, d in enumerate(docs):
+            ids = torch.tensor(d.ids[:N])
+            targets = ids[N - K :].numpy()
+            run = exact_run(lm, ids, splits=list(maps), logits_rows=T)
+            le = run.logits[pick].cpu().numpy()
+            nll = metrics.token_nll(le, targets)
+            cut = exact_run(lm, ids[N - T :], logits_rows=T)  # the context cut to the tail: key tokens
+            key = metrics.key_mask(nll, metrics.token_nll(cut.logits[pick].cpu().numpy(), targets))
+            novel = metrics.novel_mask(ids.numpy(), N - K)
+            row = {"name": d.name, "tokens": N}
+            for s, m in maps.items():
+                row[str(s)] = {}
+                for arm in ARMS:
+                    la = prefill_from(lm, run, arm, split=s, tail=T, maps=m if arm == "ridgefill" else None,
+                                      logits_rows=T).logits[pick].cpu().numpy()
+                    row[str(s)][arm] = metrics.doc_summary(nll, metrics.token_nll(la, targets),
+                                                           metrics.kl_exact_arm(le, la), metrics.top1_agree(le, la),
+                                                           novel, key)
+            rows.append(row)
+            del run
+            bar.update(i + 1, (i + 1) * N, f"doc {i + 1}/{len(docs)}")
+    return rows
+
+
+def needle_suite(lm, cfg: SweepConfig) -> list:
+    """`samples` single needles at `length` tokens, spread over NEEDLE_DEPTHS depths of the filled prefix."""
+    from ridgefill.evaluate.needles import build_suite, noise_haystack
+
+    top = (cfg.length - cfg.tail) / cfg.length  # the filled prefix ends here
+    depths = tuple(round(float(x), 4) for x in np.linspace(0.05, top * 0.9, NEEDLE_DEPTHS))
+    per = -(-cfg.samples // len(depths))
+    chat = bool(getattr(lm.tokenizer, "chat_template", None))
+    try:
+        suite = build_suite(lm.tokenizer, lengths=(cfg.length,), depths=depths, tasks=("single",), samples=per,
+                            seed=cfg.seed, tail=cfg.tail, chat=chat, haystack=noise_haystack())
+    except ValueError as e:
+        raise BadInput(f"needles: {e}") from None
+    suite = [s for s in suite if s.in_filled_region(cfg.tail)]
+    # every depth in turn, so that any first `samples` cover them all
+    order = sorted(range(len(suite)), key=lambda i: (i % per, i // per))
+    suite = [suite[i] for i in order][: cfg.samples]
+    if len(suite) < cfg.samples:
+        raise BadInput(f"only {len(suite)} needle prompts of {cfg.length} tokens have their needle before the tail")
+    return suite
+
+
+def _needles(lm, cfg: SweepConfig, maps: dict, out: Output) -> dict:
+    """{"rows": [{"depth", "seed", "exact": bool, split: {arm: bool}}], "prompt": the first prompt's ids}."""
+    import torch
+
+    from ridgefill.evaluate.needles import score_answer
+    from ridgefill.runtime import greedy
+    from ridgefill.runtime.prefill import exact_run, prefill_from
+
+    suite = needle_suite(lm, cfg)
+    rows = []
+
+    def answered(s, res) -> bool:
+        done = lambda toks: _complete(s, lm.tokenizer.decode(toks, skip_special_tokens=True))  # noqa: E731
+        return score_answer(s, lm.tokenizer.decode(greedy(lm, res, s.max_new_tokens, stop=done),
+                                                   skip_special_tokens=True))
+
+    with out.progress("needles", total=len(suite)) as bar:
+        for i, s in enumerate(suite):
+            run = exact_run(lm, torch.tensor(s.prompt_ids), splits=list(maps))
+            row = {"depth": s.depth, "seed": s.seed, "tokens": len(s.prompt_ids), "exact": answered(s, run.result(cfg.tail))}
+            for sp, m in maps.items():
+                row[str(sp)] = {arm: answered(s, prefill_from(lm, run, arm, split=sp, tail=cfg.tail, logits_rows=1,
+                                                              maps=m if arm == "ridgefill" else None))
+                                for arm in ARMS}  # fmt: skip
+            rows.append(row)
+            del run
+            hits = sum(r["exact"] for r in rows)
+            bar.update(i + 1, (i + 1) * len(s.prompt_ids), f"sample {i + 1}/{len(suite)} · exact {hits}/{i + 1}")
+    return {"rows": rows, "prompt": suite[0].prompt_ids}
+
+
+def _complete(sample, text: str) -> bool:
+    """True once `text` holds every answer as a whole number that more tokens cannot extend: the score of the
+    full decode is then known (decoding only appends), so greedy may stop."""
+    return all(re.search(rf"(?<!\d){re.escape(a)}(?=\D)", text) for a in sample.answers)
+
+
+def _timing(lm, cfg: SweepConfig, maps: dict, prompt: list[int], out: Output) -> dict:
+    """One real, timed prefill of `prompt` per arm and split (exact once), the splits interleaved."""
+    import torch
+
+    from ridgefill.runtime import prefill
+
+    ids = torch.tensor(prompt)
+    out.info(f"timing: one prefill of {len(prompt)} tokens per arm and split")
+    secs = {"exact": prefill(lm, ids, "exact", split=0, tail=cfg.tail).seconds}
+    for s, m in maps.items():
+        for arm in ARMS:
+            secs[f"{s}/{arm}"] = prefill(lm, ids, arm, split=s, tail=cfg.tail,
+                                         maps=m if arm == "ridgefill" else None).seconds
+    return {"length": len(prompt), "seconds": secs}
+
+
+def _result(model: str, num_layers: int, cfg: SweepConfig, fits, docs, needles, timing) -> dict:
+    """The sweep's result (evaluate.report documents its shape); each split's figures are eval's summary."""
+    from ridgefill.evaluate.run import EvalConfig, summarize
+
+    ecfg = EvalConfig(arms=("exact", *ARMS), tail=cfg.tail, lengths=(timing["length"],), seed=cfg.seed,
+                      bootstrap=cfg.bootstrap)
+    entries = []
+    for s, sol, q in fits:
+        k = str(s)
+        res = {"split": s, "num_layers": num_layers, "tail": cfg.tail,
+               "documents": [{"name": d["name"], "tokens": d["tokens"], **d[k]} for d in docs],
+               "needles": [{"length": r["tokens"], "depth": r["depth"],
+                            "correct": {"exact": r["exact"], **r[k]}} for r in needles["rows"]],
+               "timing": [{"length": timing["length"], "seconds": {"exact": timing["seconds"]["exact"],
+                                                                   **{a: timing["seconds"][f"{k}/{a}"] for a in ARMS}}}]}
+        summ = summarize(res, ecfg)
+        rep = sol.manifest["summary"]
+        entries.append({"split": s, "alpha": rep["alpha"], "solve": sol.id, "quantize": q.id if q else None,
+                        "ceiling_speedup": summ["ceiling_speedup"],
+                        "heldout": {"fitted": _kv(rep["fitted"]), "identity": _kv(rep["identity"])},
+                        "arms": {a: summ["arms"][a] for a in ARMS},
+                        "ridgefill_minus_identity": summ.get("ridgefill_minus_identity")})
+    exact = [100.0 * r["exact"] for r in needles["rows"]]
+    return {"model": model, "num_layers": num_layers, "length": cfg.length, "tail": cfg.tail,
+            "samples": len(exact), "documents": len(docs),
+            "budget": {"max_needle_drop": cfg.max_needle_drop, "max_key_dnll": cfg.max_key_dnll},
+            "exact": {"needle": float(np.mean(exact)), "prefill_s": timing["seconds"]["exact"]},
+            "splits": entries, "needles": needles["rows"], "documents_detail": docs, "timing": timing}
+
+
+def _kv(scores: dict) -> dict:
+    return {"k_cosine": scores["k_cosine"], "v_cosine": scores["v_cosine"]}
