@@ -9,13 +9,18 @@
 
     [capture]                               # CaptureConfig fields; data defaults to ["builtin:default"]
     data = ["builtin:default"]
-    [solve]                                 # alphas, metric, split, chat_share
+    [solve]                                 # alphas, metric, split, chat_share, alpha_per_layer
+    split = "auto"                          # optional: run `ridgefill sweep` and release its recommended split
+    [sweep]                                 # with split = "auto": SweepConfig fields (splits, length, samples,
+                                            # max_needle_drop, max_key_dnll, ...); tail defaults to [export]'s
     [quantize]                              # enabled = true (false: release the float maps)
     [export]                                # tail
     [eval]                                  # enabled, gate (a gate file) and EvalConfig fields
     [push]                                  # repo (required to push), revision, private, commit_message
 
-capture -> solve -> quantize -> export -> eval (gate) -> push (only with `--push`). Every stage is the same function
+capture -> solve -> quantize -> export -> eval (gate) -> push (only with `--push`). With `split = "auto"` a sweep
+comes first: it captures every split it measures in one pass, solves and quantizes each, and the release is its
+recommended split (a cache hit for capture, solve and quantize); no split within the budget stops the run (exit 3). Every stage is the same function
 the single commands call, so each is a cache hit when its recipe did not change: a re-run with nothing changed
 loads no model; changing the alpha grid re-runs solve and the stages after it, not capture. The gate failing
 stops the run before push (exit 3). The top-level device / dtype / device_map / max_memory are resolved once and
@@ -32,9 +37,9 @@ from pathlib import Path
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 
-SECTIONS = {"capture", "solve", "quantize", "export", "eval", "push"}
+SECTIONS = {"capture", "solve", "quantize", "export", "eval", "push", "sweep"}
 PLACE_KEYS = ("device", "dtype", "device_map", "max_memory")  # optional top-level keys: where the model runs
-SOLVE_KEYS = {"alphas", "metric", "split", "chat_share"}
+SOLVE_KEYS = {"alphas", "metric", "split", "chat_share", "alpha_per_layer"}
 PUSH_KEYS = {"repo", "revision", "private", "commit_message"}
 
 
@@ -51,6 +56,7 @@ class Recipe:
     gate: Path | None
     push: dict | None
     place: dict = field(default_factory=dict)  # the top-level PLACE_KEYS given
+    sweep: dict | None = None  # SweepConfig fields, when [solve] split = "auto"
 
 
 def _known(table: dict, allowed: set, where: str) -> dict:
@@ -96,14 +102,29 @@ def load_recipe(path: Path) -> Recipe:
     quant = _known(doc.get("quantize", {}), {"enabled"}, "quantize")
     exp = _known(doc.get("export", {}), {"tail"}, "export")
     push = _known(doc["push"], PUSH_KEYS, "push") if "push" in doc else None
+    sol = dict(_known(doc.get("solve", {}), SOLVE_KEYS, "solve"))
+    sweep = None
+    if sol.get("split") == "auto":
+        from ridgefill.evaluate.sweep import SweepConfig
+
+        sweep = dict(_known(doc.get("sweep", {}), {f.name for f in fields(SweepConfig)}, "sweep"))
+        if "splits" in cap:
+            raise BadInput("recipe: [capture] splits and [solve] split = \"auto\" conflict: the sweep captures the "
+                           "splits it measures (set them in [sweep] splits)")
+        if "tail" in exp:
+            sweep.setdefault("tail", exp["tail"])
+    elif "split" in sol and not (isinstance(sol["split"], int) and not isinstance(sol["split"], bool)):
+        raise BadInput(f"recipe [solve]: split must be a layer number or \"auto\", got {sol['split']!r}")
+    elif "sweep" in doc:
+        raise BadInput("recipe: a [sweep] table is used only with [solve] split = \"auto\"")
     if push is not None and not isinstance(push.get("repo"), str):
         raise BadInput("recipe [push]: 'repo' (OWNER/NAME) is required")
     return Recipe(path=path, model=doc["model"], out=rel(doc.get("out", f"release/{name}")), capture=cap,
-                  solve=_known(doc.get("solve", {}), SOLVE_KEYS, "solve"), quantize=bool(quant.get("enabled", True)),
+                  solve=sol, quantize=bool(quant.get("enabled", True)),
                   tail=exp.get("tail"), eval=None if not ev.get("enabled", True) else
                   {k: v for k, v in ev.items() if k not in ("enabled", "gate")},
                   gate=rel(ev["gate"]) if ev.get("gate") and ev.get("enabled", True) else None, push=push,
-                  place=place)  # fmt: skip
+                  place=place, sweep=sweep)  # fmt: skip
 
 
 def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: str | None = None) -> dict:
@@ -141,8 +162,25 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
     for k in PLACE_KEYS:  # capture runs where the rest does, unless its own table says otherwise
         if k in capture_fields and k not in cap_cfg and (k in ("device", "dtype") or k in p):
             cap_cfg[k] = tuple(place[k]) if isinstance(place[k], list) else place[k]
-    cap = stage("capture", lambda: capture(store, recipe.model, recipe.capture["data"], CaptureConfig(**cap_cfg), out))
-    sol = stage("solve", lambda: solve(store, cap.id, out, **recipe.solve, **place))
+    solve_args = dict(recipe.solve)
+    if recipe.sweep is not None:  # split = "auto": the sweep's capture and recommendation
+        from ridgefill.errors import GateFailed
+        from ridgefill.evaluate.sweep import SweepConfig, sweep
+
+        scfg = SweepConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recipe.sweep.items()},
+                           quantize=recipe.quantize, alpha_per_layer=bool(solve_args.get("alpha_per_layer", False)))
+        shared = {k: v for k, v in solve_args.items() if k not in ("split", "alpha_per_layer")}
+        sw = stage("sweep", lambda: sweep(store, recipe.model, scfg, out, data=recipe.capture["data"],
+                                          capture_args=cap_cfg, solve_args=shared, **place))
+        rec = sw.manifest["summary"]
+        summary["sweep"] = {"recommended": rec["recommended"], "reason": rec["reason"], "splits": rec["splits"]}
+        if rec["recommended"] is None:
+            raise GateFailed(f"sweep {sw.id}: {rec['reason']}")
+        solve_args["split"] = rec["recommended"]
+        cap = stage("capture", lambda: (store.get(rec["capture"], stage="capture"), True))
+    else:
+        cap = stage("capture", lambda: capture(store, recipe.model, recipe.capture["data"], CaptureConfig(**cap_cfg), out))
+    sol = stage("solve", lambda: solve(store, cap.id, out, **solve_args, **place))
     src = stage("quantize", lambda: quantize(store, sol.id, out, **place)) if recipe.quantize else sol
     tail = {"tail": recipe.tail} if recipe.tail else {}
 

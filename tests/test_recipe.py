@@ -110,6 +110,10 @@ def test_gate_failure_exits_3_and_does_not_push(first_run, tiny_llama):
     ('model = "x"\n[push]\nprivate = true\n', "recipe [push]: 'repo' (OWNER/NAME) is required"),
     ('model = "x"\n[stages]\n', "recipe [top level]: unknown key(s) stages"),
     ('model = \n', "recipe '"),
+    ('model = "x"\n[capture]\nsplits = [2]\n[solve]\nsplit = "auto"\n', "[capture] splits and [solve] split = \"auto\" conflict"),
+    ('model = "x"\n[sweep]\nsamples = 40\n', "a [sweep] table is used only with [solve] split = \"auto\""),
+    ('model = "x"\n[solve]\nsplit = "deep"\n', "split must be a layer number or \"auto\", got 'deep'"),
+    ('model = "x"\n[solve]\nsplit = "auto"\n[sweep]\nneedles = 3\n', "recipe [sweep]: unknown key(s) needles"),
 ])
 def test_bad_recipes(tmp_path, text, message):
     path = tmp_path / "r.toml"
@@ -148,3 +152,40 @@ def test_sample_ci_workflow():
     run = next(s["run"] for s in steps if "ridgefill release" in s.get("run", ""))
     recipe = run.split("ridgefill release ")[1].split()[0]
     assert (root / recipe).is_file() and "--push" in run
+
+
+SWEEP = ["[sweep]", "splits = [1, 2, 3]", "length = 600", "scored = 16", "samples = 4", "documents = 2"]
+
+
+def _auto_recipe(tmp, model, budget):
+    path = write_recipe(tmp, model)
+    text = path.read_text().replace("splits = [2]\n", "").replace("[solve]\n", '[solve]\nsplit = "auto"\n')
+    path.write_text(text + "[export]\ntail = 48\n" + "\n".join(SWEEP + budget) + "\n")
+    return path
+
+
+def test_auto_split_releases_the_sweeps_recommendation(tmp_path, tiny_llama, monkeypatch):
+    """split = "auto": the sweep runs first (its capture has every split), the release is its recommended split,
+    and capture / solve / quantize are the sweep's own artifacts (cache hits). A budget no split meets: exit 3.
+
+    The random tiny model has no key tokens (none loses 2 nats without its context), and a split whose key-token
+    ΔNLL cannot be measured is not within any budget: here every scored token counts as a key token."""
+    import numpy as np
+
+    from ridgefill.evaluate import metrics
+
+    monkeypatch.setattr(metrics, "key_mask", lambda full, cut, threshold=2.0: np.ones(len(full), dtype=bool))
+    path = _auto_recipe(tmp_path, tiny_llama, ["max_needle_drop = 100.0", "max_key_dnll = 1e9"])
+    s = run_recipe(load_recipe(path), Store(tmp_path / "store"), Output(quiet=True))
+    sw = Store(tmp_path / "store").get(s["stages"]["sweep"]["id"])
+    assert s["sweep"]["recommended"] == sw.manifest["summary"]["recommended"] == 1  # the shallowest: all qualify
+    assert sw.recipe["tail"] == 48 and sw.recipe["splits"] == [1, 2, 3]
+    assert s["stages"]["capture"] == {**s["stages"]["capture"], "id": sw.recipe["capture"], "cached": True}
+    assert s["stages"]["solve"]["cached"] and s["stages"]["quantize"]["cached"]
+    assert s["stages"]["quantize"]["id"] == sw.recipe["maps"]["1"]
+    assert json.loads((tmp_path / "rel" / "ridgefill.json").read_text())["split"] == 1
+
+    path = _auto_recipe(tmp_path, tiny_llama, ["max_needle_drop = 0.0", "max_key_dnll = 0.0"])
+    r = cli("release", path, "--store", tmp_path / "store", "--json")
+    assert r.returncode == 3, r.stderr
+    assert "no split is within budget" in r.stderr.strip().splitlines()[-1]

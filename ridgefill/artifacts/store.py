@@ -35,8 +35,8 @@ _BUILDING: set[str] = set()  # lock paths of the builds this process is inside (
 
 MANIFEST = "artifact.json"
 FORMAT = "ridgefill-artifact/1"
-STAGES = ("capture", "solve", "quantize", "export", "eval", "compact", "fold")
-UPSTREAM = {"solve": "capture", "quantize": "solve", "fold": "compact"}  # stage -> the recipe key naming its input
+STAGES = ("capture", "solve", "quantize", "export", "eval", "sweep", "compact", "fold")
+UPSTREAM = {"solve": "capture", "quantize": "solve", "fold": "compact", "sweep": "capture"}  # stage -> the recipe key naming its input
 
 
 def canonical_json(obj: Any) -> str:

@@ -102,13 +102,15 @@ def sweep(
     data: list[str] | None = None,
     capture_ref: str | None = None,
     capture_args: dict | None = None,
+    solve_args: dict | None = None,
     device: str = "auto",
     dtype: str = "auto",
     device_map=None,
     max_memory=None,
 ) -> tuple[Artifact, bool]:
     """Run (or find cached) the sweep. `capture_ref`: a capture artifact that has every split (else one capture of
-    `data` with these splits, `capture_args` being further CaptureConfig fields). Returns (artifact, cached)."""
+    `data` with these splits, `capture_args` being further CaptureConfig fields). `solve_args`: further `solve`
+    arguments (alphas, metric, chat_share) for every split. Returns (artifact, cached)."""
     from ridgefill.capture.run import CaptureConfig, capture
     from ridgefill.export.quantize import quantize
     from ridgefill.models import resolve_model
@@ -137,8 +139,8 @@ def sweep(
     fits = []
     for s in splits:
         out.info(f"[bold]split {s}[/bold]: solve{' + quantize' if cfg.quantize else ''}")
-        sol, _ = solve(store, cap.id, out, split=s, alpha_per_layer=cfg.alpha_per_layer, device=device, dtype=dtype,
-                       device_map=device_map, max_memory=max_memory)
+        sol, _ = solve(store, cap.id, out, **(solve_args or {}), split=s, alpha_per_layer=cfg.alpha_per_layer,
+                       device=device, dtype=dtype, device_map=device_map, max_memory=max_memory)
         q = quantize(store, sol.id, out, device=device, dtype=dtype, device_map=device_map,
                      max_memory=max_memory)[0] if cfg.quantize else None
         fits.append((s, sol, q))
