@@ -103,11 +103,15 @@ def load_recipe(path: Path) -> Recipe:
     exp = _known(doc.get("export", {}), {"tail"}, "export")
     push = _known(doc["push"], PUSH_KEYS, "push") if "push" in doc else None
     sol = dict(_known(doc.get("solve", {}), SOLVE_KEYS, "solve"))
+    if "alpha_per_layer" in sol and not isinstance(sol["alpha_per_layer"], bool):
+        raise BadInput(f"recipe [solve]: alpha_per_layer must be true or false, got {sol['alpha_per_layer']!r}")
     sweep = None
     if sol.get("split") == "auto":
         from ridgefill.evaluate.sweep import SweepConfig
 
-        sweep = dict(_known(doc.get("sweep", {}), {f.name for f in fields(SweepConfig)}, "sweep"))
+        # quantize and alpha_per_layer come from [quantize] and [solve], as for the release itself
+        keys = {f.name for f in fields(SweepConfig)} - {"quantize", "alpha_per_layer"}
+        sweep = dict(_known(doc.get("sweep", {}), keys, "sweep"))
         if "splits" in cap:
             raise BadInput("recipe: [capture] splits and [solve] split = \"auto\" conflict: the sweep captures the "
                            "splits it measures (set them in [sweep] splits)")
@@ -168,7 +172,7 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
         from ridgefill.evaluate.sweep import SweepConfig, sweep
 
         scfg = SweepConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recipe.sweep.items()},
-                           quantize=recipe.quantize, alpha_per_layer=bool(solve_args.get("alpha_per_layer", False)))
+                           quantize=recipe.quantize, alpha_per_layer=solve_args.get("alpha_per_layer", False))
         shared = {k: v for k, v in solve_args.items() if k not in ("split", "alpha_per_layer")}
         sw = stage("sweep", lambda: sweep(store, recipe.model, scfg, out, data=recipe.capture["data"],
                                           capture_args=cap_cfg, solve_args=shared, **place))

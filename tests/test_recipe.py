@@ -112,6 +112,7 @@ def test_gate_failure_exits_3_and_does_not_push(first_run, tiny_llama):
     ('model = \n', "recipe '"),
     ('model = "x"\n[capture]\nsplits = [2]\n[solve]\nsplit = "auto"\n', "[capture] splits and [solve] split = \"auto\" conflict"),
     ('model = "x"\n[sweep]\nsamples = 40\n', "a [sweep] table is used only with [solve] split = \"auto\""),
+    ('model = "x"\n[solve]\nalpha_per_layer = "no"\n', "alpha_per_layer must be true or false, got 'no'"),
     ('model = "x"\n[solve]\nsplit = "deep"\n', "split must be a layer number or \"auto\", got 'deep'"),
     ('model = "x"\n[solve]\nsplit = "auto"\n[sweep]\nneedles = 3\n', "recipe [sweep]: unknown key(s) needles"),
 ])
