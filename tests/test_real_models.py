@@ -115,3 +115,28 @@ def test_chain_on_real_model(tmp_path, small_corpus, model, split, layers, broke
     assert any(f.startswith("kl_max: ridgefill kl = ") for f in failed), failed
     assert any(f.startswith("top1_min: ridgefill top1 = ") for f in failed), failed
     assert r.stderr.strip().splitlines()[-1] == "Error: gate failed: " + "; ".join(failed)
+
+
+def test_sweep_on_real_model(tmp_path, small_corpus):
+    """`ridgefill sweep` on SmolLM2 (two splits, four short needle prompts, one document): one capture serves both
+    splits, each split is solved and quantized, the figures and the recommendation are in the artifact, and the
+    exact model retrieves the needles the fills are measured on."""
+    store = tmp_path / "store"
+    r = cli("capture", "builtin:smollm2-135m", "--data", small_corpus, "--held-out", 2, "--held-out-rows", 256,
+            "--chunk", 512, "--split", 12, "--split", 20, "--store", store, "--json")
+    assert r.returncode == 0, r.stderr
+    cap = json.loads(r.stdout)["id"]
+    r = cli("sweep", "builtin:smollm2-135m", "--capture", cap, "--splits", "12,20", "--length", 1024, "--tail", 256,
+            "--scored", 128, "--samples", 4, "--documents", 1, "--store", store, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["summary"]["splits"] == [12, 20] and out["summary"]["capture"] == cap
+    res = json.loads((Path(out["path"]) / "sweep.json").read_text())
+    assert res["exact"]["needle"] >= 75.0  # the needles can be found: what the fills lose is theirs
+    for e in res["splits"]:
+        rf, ident = e["arms"]["ridgefill"], e["arms"]["identity"]
+        assert e["heldout"]["fitted"]["k_cosine"] > e["heldout"]["identity"]["k_cosine"]
+        assert rf["kl"] < ident["kl"] and rf["needle_minus_exact"]["n"] == 4
+        assert rf["speedup"] > 1 and e["ceiling_speedup"] > 1
+    assert res["recommended"]["split"] in (None, 12, 20) and "split" in res["recommended"]["reason"]
+    assert (Path(out["path"]) / "sweep.png").stat().st_size > 10_000
