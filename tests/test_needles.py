@@ -158,3 +158,17 @@ def test_haystack_not_in_calibration_corpus(tok):
     assert len(longs) == 5 and all(len(d.ids) >= 3000 for d in longs)
     assert [d.name for d in longs] == [d.name for d in long_documents(tok, 3000, limit=5)]
     assert all(d.sha256 == sha256_text(d.text) and d.sha256 not in hashes for d in longs)
+
+
+def test_answer_complete_only_when_no_continuation_can_change_the_score():
+    from types import SimpleNamespace
+
+    from ridgefill.evaluate.needles import answer_complete, score_answer
+
+    s = SimpleNamespace(answers=("1234567", "42"))
+    for text, complete in (("1234567 and 42", False),  # 42 may still grow into 421
+                           ("1234567 and 42.", True), ("12345678, 42.", False), ("x1234567\n42 ", True),
+                           ("01234567 42 ", False)):
+        assert answer_complete(s, text) is complete, text
+        if complete:  # whatever follows, the score is already decided
+            assert all(score_answer(s, text + more) for more in ("", "9", " 1234567", "\n"))

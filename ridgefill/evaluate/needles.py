@@ -311,3 +311,18 @@ def build_suite(
 def score_answer(sample: NeedleSample, text: str) -> bool:
     """Exact match: every expected value occurs in `text` as a whole number (not inside a longer digit run)."""
     return all(re.search(rf"(?<!\d){re.escape(a)}(?!\d)", text) for a in sample.answers)
+
+
+def answer_complete(sample: NeedleSample, text: str) -> bool:
+    """True once `text` holds every answer as a whole number that more text cannot extend (a non-digit follows it):
+    `score_answer` of any continuation is then True, so greedy decoding may stop there with the same score."""
+    return all(re.search(rf"(?<!\d){re.escape(a)}(?=\D)", text) for a in sample.answers)
+
+
+def decode_and_score(lm, sample: NeedleSample, res) -> bool:
+    """Greedy decoding from a prefill (`res`) scored against the sample, stopping once the answer is complete."""
+    from ridgefill.runtime import greedy
+
+    text = lambda toks: lm.tokenizer.decode(toks, skip_special_tokens=True)  # noqa: E731
+    toks = greedy(lm, res, sample.max_new_tokens, stop=lambda t: answer_complete(sample, text(t)))
+    return score_answer(sample, text(toks))

@@ -225,8 +225,7 @@ def needle_suite(lm, cfg: EvalConfig) -> list:
 def _needles(lm, src: MapsSource, cfg: EvalConfig, suite: list, out: Output) -> list[dict]:
     import torch
 
-    from ridgefill.evaluate.needles import score_answer
-    from ridgefill.runtime import greedy
+    from ridgefill.evaluate.needles import decode_and_score
     from ridgefill.runtime.prefill import exact_run
 
     rows = []
@@ -236,8 +235,7 @@ def _needles(lm, src: MapsSource, cfg: EvalConfig, suite: list, out: Output) -> 
             row = {"task": s.task, "length": s.context_tokens, "depth": s.depth, "seed": s.seed,
                    "answers": s.answers, "correct": {}}
             for arm, res in _arms_from(lm, run, src, cfg.arms, cfg.tail, logits_rows=1).items():
-                text = lm.tokenizer.decode(greedy(lm, res, s.max_new_tokens), skip_special_tokens=True)
-                row["correct"][arm] = bool(score_answer(s, text))
+                row["correct"][arm] = decode_and_score(lm, s, res)  # stops once the answer is complete
             rows.append(row)
             bar.update(i + 1, (i + 1) * len(s.prompt_ids), f"sample {i + 1}/{len(suite)}")
     return rows

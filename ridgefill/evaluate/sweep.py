@@ -263,24 +263,17 @@ def _needles(lm, cfg: SweepConfig, maps: dict, out: Output) -> dict:
     """{"rows": [{"depth", "seed", "exact": bool, split: {arm: bool}}], "prompt": the first prompt's ids}."""
     import torch
 
-    from ridgefill.evaluate.needles import score_answer
-    from ridgefill.runtime import greedy
+    from ridgefill.evaluate.needles import decode_and_score as answered
     from ridgefill.runtime.prefill import exact_run, prefill_from
 
     suite = needle_suite(lm, cfg)
     rows = []
-
-    def answered(s, res) -> bool:
-        done = lambda toks: _complete(s, lm.tokenizer.decode(toks, skip_special_tokens=True))  # noqa: E731
-        return score_answer(s, lm.tokenizer.decode(greedy(lm, res, s.max_new_tokens, stop=done),
-                                                   skip_special_tokens=True))
-
     with out.progress("needles", total=len(suite)) as bar:
         for i, s in enumerate(suite):
             run = exact_run(lm, torch.tensor(s.prompt_ids), splits=list(maps))
-            row = {"depth": s.depth, "seed": s.seed, "tokens": len(s.prompt_ids), "exact": answered(s, run.result(cfg.tail))}
+            row = {"depth": s.depth, "seed": s.seed, "tokens": len(s.prompt_ids), "exact": answered(lm, s, run.result(cfg.tail))}
             for sp, m in maps.items():
-                row[str(sp)] = {arm: answered(s, prefill_from(lm, run, arm, split=sp, tail=cfg.tail, logits_rows=1,
+                row[str(sp)] = {arm: answered(lm, s, prefill_from(lm, run, arm, split=sp, tail=cfg.tail, logits_rows=1,
                                                               maps=m if arm == "ridgefill" else None))
                                 for arm in ARMS}  # fmt: skip
             rows.append(row)
@@ -288,12 +281,6 @@ def _needles(lm, cfg: SweepConfig, maps: dict, out: Output) -> dict:
             hits = sum(r["exact"] for r in rows)
             bar.update(i + 1, (i + 1) * len(s.prompt_ids), f"sample {i + 1}/{len(suite)} · exact {hits}/{i + 1}")
     return {"rows": rows, "prompt": suite[0].prompt_ids}
-
-
-def _complete(sample, text: str) -> bool:
-    """True once `text` holds every answer as a whole number that more tokens cannot extend: the score of the
-    full decode is then known (decoding only appends), so greedy may stop."""
-    return all(re.search(rf"(?<!\d){re.escape(a)}(?=\D)", text) for a in sample.answers)
 
 
 def _timing(lm, cfg: SweepConfig, maps: dict, prompt: list[int], out: Output) -> dict:
