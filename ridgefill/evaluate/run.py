@@ -180,9 +180,9 @@ def _documents(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
             ids = torch.tensor(d.ids[: cfg.doc_tokens])
             N = len(ids)
             targets = ids[N - K :].numpy()  # the scored stretch
-            pick = slice(T - K - 1, T - 1)  # tail rows whose next-token prediction is a scored token
-            run = exact_run(lm, ids, splits=[src.split], logits_rows=T)  # shared by every arm
-            tail_only = exact_run(lm, ids[N - T :], logits_rows=T)  # the context cut to the tail
+            keep, pick = K + 1, slice(0, K)  # logits of the last K + 1 rows; the first K predict the scored tokens
+            run = exact_run(lm, ids, splits=[src.split], logits_rows=keep)  # shared by every arm
+            tail_only = exact_run(lm, ids[N - T :], logits_rows=keep)  # the context cut to the tail
             le = _host(run.logits[pick])
             nll_exact = metrics.token_nll(le, targets)
             key = metrics.key_mask(nll_exact, metrics.token_nll(_host(tail_only.logits[pick]), targets))
@@ -190,7 +190,7 @@ def _documents(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
             probe = range(N - K - PROBE_ROWS, N - K)  # "+rows": the stretch just before the scored tokens
             row = {"name": d.name, "tokens": N}
             fills = [a for a in cfg.arms if a != "exact"]
-            for arm, res in _arms_from(lm, run, src, fills, T, probe).items():
+            for arm, res in _arms_from(lm, run, src, fills, T, probe, logits_rows=keep).items():
                 la = _host(res.logits[pick])
                 row[arm] = metrics.doc_summary(nll_exact, metrics.token_nll(la, targets),
                                                metrics.kl_exact_arm(le, la), metrics.top1_agree(le, la), novel, key)

@@ -210,16 +210,16 @@ def _documents(lm, cfg: SweepConfig, maps: dict, calib: set, out: Output) -> lis
     if reused:
         raise BadInput(f"evaluation documents were used for calibration: {', '.join(reused)}")
     T, K, N = cfg.tail, cfg.scored, cfg.length
-    pick = slice(T - K - 1, T - 1)  # tail rows whose next-token prediction is a scored token
+    keep, pick = K + 1, slice(0, K)  # logits of the last K + 1 rows; the first K predict the scored tokens
     rows = []
     with out.progress("documents", total=len(docs)) as bar:
         for i, d in enumerate(docs):
             ids = torch.tensor(d.ids[:N])
             targets = ids[N - K :].numpy()
-            run = exact_run(lm, ids, splits=list(maps), logits_rows=T)
+            run = exact_run(lm, ids, splits=list(maps), logits_rows=keep)
             le = run.logits[pick].cpu().numpy()
             nll = metrics.token_nll(le, targets)
-            cut = exact_run(lm, ids[N - T :], logits_rows=T)  # the context cut to the tail: key tokens
+            cut = exact_run(lm, ids[N - T :], logits_rows=keep)  # the context cut to the tail: key tokens
             key = metrics.key_mask(nll, metrics.token_nll(cut.logits[pick].cpu().numpy(), targets))
             novel = metrics.novel_mask(ids.numpy(), N - K)
             row = {"name": d.name, "tokens": N}
@@ -227,7 +227,7 @@ def _documents(lm, cfg: SweepConfig, maps: dict, calib: set, out: Output) -> lis
                 row[str(s)] = {}
                 for arm in ARMS:
                     la = prefill_from(lm, run, arm, split=s, tail=T, maps=m if arm == "ridgefill" else None,
-                                      logits_rows=T).logits[pick].cpu().numpy()
+                                      logits_rows=keep).logits[pick].cpu().numpy()
                     row[str(s)][arm] = metrics.doc_summary(nll, metrics.token_nll(la, targets),
                                                            metrics.kl_exact_arm(le, la), metrics.top1_agree(le, la),
                                                            novel, key)
