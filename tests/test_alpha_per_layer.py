@@ -255,6 +255,9 @@ def test_release_records_the_per_layer_alphas(solved):
 
     facts, _ = load_release(out["per"])
     assert facts["fit"]["alpha_per_layer"] == p["alpha"]
+    lo, hi = min(p["alpha"].values()), max(p["alpha"].values())
+    card = (out["per"] / "README.md").read_text()
+    assert "- Fit: alpha per layer " in card and f"{lo:g}" in card and f"{hi:g}" in card
     shared = json.loads((out["shared"] / "ridgefill.json").read_text())
     srep = solved["shared_rep"]
     assert (shared["fit"]["alpha"], shared["fit"]["lambda"]) == (srep["alpha"], srep["lambda"])

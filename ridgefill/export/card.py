@@ -199,6 +199,9 @@ def model_card(manifest: dict) -> str:
     lines.append(f"- Projector: {dtype}{detail}; format `{manifest.get('format', '?')}`")
     fit_bits = [f"{label} {_num(fit[key])}" for key, label in
                 (("alpha", "alpha"), ("lambda", "lambda"), ("rows", "rows"), ("documents", "documents")) if key in fit]
+    per = fit.get("alpha_per_layer")
+    if isinstance(per, dict) and per:
+        fit_bits.insert(0, f"alpha per layer {_num(min(per.values()))} .. {_num(max(per.values()))}")
     if fit_bits:
         lines.append(f"- Fit: {', '.join(fit_bits)}")
 
