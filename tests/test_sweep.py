@@ -127,3 +127,43 @@ def test_sweep_refuses_a_capture_without_the_splits(tmp_path, tiny_llama, data):
     assert r.returncode == 2, r.stderr
     assert f"capture {cap.id} lacks split(s) 3 (it has 1, 2)" in r.stderr and "--split 1 --split 2 --split 3" in r.stderr
     assert not (st.root / "solve").exists() and not (st.root / "sweep").exists()
+
+
+def test_a_stopped_sweep_resumes_at_the_next_prompt(tmp_path, tiny_llama, data, swept, monkeypatch):
+    """Killed after two needle prompts, the sweep keeps its rows in .work-<id>/rows.json; the next run measures only
+    the prompts left and gives the uninterrupted sweep's figures."""
+    import importlib
+
+    from ridgefill.evaluate import sweep as sw
+
+    rt = importlib.import_module("ridgefill.runtime.prefill")  # the module (the package exports the function)
+
+    st = Store(tmp_path / "store")
+    real_add, calls = sw.Checkpoint.add, []
+
+    def add_then_die(self, kind, row):
+        real_add(self, kind, row)
+        if kind == "needles" and len(self.rows["needles"]) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sw.Checkpoint, "add", add_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        sweep(st, str(tiny_llama), CFG, Output(quiet=True), data=[str(data)], capture_args={"chunk": 64, "held_out": 1})
+    work = list((st.root / "sweep").glob(".work-*"))
+    assert len(work) == 1 and not list((st.root / "sweep").glob(".tmp-*"))
+    saved = json.loads((work[0] / "rows.json").read_text())
+    assert (len(saved["documents"]), len(saved["needles"])) == (2, 2)
+
+    monkeypatch.setattr(sw.Checkpoint, "add", real_add)
+    real_run = rt.exact_run
+    monkeypatch.setattr(rt, "exact_run", lambda *a, **k: calls.append(1) or real_run(*a, **k))
+    art, cached = sweep(st, str(tiny_llama), CFG, Output(quiet=True), data=[str(data)],
+                        capture_args={"chunk": 64, "held_out": 1})
+    assert not cached and len(calls) == 4  # the four needle prompts left, no document again
+    assert not work[0].exists()
+    res, want = json.loads(art.file("sweep.json").read_text()), swept[2]
+    assert art.id == swept[1].id
+    assert res["needles"] == want["needles"]
+    for a, b in zip(res["documents_detail"], want["documents_detail"]):
+        for k in ("1", "2", "3"):
+            assert a[k]["ridgefill"]["dnll"] == pytest.approx(b[k]["ridgefill"]["dnll"], abs=1e-6)

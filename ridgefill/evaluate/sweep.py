@@ -154,21 +154,24 @@ def sweep(
     from ridgefill.models import load_model
     from ridgefill.runtime import maps_on_devices
 
-    lm = load_model(ref, store_root=store.root, trust_remote_code=cap.recipe.get("trust_remote_code", False),
-                    **place.load_args())
-    out.info(f"model on {place.describe()}")
-    maps = {s: maps_on_devices(lm, _maps_of(q or sol), range(s, ref.num_layers)) for s, sol, q in fits}
-    calib = _calibration(store, cap)
-    docs = _documents(lm, cfg, maps, calib, out)
-    needles = _needles(lm, cfg, maps, out)
-    timing = _timing(lm, cfg, maps, needles["prompt"], out)
-    result = _result(model, ref.num_layers, cfg, fits, docs, needles, timing)
-    from ridgefill.evaluate.report import plot, recommend, retrieval_edge, write_markdown
+    with store.build("sweep", recipe) as build:  # the lock: one process measures this sweep
+        lm = load_model(ref, store_root=store.root, trust_remote_code=cap.recipe.get("trust_remote_code", False),
+                        **place.load_args())
+        out.info(f"model on {place.describe()}")
+        maps = {s: maps_on_devices(lm, _maps_of(q or sol), range(s, ref.num_layers)) for s, sol, q in fits}
+        done = Checkpoint(build.work)
+        if done.rows["documents"] or done.rows["needles"]:
+            out.info(f"resuming: {len(done.rows['documents'])} documents and {len(done.rows['needles'])} needle "
+                     f"prompts measured before")
+        docs = _documents(lm, cfg, maps, _calibration(cap), out, done)
+        needles = _needles(lm, cfg, maps, out, done)
+        timing = _timing(lm, cfg, maps, needles["prompt"], out)
+        result = _result(model, ref.num_layers, cfg, fits, docs, needles, timing)
+        from ridgefill.evaluate.report import plot, recommend, retrieval_edge, write_markdown
 
-    rec = recommend(result)
-    result["recommended"] = rec
-    result["retrieval"] = retrieval_edge(result)
-    with store.build("sweep", recipe) as build:
+        rec = recommend(result)
+        result["recommended"] = rec
+        result["retrieval"] = retrieval_edge(result)
         write_json(build.path / RESULT, result)
         plot(result, rec, build.path / PLOT)
         (build.path / TABLE).write_text(write_markdown(result, rec) + "\n" + result["retrieval"]["line"] + "\n")
@@ -177,6 +180,26 @@ def sweep(
                    "maps": recipe["maps"], "exact_needle": result["exact"]["needle"]}
         art = build.commit(info={"model_spec": model, "placement": lm.placement()}, summary=summary)
     return art, False
+
+
+class Checkpoint:
+    """The rows measured so far (documents, needle prompts), in `<work>/rows.json`, rewritten by rename after each
+    prompt: a sweep that is stopped (even killed) resumes at the next prompt, with the same result."""
+
+    def __init__(self, work):
+        from pathlib import Path
+
+        self.path = Path(work) / "rows.json"
+        self.rows = json.loads(self.path.read_text()) if self.path.is_file() else {"documents": [], "needles": []}
+
+    def add(self, kind: str, row: dict) -> None:
+        import os
+
+        self.rows[kind].append(row)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.rows, sort_keys=True))
+        os.replace(tmp, self.path)
 
 
 def _maps_of(art: Artifact) -> dict:
@@ -189,13 +212,13 @@ def _maps_of(art: Artifact) -> dict:
     return load_maps(art)
 
 
-def _calibration(store: Store, cap: Artifact) -> set:
+def _calibration(cap: Artifact) -> set:
     from ridgefill.capture.run import DOCS
 
     return {d["sha256"] for d in json.loads(cap.file(DOCS).read_text()) if d["role"] == "calibration"}
 
 
-def _documents(lm, cfg: SweepConfig, maps: dict, calib: set, out: Output) -> list[dict]:
+def _documents(lm, cfg: SweepConfig, maps: dict, calib: set, out: Output, done: Checkpoint) -> list[dict]:
     """Per document: {"name", "tokens", split: {arm: doc_summary}}."""
     import torch
 
@@ -211,9 +234,11 @@ def _documents(lm, cfg: SweepConfig, maps: dict, calib: set, out: Output) -> lis
         raise BadInput(f"evaluation documents were used for calibration: {', '.join(reused)}")
     T, K, N = cfg.tail, cfg.scored, cfg.length
     keep, pick = K + 1, slice(0, K)  # logits of the last K + 1 rows; the first K predict the scored tokens
-    rows = []
+    rows = done.rows["documents"]
     with out.progress("documents", total=len(docs)) as bar:
         for i, d in enumerate(docs):
+            if i < len(rows):  # measured before a stop
+                continue
             ids = torch.tensor(d.ids[:N])
             targets = ids[N - K :].numpy()
             run = exact_run(lm, ids, splits=list(maps), logits_rows=keep)
@@ -231,7 +256,7 @@ def _documents(lm, cfg: SweepConfig, maps: dict, calib: set, out: Output) -> lis
                     row[str(s)][arm] = metrics.doc_summary(nll, metrics.token_nll(la, targets),
                                                            metrics.kl_exact_arm(le, la), metrics.top1_agree(le, la),
                                                            novel, key)
-            rows.append(row)
+            done.add("documents", row)
             del run
             bar.update(i + 1, (i + 1) * N, f"doc {i + 1}/{len(docs)}")
     return rows
@@ -259,7 +284,7 @@ def needle_suite(lm, cfg: SweepConfig) -> list:
     return suite
 
 
-def _needles(lm, cfg: SweepConfig, maps: dict, out: Output) -> dict:
+def _needles(lm, cfg: SweepConfig, maps: dict, out: Output, done: Checkpoint) -> dict:
     """{"rows": [{"depth", "seed", "exact": bool, split: {arm: bool}}], "prompt": the first prompt's ids}."""
     import torch
 
@@ -267,16 +292,18 @@ def _needles(lm, cfg: SweepConfig, maps: dict, out: Output) -> dict:
     from ridgefill.runtime.prefill import exact_run, prefill_from
 
     suite = needle_suite(lm, cfg)
-    rows = []
+    rows = done.rows["needles"]
     with out.progress("needles", total=len(suite)) as bar:
         for i, s in enumerate(suite):
+            if i < len(rows):  # measured before a stop
+                continue
             run = exact_run(lm, torch.tensor(s.prompt_ids), splits=list(maps))
             row = {"depth": s.depth, "seed": s.seed, "tokens": len(s.prompt_ids), "exact": answered(lm, s, run.result(cfg.tail))}
             for sp, m in maps.items():
                 row[str(sp)] = {arm: answered(lm, s, prefill_from(lm, run, arm, split=sp, tail=cfg.tail, logits_rows=1,
                                                               maps=m if arm == "ridgefill" else None))
                                 for arm in ARMS}  # fmt: skip
-            rows.append(row)
+            done.add("needles", row)
             del run
             hits = sum(r["exact"] for r in rows)
             bar.update(i + 1, (i + 1) * len(s.prompt_ids), f"sample {i + 1}/{len(suite)} · exact {hits}/{i + 1}")
