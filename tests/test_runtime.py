@@ -497,3 +497,43 @@ def test_prefill_from_refusals(lm_of):
         prefill_from(lm, run, "identity", split=2, tail=4, logits_rows=5)
     with pytest.raises(BadInput, match="out of range"):
         exact_run(lm, ids, splits=[lm.adapter.num_layers + 1])
+
+
+@pytest.mark.parametrize("arch", MAIN)
+def test_greedy_batch_equals_greedy_on_each(arch, lm_of):
+    """Decoding several prefills in one batch gives each the tokens `greedy` gives it alone: as they stop at
+    different steps (a stop rule, the token budget) and leave the batch, and with Gemma's sliding layers (window 8,
+    so the caches slide while decoding). The prefills' own caches are left as they were."""
+    from ridgefill.runtime import greedy_batch
+
+    lm = lm_of(arch)
+    S, T = 2, 6
+    runs = [exact_run(lm, tokens(20, seed=k), splits=[S, 3]) for k in range(3)]
+    make = lambda: [runs[0].result(T), runs[1].result(T), prefill_from(lm, runs[2], "identity", split=S, tail=T),  # noqa: E731
+                    prefill_from(lm, runs[0], "ridgefill", split=3, tail=T, maps=random_maps(lm, 3, seed=4)),
+                    prefill_from(lm, runs[1], "ridgefill", split=S, tail=T, maps=random_maps(lm, S, seed=5))]
+    stop = lambda t: len(t) >= 1 + t[0] % 7  # noqa: E731
+    for max_new, rule in ((12, None), (12, stop), (1, None)):
+        batch = make()
+        lengths = [lay.keys.shape[-2] for lay in batch[2].cache.layers]
+        got = greedy_batch(lm, batch, max_new, stop=rule)
+        assert [lay.keys.shape[-2] for lay in batch[2].cache.layers] == lengths  # not decoded into
+        want = [greedy(lm, r, max_new, stop=rule) for r in make()]
+        assert got == want and all(1 <= len(t) <= max_new for t in got)
+        if rule is stop:
+            assert len({len(t) for t in got}) > 1  # they left the batch at different steps
+
+
+@pytest.mark.parametrize("arch", MAIN)
+def test_decoding_cache_continues_like_the_stock_cache(arch, lm_of):
+    """decoding_cache (rows written in place, room for one row, so it has to grow) continues a prefill exactly as
+    the prefill's own DynamicCache does, and leaves that cache as it was."""
+    from ridgefill.runtime.cache import decoding_cache
+
+    lm = lm_of(arch)
+    res = prefill(lm, tokens(20, seed=41), "ridgefill", split=2, tail=6, maps=random_maps(lm, 2, seed=6))
+    lengths = [lay.keys.shape[-2] for lay in res.cache.layers]
+    nxt = tokens(5, seed=42)
+    got = decode_logits(lm, decoding_cache(lm, [res.cache], room=1), nxt)
+    assert [lay.keys.shape[-2] for lay in res.cache.layers] == lengths
+    torch.testing.assert_close(got, decode_logits(lm, copy.deepcopy(res.cache), nxt), atol=1e-5, rtol=1e-5)

@@ -319,10 +319,17 @@ def answer_complete(sample: NeedleSample, text: str) -> bool:
     return all(re.search(rf"(?<!\d){re.escape(a)}(?=\D)", text) for a in sample.answers)
 
 
-def decode_and_score(lm, sample: NeedleSample, res) -> bool:
-    """Greedy decoding from a prefill (`res`) scored against the sample, stopping once the answer is complete."""
-    from ridgefill.runtime import greedy
+def decode_and_score(lm, sample: NeedleSample, results: list) -> list[bool]:
+    """Greedy decoding from each prefill (PrefillResults of this sample's prompt) scored against the sample, each
+    stopping once its answer is complete. Prefills with DynamicCaches decode together in one batch
+    (`runtime.greedy_batch`), a SlotCache ("nofill") on its own."""
+    from ridgefill.runtime import SlotCache, greedy, greedy_batch
 
     text = lambda toks: lm.tokenizer.decode(toks, skip_special_tokens=True)  # noqa: E731
-    toks = greedy(lm, res, sample.max_new_tokens, stop=lambda t: answer_complete(sample, text(t)))
-    return score_answer(sample, text(toks))
+    stop = lambda toks: answer_complete(sample, text(toks))  # noqa: E731
+    dyn = [i for i, r in enumerate(results) if not isinstance(r.cache, SlotCache)]
+    toks = dict(zip(dyn, greedy_batch(lm, [results[i] for i in dyn], sample.max_new_tokens, stop=stop)))
+    for i, r in enumerate(results):
+        if i not in toks:
+            toks[i] = greedy(lm, r, sample.max_new_tokens, stop=stop)
+    return [score_answer(sample, text(toks[i])) for i in range(len(results))]

@@ -234,8 +234,8 @@ def _needles(lm, src: MapsSource, cfg: EvalConfig, suite: list, out: Output) -> 
             run = exact_run(lm, torch.tensor(s.prompt_ids), splits=[src.split])  # shared by every arm
             row = {"task": s.task, "length": s.context_tokens, "depth": s.depth, "seed": s.seed,
                    "answers": s.answers, "correct": {}}
-            for arm, res in _arms_from(lm, run, src, cfg.arms, cfg.tail, logits_rows=1).items():
-                row["correct"][arm] = decode_and_score(lm, s, res)  # stops once the answer is complete
+            res = _arms_from(lm, run, src, cfg.arms, cfg.tail, logits_rows=1)
+            row["correct"] = dict(zip(res, decode_and_score(lm, s, list(res.values()))))  # decoded in one batch
             rows.append(row)
             bar.update(i + 1, (i + 1) * len(s.prompt_ids), f"sample {i + 1}/{len(suite)}")
     return rows

@@ -9,15 +9,15 @@
     tokens = greedy(lm, res, max_new=20)
 
 The public API is `__all__` below; docs/runtime.md describes it, with a runnable example. Modules:
-`prefill.py` (the arms, `prefill`, `ceiling`), `cache.py` (`SlotCache`, `greedy`), `maps.py` (maps from a release
+`prefill.py` (the arms, `prefill`, `ceiling`), `cache.py` (`SlotCache`, `greedy`, `greedy_batch`), `maps.py` (maps from a release
 folder onto the model's devices), `layers.py` (calling the model's own decoder layers on chosen rows).
 
 Importing this package imports torch; `import ridgefill` does not import this package.
 """
 
-from ridgefill.runtime.cache import SlotCache, greedy
+from ridgefill.runtime.cache import SlotCache, greedy, greedy_batch
 from ridgefill.runtime.maps import ReleaseMaps, load_release_maps, maps_on_devices
 from ridgefill.runtime.prefill import ARMS, ExactRun, PrefillResult, ceiling, exact_run, prefill, prefill_from
 
 __all__ = ["ARMS", "ExactRun", "PrefillResult", "ReleaseMaps", "SlotCache", "ceiling", "exact_run", "greedy",
-           "load_release_maps", "maps_on_devices", "prefill", "prefill_from"]  # fmt: skip
+           "greedy_batch", "load_release_maps", "maps_on_devices", "prefill", "prefill_from"]  # fmt: skip

@@ -9,8 +9,12 @@ them (`layers.Layers`). `greedy` continues from either kind of cache.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from ridgefill.runtime.layers import SLIDING, Layers, final_logits
 
@@ -76,11 +80,14 @@ class SlotCache:
 def greedy(lm, res, max_new: int, stop=None) -> list[int]:
     """Greedy tokens continuing from a prefill's cache (`res`: a `PrefillResult`): at most `max_new`, stopping
     before the tokenizer's end-of-sequence token. The first token is the argmax of the prefill's last logits
-    row; the next ones come from the stock model on a `DynamicCache`, or from `SlotCache.step`. The cache grows
-    in place: decode from a fresh prefill to start again. `stop(tokens) -> bool`, if given, is asked after each
+    row; the next ones come from the stock model on a copy of the prefill's `DynamicCache` with room for the new
+    rows (`decoding_cache`; the prefill's own is left as it was), or from `SlotCache.step`, whose cache grows in
+    place (decode from a fresh prefill to start again). `stop(tokens) -> bool`, if given, is asked after each
     token whether the tokens so far are enough (e.g. an answer is complete), and ends decoding when it says so."""
     eos = lm.tokenizer.eos_token_id
     cache, nxt, toks = res.cache, int(res.logits[-1].argmax()), []
+    if not isinstance(cache, SlotCache):
+        cache = decoding_cache(lm, [cache], max_new)
     with torch.inference_mode():
         while len(toks) < max_new and nxt != eos:
             toks.append(nxt)
@@ -92,3 +99,92 @@ def greedy(lm, res, max_new: int, stop=None) -> list[int]:
                 o = lm.model(input_ids=torch.tensor([[nxt]], device=lm.adapter.device), cache=cache, use_cache=True)
                 cache, nxt = o.cache, int(o.logits[0, -1].argmax())
     return toks
+
+
+def greedy_batch(lm, results: list, max_new: int, stop=None) -> list[list[int]]:
+    """`greedy` for several prefills of one prompt length at once: one batched forward of the stock model per
+    step instead of one per prefill (the caches are stacked along the batch; a prefill whose decoding has ended
+    leaves the batch). The same tokens as `greedy` on each, up to float round-off in the batched products.
+
+    results: PrefillResults whose caches are DynamicCaches of the same shapes (any arm but "nofill", whose
+    SlotCache `greedy` decodes); each cache is left as it was. stop: as in `greedy`, asked per prefill."""
+    if not results:
+        return []
+    if any(isinstance(r.cache, SlotCache) for r in results):
+        raise ValueError("greedy_batch decodes DynamicCaches; decode a SlotCache with greedy")
+    eos = lm.tokenizer.eos_token_id
+    toks: list[list[int]] = [[] for _ in results]
+    nxt = [int(r.logits[-1].argmax()) for r in results]
+    cache = decoding_cache(lm, [r.cache for r in results], max_new)
+    live = list(range(len(results)))  # the prefills still decoding, in batch order
+    with torch.inference_mode():
+        while True:
+            keep = []
+            for i in live:
+                if len(toks[i]) < max_new and nxt[i] != eos:
+                    toks[i].append(nxt[i])
+                    if not (stop is not None and stop(toks[i])) and len(toks[i]) < max_new:
+                        keep.append(i)
+            if not keep:
+                return toks
+            if keep != live:
+                rows = torch.tensor([live.index(i) for i in keep], device=lm.adapter.device)
+                for layer in cache.layers:
+                    layer.batch_select_indices(rows.to(layer.keys.device))
+                live = keep
+            ids = torch.tensor([[nxt[i]] for i in live], device=lm.adapter.device)
+            o = lm.model(input_ids=ids, cache=cache, use_cache=True)
+            cache = o.cache
+            for j, i in enumerate(live):
+                nxt[i] = int(o.logits[j, -1].argmax())
+
+
+def decoding_cache(lm, caches: list, room: int):
+    """One DynamicCache to decode from, the given prefill caches (same shapes) stacked along the batch. Full-attention
+    layers get room for `room` more rows and write each new row in place: a DynamicLayer concatenates, copying the
+    whole cache at every step, which costs more than the step's attention on long prompts. Sliding layers (at most
+    a window of rows) are stacked as they are. The given caches are not modified."""
+    cache = DynamicCache(config=lm.model.config)
+    for l, layer in enumerate(caches[0].layers):
+        keys = torch.cat([c.layers[l].keys for c in caches], dim=0)
+        values = torch.cat([c.layers[l].values for c in caches], dim=0)
+        if type(layer) is DynamicLayer:
+            cache.layers[l] = _Roomy(keys, values, room)
+        else:
+            merged = copy.copy(layer)
+            merged.keys, merged.values = keys, values
+            cache.layers[l] = merged
+    return cache
+
+
+class _Roomy(DynamicLayer):
+    """A DynamicLayer over a buffer with room for more rows: `update` writes them in place (no copy of the rows before),
+    and `keys` / `values` are views of the rows written so far."""
+
+    def __init__(self, keys, values, room: int):
+        super().__init__()
+        b, h, n, d = keys.shape
+        self._k = keys.new_empty((b, h, n + room, d))
+        self._v = values.new_empty((b, h, n + room, values.shape[-1]))
+        self._k[:, :, :n], self._v[:, :, :n] = keys, values
+        self._n, self.device, self.is_initialized = n, keys.device, True
+        self._views()
+
+    def _views(self):
+        self.keys, self.values = self._k[:, :, : self._n], self._v[:, :, : self._n]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        m = key_states.shape[-2]
+        if self._n + m > self._k.shape[-2]:  # out of room: double it
+            more = max(m, self._k.shape[-2])
+            self._k = torch.cat([self._k, self._k.new_empty((*self._k.shape[:2], more, self._k.shape[-1]))], -2)
+            self._v = torch.cat([self._v, self._v.new_empty((*self._v.shape[:2], more, self._v.shape[-1]))], -2)
+        self._k[:, :, self._n : self._n + m] = key_states
+        self._v[:, :, self._n : self._n + m] = value_states
+        self._n += m
+        self._views()
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices):
+        self._k, self._v = self._k[indices], self._v[indices]
+        self._views()
