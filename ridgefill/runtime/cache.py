@@ -39,9 +39,16 @@ class SlotCache:
         self.layers = []
         for l, d in enumerate(layers):
             dev = ad.layer_device(l)
-            self.layers.append({"keys": t(d["keys"], ad.dtype, dev)[None], "values": t(d["values"], ad.dtype, dev)[None],
-                                "positions": t(d["positions"], torch.long, dev),
-                                "bias": None if d.get("bias") is None else t(d["bias"], torch.float32, dev)})
+            layer = {"keys": t(d["keys"], ad.dtype, dev)[None], "values": t(d["values"], ad.dtype, dev)[None],
+                     "positions": t(d["positions"], torch.long, dev),
+                     "bias": None if d.get("bias") is None else t(d["bias"], torch.float32, dev)}
+            used = (layer["positions"] >= 0).any(0)  # a slot empty in every KV head is never attended: drop it
+            if not bool(used.all()):
+                at = used.nonzero()[:, 0]
+                layer["keys"], layer["values"] = layer["keys"][:, :, at], layer["values"][:, :, at]
+                layer["positions"] = layer["positions"][:, at]
+                layer["bias"] = None if layer["bias"] is None else layer["bias"][:, at]
+            self.layers.append(layer)
 
     def _mask(self, l: int, p: int) -> torch.Tensor:
         """[1, heads, 1, n] additive mask of one query at position p (its own new slot last)."""
