@@ -167,3 +167,10 @@ def test_a_stopped_sweep_resumes_at_the_next_prompt(tmp_path, tiny_llama, data, 
     for a, b in zip(res["documents_detail"], want["documents_detail"]):
         for k in ("1", "2", "3"):
             assert a[k]["ridgefill"]["dnll"] == pytest.approx(b[k]["ridgefill"]["dnll"], abs=1e-6)
+
+
+def test_exact_is_timed_three_times(swept):
+    _, _, res = swept
+    runs = res["timing"]["exact_runs"]
+    assert len(runs) == 3 and res["exact"]["prefill_s"] == sorted(runs)[1]
+    assert set(res["timing"]["seconds"]) == {"exact"} | {f"{s}/{a}" for s in (1, 2, 3) for a in ("ridgefill", "identity")}

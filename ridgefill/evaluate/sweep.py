@@ -319,19 +319,26 @@ def _needles(lm, cfg: SweepConfig, maps: dict, out: Output, done: Checkpoint) ->
 
 
 def _timing(lm, cfg: SweepConfig, maps: dict, prompt: list[int], out: Output) -> dict:
-    """One real, timed prefill of `prompt` per arm and split (exact once), the splits interleaved."""
+    """One real, timed prefill of `prompt` per arm and split, the splits in turn; exact is timed before, halfway and
+    after them and its median kept, so that a slow spell of a shared machine cannot land on the reference alone."""
+    import statistics
+
     import torch
 
     from ridgefill.runtime import prefill
 
     ids = torch.tensor(prompt)
     out.info(f"timing: one prefill of {len(prompt)} tokens per arm and split")
-    secs = {"exact": prefill(lm, ids, "exact", split=0, tail=cfg.tail).seconds}
-    for s, m in maps.items():
+    exact = lambda: prefill(lm, ids, "exact", split=0, tail=cfg.tail).seconds  # noqa: E731
+    runs, secs = [exact()], {}
+    for i, (s, m) in enumerate(maps.items()):
+        if i == len(maps) // 2:
+            runs.append(exact())
         for arm in ARMS:
             secs[f"{s}/{arm}"] = prefill(lm, ids, arm, split=s, tail=cfg.tail,
                                          maps=m if arm == "ridgefill" else None).seconds
-    return {"length": len(prompt), "seconds": secs}
+    runs.append(exact())
+    return {"length": len(prompt), "seconds": {"exact": statistics.median(runs), **secs}, "exact_runs": runs}
 
 
 def _result(model: str, num_layers: int, cfg: SweepConfig, fits, docs, needles, timing) -> dict:
