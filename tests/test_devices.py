@@ -407,10 +407,7 @@ def eval_figures(st, ident):
     """results.json without wall times (and without the summary, which holds them too)."""
     res = json.loads((st.root / "eval" / ident / "results.json").read_text())
     res.pop("summary")
-    for d in res["documents"]:
-        d.pop("seconds")
-    for n in res["needles"]:
-        n.pop("seconds")
+    res.pop("timing")
     return res
 
 

@@ -89,7 +89,13 @@ def acquire(path: Path, wait: bool = True, on_wait: Callable[[dict], None] | Non
                     os.close(fd)
                     return False
                 if not told and on_wait is not None:
-                    on_wait(holder(Path(key)))
+                    info = holder(Path(key))
+                    for _ in range(50):  # the holder writes who it is just after it takes the lock
+                        if info.get("pid"):
+                            break
+                        time.sleep(0.01)
+                        info = holder(Path(key))
+                    on_wait(info)
                     told = True
                 fcntl.flock(fd, fcntl.LOCK_EX)
             try:  # the file may have been unlinked (by its last holder, or gc) while we waited for it
