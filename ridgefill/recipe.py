@@ -20,7 +20,8 @@
 
 capture -> solve -> quantize -> export -> eval (gate) -> push (only with `--push`). With `split = "auto"` a sweep
 comes first: it captures every split it measures in one pass, solves and quantizes each, and the release is its
-recommended split (a cache hit for capture, solve and quantize); no split within the budget stops the run (exit 3). Every stage is the same function
+recommended split (a cache hit for capture, solve and quantize); no split within the budget stops the run (exit 3).
+Every stage is the same function
 the single commands call, so each is a cache hit when its recipe did not change: a re-run with nothing changed
 loads no model; changing the alpha grid re-runs solve and the stages after it, not capture. The gate failing
 stops the run before push (exit 3). The top-level device / dtype / device_map / max_memory are resolved once and

@@ -233,7 +233,7 @@ def _needles(lm, src: MapsSource, cfg: EvalConfig, suite: list, out: Output) -> 
         for i, s in enumerate(suite):
             run = exact_run(lm, torch.tensor(s.prompt_ids), splits=[src.split])  # shared by every arm
             row = {"task": s.task, "length": s.context_tokens, "depth": s.depth, "seed": s.seed,
-                   "answers": s.answers, "correct": {}}
+                   "answers": s.answers}
             res = _arms_from(lm, run, src, cfg.arms, cfg.tail, logits_rows=1)
             row["correct"] = dict(zip(res, decode_and_score(lm, s, list(res.values()))))  # decoded in one batch
             rows.append(row)
