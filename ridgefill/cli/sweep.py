@@ -41,10 +41,6 @@ def sweep(
     cfg = SweepConfig(splits=parse_splits(splits) if splits is not None else (), length=length, tail=tail,
                       samples=samples, documents=documents, scored=scored, max_needle_drop=max_needle_drop,
                       max_key_dnll=max_key_dnll, quantize=quantize, alpha_per_layer=alpha_per_layer, seed=seed)
-    if splits is not None and not cfg.splits:
-        from ridgefill.errors import BadInput
-
-        raise BadInput("--splits is empty")
     art, cached = run(store(store_root), model, cfg, out, data=data, capture_ref=capture_ref, device=device,
                       dtype=dtype, device_map=device_map, max_memory=max_memory)
     import json as _json

@@ -161,40 +161,62 @@ def _arms_from(lm, run, src: MapsSource, arms, tail: int, probe=None, logits_row
     return res
 
 
+def eval_documents(lm, tokens: int, count: int, calibration) -> list:
+    """`count` evaluation documents with at least `tokens` tokens, none of them used for calibration (BadInput)."""
+    from ridgefill.evaluate import texts
+
+    docs = texts.long_documents(lm.tokenizer, tokens, limit=count)
+    if len(docs) < count:
+        raise BadInput(f"only {len(docs)} evaluation documents have {tokens} tokens")
+    reused = texts.reused([(d.name, d.text) for d in docs], calibration)
+    if reused:
+        raise BadInput(f"evaluation documents were used for calibration: {', '.join(reused)}")
+    return docs
+
+
+class DocumentScore:
+    """One document's exact side: its exact run (keeping the states entering `splits`, for the arms to build on),
+    the exact loss on the last `scored` tokens, and which of them are key and novel. Calling it with an arm's
+    PrefillResult (logits of the last `keep` rows) gives that arm's `metrics.doc_summary`."""
+
+    def __init__(self, lm, ids, tail: int, scored: int, splits=()):
+        from ridgefill.evaluate import metrics
+        from ridgefill.runtime.prefill import exact_run
+
+        n, self.keep, self.pick = len(ids), scored + 1, slice(0, scored)  # the first K of the last K+1 rows
+        self.targets = ids[n - scored :].numpy()  # predict the scored tokens
+        self.run = exact_run(lm, ids, splits=splits, logits_rows=self.keep)
+        self.exact = _host(self.run.logits[self.pick])
+        self.nll = metrics.token_nll(self.exact, self.targets)
+        cut = exact_run(lm, ids[n - tail :], logits_rows=self.keep)  # the context cut to the tail
+        self.key = metrics.key_mask(self.nll, metrics.token_nll(_host(cut.logits[self.pick]), self.targets))
+        self.novel = metrics.novel_mask(ids.numpy(), n - scored)
+
+    def __call__(self, res) -> dict:
+        from ridgefill.evaluate import metrics
+
+        la = _host(res.logits[self.pick])
+        return metrics.doc_summary(self.nll, metrics.token_nll(la, self.targets), metrics.kl_exact_arm(self.exact, la),
+                                   metrics.top1_agree(self.exact, la), self.novel, self.key)
+
+
 def _documents(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
     import torch
 
-    from ridgefill.evaluate import metrics, texts
-    from ridgefill.runtime.prefill import PROBE_ROWS, exact_run
+    from ridgefill.runtime.prefill import PROBE_ROWS
 
-    docs = texts.long_documents(lm.tokenizer, cfg.doc_tokens, limit=cfg.documents)
-    if len(docs) < cfg.documents:
-        raise BadInput(f"only {len(docs)} evaluation documents have {cfg.doc_tokens} tokens")
-    reused = texts.reused([(d.name, d.text) for d in docs], src.calibration)
-    if reused:
-        raise BadInput(f"evaluation documents were used for calibration: {', '.join(reused)}")
+    docs = eval_documents(lm, cfg.doc_tokens, cfg.documents, src.calibration)
     T, K = cfg.tail, cfg.scored
     rows = []
     with out.progress("documents", total=len(docs)) as bar:
         for i, d in enumerate(docs):
             ids = torch.tensor(d.ids[: cfg.doc_tokens])
             N = len(ids)
-            targets = ids[N - K :].numpy()  # the scored stretch
-            keep, pick = K + 1, slice(0, K)  # logits of the last K + 1 rows; the first K predict the scored tokens
-            run = exact_run(lm, ids, splits=[src.split], logits_rows=keep)  # shared by every arm
-            tail_only = exact_run(lm, ids[N - T :], logits_rows=keep)  # the context cut to the tail
-            le = _host(run.logits[pick])
-            nll_exact = metrics.token_nll(le, targets)
-            key = metrics.key_mask(nll_exact, metrics.token_nll(_host(tail_only.logits[pick]), targets))
-            novel = metrics.novel_mask(ids.numpy(), N - K)
+            doc = DocumentScore(lm, ids, T, K, splits=[src.split])  # its exact run is shared by every arm
             probe = range(N - K - PROBE_ROWS, N - K)  # "+rows": the stretch just before the scored tokens
-            row = {"name": d.name, "tokens": N}
             fills = [a for a in cfg.arms if a != "exact"]
-            for arm, res in _arms_from(lm, run, src, fills, T, probe, logits_rows=keep).items():
-                la = _host(res.logits[pick])
-                row[arm] = metrics.doc_summary(nll_exact, metrics.token_nll(la, targets),
-                                               metrics.kl_exact_arm(le, la), metrics.top1_agree(le, la), novel, key)
-            rows.append(row)
+            res = _arms_from(lm, doc.run, src, fills, T, probe, logits_rows=doc.keep)
+            rows.append({"name": d.name, "tokens": N, **{arm: doc(r) for arm, r in res.items()}})
             bar.update(i + 1, (i + 1) * N, f"doc {i + 1}/{len(docs)}")
     return rows
 

@@ -223,43 +223,23 @@ def _documents(lm, cfg: SweepConfig, maps: dict, calib: set, out: Output, done: 
     """Per document: {"name", "tokens", split: {arm: doc_summary}}."""
     import torch
 
-    from ridgefill.evaluate import metrics, texts
-    from ridgefill.runtime.prefill import exact_run, prefill_from
+    from ridgefill.evaluate.run import DocumentScore, eval_documents
+    from ridgefill.runtime.prefill import prefill_from
 
-    docs = texts.long_documents(lm.tokenizer, cfg.length, limit=cfg.documents)
-    if len(docs) < cfg.documents:
-        raise BadInput(f"only {len(docs)} evaluation documents have {cfg.length} tokens (lower --documents or "
-                       "--length)")
-    reused = texts.reused([(d.name, d.text) for d in docs], calib)
-    if reused:
-        raise BadInput(f"evaluation documents were used for calibration: {', '.join(reused)}")
-    T, K, N = cfg.tail, cfg.scored, cfg.length
-    keep, pick = K + 1, slice(0, K)  # logits of the last K + 1 rows; the first K predict the scored tokens
+    docs = eval_documents(lm, cfg.length, cfg.documents, calib)
     rows = done.rows["documents"]
     with out.progress("documents", total=len(docs)) as bar:
         for i, d in enumerate(docs):
             if i < len(rows):  # measured before a stop
                 continue
-            ids = torch.tensor(d.ids[:N])
-            targets = ids[N - K :].numpy()
-            run = exact_run(lm, ids, splits=list(maps), logits_rows=keep)
-            le = run.logits[pick].cpu().numpy()
-            nll = metrics.token_nll(le, targets)
-            cut = exact_run(lm, ids[N - T :], logits_rows=keep)  # the context cut to the tail: key tokens
-            key = metrics.key_mask(nll, metrics.token_nll(cut.logits[pick].cpu().numpy(), targets))
-            novel = metrics.novel_mask(ids.numpy(), N - K)
-            row = {"name": d.name, "tokens": N}
+            doc = DocumentScore(lm, torch.tensor(d.ids[: cfg.length]), cfg.tail, cfg.scored, splits=list(maps))
+            row = {"name": d.name, "tokens": cfg.length}
             for s, m in maps.items():
-                row[str(s)] = {}
-                for arm in ARMS:
-                    la = prefill_from(lm, run, arm, split=s, tail=T, maps=m if arm == "ridgefill" else None,
-                                      logits_rows=keep).logits[pick].cpu().numpy()
-                    row[str(s)][arm] = metrics.doc_summary(nll, metrics.token_nll(la, targets),
-                                                           metrics.kl_exact_arm(le, la), metrics.top1_agree(le, la),
-                                                           novel, key)
+                row[str(s)] = {arm: doc(prefill_from(lm, doc.run, arm, split=s, tail=cfg.tail, logits_rows=doc.keep,
+                                                     maps=m if arm == "ridgefill" else None)) for arm in ARMS}
             done.add("documents", row)
-            del run
-            bar.update(i + 1, (i + 1) * N, f"doc {i + 1}/{len(docs)}")
+            del doc
+            bar.update(i + 1, (i + 1) * cfg.length, f"doc {i + 1}/{len(docs)}")
     return rows
 
 

@@ -153,8 +153,7 @@ def decoding_cache(lm, caches: list, room: int):
     a window of rows) are stacked as they are. The given caches are not modified."""
     cache = DynamicCache(config=lm.model.config)
     for l, layer in enumerate(caches[0].layers):
-        keys = torch.cat([c.layers[l].keys for c in caches], dim=0)
-        values = torch.cat([c.layers[l].values for c in caches], dim=0)
+        keys, values = _stack([c.layers[l].keys for c in caches]), _stack([c.layers[l].values for c in caches])
         if type(layer) is DynamicLayer:
             cache.layers[l] = _Roomy(keys, values, room)
         else:
@@ -162,6 +161,12 @@ def decoding_cache(lm, caches: list, room: int):
             merged.keys, merged.values = keys, values
             cache.layers[l] = merged
     return cache
+
+
+def _stack(xs: list) -> torch.Tensor:
+    """Tensors stacked along the batch; one is passed as it is (nothing writes into it: _Roomy copies it, a
+    sliding layer replaces its tensors when it updates)."""
+    return xs[0] if len(xs) == 1 else torch.cat(xs, dim=0)
 
 
 class _Roomy(DynamicLayer):
