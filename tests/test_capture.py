@@ -13,6 +13,7 @@ import pytest
 from ridgefill.artifacts import Store, tensors
 from ridgefill.capture.run import COUNTS, DOCS, HELDOUT, STATS, CaptureConfig, capture
 from ridgefill.capture.stats import Moments, merge, moments_of
+from ridgefill.errors import BadInput
 from ridgefill.output import Output
 from clirun import cli
 
@@ -44,8 +45,10 @@ def run(store, model, data, **kw):
     return capture(store, str(model), [str(data)], cfg, quiet(), checkpoint_every=0)
 
 
-def brute_force(model_dir, texts, docs, splits, max_length=256):
-    """Moments from one plain forward per calibration document (no cache, no chunks), float64 numpy."""
+def brute_force(model_dir, texts, docs, splits, max_length=256, outliers=None):
+    """Moments from one plain forward per calibration document (no cache, no chunks), float64 numpy. With
+    `outliers` = (ratio, chunk), a row whose split state's norm exceeds ratio x the median over its chunk's fitted
+    rows is left out."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -57,9 +60,17 @@ def brute_force(model_dir, texts, docs, splits, max_length=256):
         ids = tok(texts[i])["input_ids"][:max_length]
         with torch.inference_mode():
             hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-        hs = [h[0, 1:].double().numpy() for h in hs]  # a document's first row is not fitted
+        hs = [h[0].double().numpy() for h in hs]
         for s in splits:
-            want[s] = merge(want[s], moments_of(hs[s], np.stack(hs[s:L])))
+            keep = np.arange(1, len(ids))  # a document's first row is not fitted
+            if outliers:
+                ratio, chunk = outliers
+                norms = np.linalg.norm(hs[s], axis=1)
+                starts = keep // chunk * chunk
+                lower_median = lambda v: np.sort(v)[(len(v) - 1) // 2]  # noqa: E731 (torch.median's, for an even count)
+                medians = {c: lower_median(norms[max(c, 1) : c + chunk]) for c in set(starts.tolist())}
+                keep = keep[norms[keep] <= ratio * np.array([medians[c] for c in starts])]
+            want[s] = merge(want[s], moments_of(hs[s][keep], np.stack([h[keep] for h in hs[s:L]])))
     return want
 
 
@@ -68,6 +79,29 @@ def assert_moments_close(got, want, rel):
     for f in ("mean_x", "cxx", "mean_y", "cxy", "yy"):
         a, b = getattr(got, f), getattr(want, f)
         assert np.linalg.norm(a - b) <= rel * np.linalg.norm(b), (f, np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_outlier_rows_are_not_fitted(tmp_path, tiny_llama, corpus):
+    """Rows whose split state exceeds the outlier ratio x their chunk's median norm are left out of the statistics
+    (a random model has no real later sink: a low ratio makes some); the ratio is in the recipe, and bad ratios
+    are refused."""
+    store = Store(tmp_path / "store")
+    art, _ = run(store, tiny_llama, corpus, splits=(1, 2), outlier_ratio=1.1)
+    base, _ = run(store, tiny_llama, corpus, splits=(1, 2))
+    assert art.recipe["outlier_ratio"] == 1.1 and base.recipe["outlier_ratio"] == 20.0 and art.id != base.id
+    arrays, _ = tensors.load(art.file(STATS))
+    calib = [i for i, d in enumerate(json.loads(art.file(DOCS).read_text())) if d["role"] == "calibration"]
+    texts = [(corpus / f"doc{i}.txt").read_text() for i in range(len(TEXTS))]
+    want = brute_force(tiny_llama, texts, calib, (1, 2), outliers=(1.1, 32))
+    everything = brute_force(tiny_llama, texts, calib, (1, 2))
+    for s in (1, 2):
+        got = Moments.from_arrays(arrays, f"raw.split{s}")
+        assert 0 < everything[s].n - got.n < everything[s].n / 2  # some rows really are left out
+        assert_moments_close(got, want[s], 1e-5)
+    for bad in (0.5, 1.0, -2.0):
+        with pytest.raises(BadInput, match="outlier ratio must be 0 .off. or above 1"):
+            run(Store(tmp_path / "bad"), tiny_llama, corpus, outlier_ratio=bad)
+    assert not (tmp_path / "bad" / "capture").exists()
 
 
 @pytest.mark.parametrize("product_dtype", ["float64", "float32"])

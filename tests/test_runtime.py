@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ridgefill.errors import BadInput
-from ridgefill.runtime import ARMS, SlotCache, ceiling, exact_run, greedy, prefill, prefill_from
+from ridgefill.runtime import (ARMS, OUTLIER_RATIO, SlotCache, ceiling, exact_run, greedy, outlier_rows, prefill,
+                               prefill_from)
 from conftest import TINY_FIXTURES
 
 ALL = list(TINY_FIXTURES)
@@ -308,6 +309,47 @@ def test_row_0_runs_exactly_in_every_fill_arm(arch, arm, lm_of):
     assert filled.exact_rows == [] and (filled.logits - res.logits).abs().max() > 1e-4
     with pytest.raises(BadInput, match="anchor must be a non-negative number of rows"):
         prefill(lm, ids, arm, split=S, tail=T, maps=maps, anchor=-1)
+
+
+@pytest.mark.parametrize("arch", MAIN)
+@pytest.mark.parametrize("arm", ["ridgefill", "identity", "nofill"])
+def test_outlier_rows_run_exactly(arch, arm, lm_of):
+    """Prefix rows whose split state's norm exceeds `outliers` x the prefix's median (brute force from the stock
+    model's hidden states) join the exact rows, in prefill and prefill_from alike; the result equals naming those
+    rows as exact rows with the rule off. A tiny random model has no real later sink, so a low ratio makes some."""
+    lm = lm_of(arch)
+    ids, S, T, ratio = tokens(24, seed=31), 2, 6, 1.05
+    maps = random_maps(lm, S) if arm == "ridgefill" else None
+    h = hidden_states(lm, ids)[S][0, : 24 - T].double()
+    norms = h.norm(dim=-1)
+    want = sorted({0} | set(torch.nonzero(norms > ratio * norms.median()).flatten().tolist()))
+    assert 1 < len(want) < 24 - T
+    res = prefill(lm, ids, arm, split=S, tail=T, maps=maps, outliers=ratio)
+    assert res.exact_rows == want
+    same = prefill(lm, ids, arm, split=S, tail=T, maps=maps, exact_rows=want, outliers=0)
+    torch.testing.assert_close(res.logits, same.logits, atol=0, rtol=0)
+    run = exact_run(lm, ids, splits=[S], logits_rows=T)
+    got = prefill_from(lm, run, arm, split=S, tail=T, maps=maps, outliers=ratio)
+    assert got.exact_rows == want
+    torch.testing.assert_close(got.logits, res.logits, atol=1e-4, rtol=1e-4)
+    # The default ratio finds no sink in a random model, and the rule changes nothing then.
+    assert prefill(lm, ids, arm, split=S, tail=T, maps=maps).exact_rows == [0]
+    for bad in (-1, 0.5, 1):
+        with pytest.raises(BadInput, match="outliers must be 0 .off. or a norm ratio above 1"):
+            prefill(lm, ids, arm, split=S, tail=T, maps=maps, outliers=bad)
+
+
+def test_outlier_rows_rule():
+    h = torch.ones(9, 4)
+    h[3] *= 25  # 25x the median norm
+    h[5] *= 19
+    assert torch.nonzero(outlier_rows(h)).flatten().tolist() == [3]
+    assert OUTLIER_RATIO == 20
+    assert torch.nonzero(outlier_rows(h, 10)).flatten().tolist() == [3, 5]
+    assert not outlier_rows(h, 0).any()
+    from ridgefill.capture.run import CaptureConfig
+
+    assert CaptureConfig().outlier_ratio == OUTLIER_RATIO  # capture leaves out the rows the runtime runs exactly
 
 
 # -- eager attention ------------------------------------------------------------------------------------------------

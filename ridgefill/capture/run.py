@@ -1,8 +1,9 @@
 """`ridgefill capture`: one pass of the model over calibration text, accumulating ridge statistics.
 
 Each document is one unit of work, fed chunk by chunk through the model's KV cache (capture/forward.py), so
-every row keeps its whole left context; only the document's first row (an attention sink with outsized
-activations) is left out of the fit. `max_length` truncates documents (default: the model's context).
+every row keeps its whole left context; the document's first row (an attention sink with outsized
+activations) is left out of the fit, and so is any later row whose state at a split is an outlier by norm
+(more than `outlier_ratio` x the median of its chunk's rows: a second sink, which the fill runs exactly). `max_length` truncates documents (default: the model's context).
 
 Units are grouped into blocks that depend on the input alone (contiguous, balanced by tokens). A block's
 statistics are merged from empty, unit by unit and chunk by chunk, and the blocks are merged into the totals in
@@ -33,8 +34,10 @@ from ridgefill.capture.stats import Moments, merge, merge_into
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 
-FORMAT_VERSION = 2  # 2: whole documents through the KV cache (was: independent windows), blocks, float32 products
+FORMAT_VERSION = 3  # 2: whole documents through the KV cache (was: independent windows), blocks, float32 products;
+# 3: rows whose split state is an outlier by norm are not fitted
 SKIP_FIRST = 1  # a document's first row is an attention sink with outsized activations: not fitted
+OUTLIER_RATIO = 20.0  # the fill runtime's rule (runtime.OUTLIER_RATIO): rows above 20x the median norm are sinks
 MAX_BLOCKS = 64  # blocks of work; a torchrun world keeps at most this many ranks busy
 STATS = "stats.safetensors"
 HELDOUT = "heldout.safetensors.zst"
@@ -58,6 +61,7 @@ class CaptureConfig:
     device_map: str | dict | None = None  # "auto" (or from Python a {module: place} dict): accelerate spreads the model
     max_memory: tuple[str, ...] = ()  # with device_map: DEVICE=SIZE
     trust_remote_code: bool = False
+    outlier_ratio: float = OUTLIER_RATIO  # rows whose split state exceeds this x their chunk's median norm: not fitted
 
 
 @dataclass
@@ -91,6 +95,8 @@ def capture(
         raise BadInput(f"--max-length must be at least 2 tokens (got {cfg.max_length})")
     if cfg.held_out_rows < 0:
         raise BadInput("--held-out-rows must be >= 0")
+    if not (cfg.outlier_ratio == 0 or cfg.outlier_ratio > 1):
+        raise BadInput(f"the outlier ratio must be 0 (off) or above 1, got {cfg.outlier_ratio}")
     if cfg.product_dtype not in PRODUCT_DTYPES:
         raise BadInput(f"unknown product dtype '{cfg.product_dtype}' (choose {' or '.join(PRODUCT_DTYPES)})")
     if cfg.device_map is not None and world.distributed:
@@ -127,6 +133,7 @@ def capture(
             "dtype": place.dtype,
             "product_dtype": cfg.product_dtype,
             "skip_first": SKIP_FIRST,
+            "outlier_ratio": cfg.outlier_ratio,
             # The id covers the model's own code being allowed (solve, quantize and fold load with it); only
             # when on, so the ids of other captures are unchanged.
             **({"trust_remote_code": True} if cfg.trust_remote_code else {}),
@@ -151,6 +158,7 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, plac
          after_unit):
     from ridgefill.capture.forward import chunk_moments, document_chunks, exact_float32, release_workspace
     from ridgefill.models import load_model
+    from ridgefill.runtime.prefill import outlier_rows
 
     t0 = time.perf_counter()
     if ref.is_gguf:
@@ -199,6 +207,9 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, plac
             for s in splits:
                 x = hs[s][skip:]  # [n, d]
                 ys = [hs[l][skip:] for l in range(s, ref.num_layers)]  # k x [n, d]
+                sinks = outlier_rows(x, cfg.outlier_ratio)
+                if sinks.any():
+                    x, ys = x[~sinks], [y[~sinks] for y in ys]
                 part[(u.variant, s)] = merge_into(part[(u.variant, s)], chunk_moments(x, ys, cfg.product_dtype))
         t_fwd += time.perf_counter() - t
         tokens_done += u.tokens

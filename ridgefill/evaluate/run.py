@@ -21,8 +21,9 @@ from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 
-FORMAT_VERSION = 5  # 2: single needles in noise filler; 3: nofill needles, "ridgefill+rows"; 4: row 0 exact;
-# 5: arms built from one exact run per prompt, speed from one timed prefill per arm and length ("timing")
+FORMAT_VERSION = 6  # 2: single needles in noise filler; 3: nofill needles, "ridgefill+rows"; 4: row 0 exact;
+# 5: arms built from one exact run per prompt, speed from one timed prefill per arm and length ("timing");
+# 6: prefix rows whose split state is an outlier by norm (later sinks) run exactly
 RESULTS = "results.json"
 ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
 DEFAULT_ARMS = ARMS[:4]  # "+rows" is optional (it costs another fill per sample)

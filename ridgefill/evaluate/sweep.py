@@ -27,7 +27,7 @@ from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: later sinks (outlier rows) run exactly and are not fitted
 RESULT, PLOT, TABLE = "sweep.json", "sweep.png", "sweep.md"
 ARMS = ("ridgefill", "identity")
 DEFAULT_SPLITS = 8  # evenly spaced over the middle half of the layers

@@ -111,6 +111,7 @@ def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list
                 "tokens": sum(d["tokens"] for d in calib),
                 "calibration_sha256": sorted(d["sha256"] for d in calib),
                 "capture_id": cap.id, "solve_id": sol.id, "skip_first_rows": cap.recipe["skip_first"],
+                "outlier_ratio": cap.recipe.get("outlier_ratio"),
                 "chat": cap.recipe["chat"], "chat_share": sol.recipe["chat_share"]},
         "heldout": heldout,
     }

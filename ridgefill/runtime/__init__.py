@@ -17,7 +17,8 @@ Importing this package imports torch; `import ridgefill` does not import this pa
 
 from ridgefill.runtime.cache import SlotCache, greedy, greedy_batch
 from ridgefill.runtime.maps import ReleaseMaps, load_release_maps, maps_on_devices
-from ridgefill.runtime.prefill import ARMS, ExactRun, PrefillResult, ceiling, exact_run, prefill, prefill_from
+from ridgefill.runtime.prefill import (ARMS, OUTLIER_RATIO, ExactRun, PrefillResult, ceiling, exact_run, outlier_rows,
+                                      prefill, prefill_from)
 
-__all__ = ["ARMS", "ExactRun", "PrefillResult", "ReleaseMaps", "SlotCache", "ceiling", "exact_run", "greedy",
-           "greedy_batch", "load_release_maps", "maps_on_devices", "prefill", "prefill_from"]  # fmt: skip
+__all__ = ["ARMS", "OUTLIER_RATIO", "ExactRun", "PrefillResult", "ReleaseMaps", "SlotCache", "ceiling", "exact_run", "greedy",
+           "greedy_batch", "load_release_maps", "maps_on_devices", "outlier_rows", "prefill", "prefill_from"]  # fmt: skip

@@ -19,7 +19,9 @@ Arms (N rows, L layers, split S, tail T, prefix P = N - T):
   `cache` is a `SlotCache`, which `greedy` (and `SlotCache.step`) decode from layer by layer.
 - Exact rows, in every arm but "exact": the first `anchor` prompt rows (default 1) and `exact_rows`. Row 0 is the
   attention sink: its split state is an outlier the fit leaves out (capture skips each document's first row), so a
-  map's prediction for it is an extrapolation, and a filled sink can cost more than the whole fill saves.
+  map's prediction for it is an extrapolation, and a filled sink can cost more than the whole fill saves. Prefix
+  rows whose split state is an outlier by norm (`outlier_rows`: more than `outliers` x the prefix's median, default
+  20) are later sinks, and run exactly for the same reason (`outliers=0` turns this off).
 - "ridgefill+rows": "ridgefill" plus attention-selected exact rows: the `row_share`
   (default 10 %) of prompt rows that receive the most attention from the `probe` rows (default: the last 64
   prompt rows), summed over the heads of every layer below the split, run every layer exactly. The selection
@@ -59,6 +61,20 @@ from ridgefill.runtime.maps import maps_on_devices
 ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
 ROW_SHARE, PROBE_ROWS = 0.1, 64  # "+rows": 10 % of the prompt, by attention from its last 64 rows
 ANCHOR_ROWS = 1  # the first prompt row (the attention sink) runs every layer in every fill arm
+OUTLIER_RATIO = 20.0  # a prefix row whose split state is 20x the median norm (another sink) runs every layer
+
+
+def outlier_rows(h, ratio: float = OUTLIER_RATIO):
+    """Rows of h [n, d] whose norm exceeds `ratio` x the median row norm: [n] bool (all False when ratio is 0).
+
+    Some prompts grow a second attention sink after row 0: a row whose hidden state is two orders of magnitude
+    larger than the rest (SmolLM2 at layers 12+: 40-170x the median, while ordinary rows stay under 13x on both
+    built-ins). A map's prediction for such a row is an extrapolation, so capture leaves these rows out of the
+    fit and the fill runs them exactly, by this one rule."""
+    norms = h.float().norm(dim=-1)
+    if not ratio or norms.numel() == 0:
+        return torch.zeros(norms.shape, dtype=torch.bool, device=norms.device)
+    return norms > ratio * norms.median()
 
 
 def ceiling(N: int, T: int, S: int, L: int) -> float:
@@ -125,16 +141,17 @@ def prefill(
     probe=None,
     anchor: int = ANCHOR_ROWS,
     logits_rows: int | None = None,
+    outliers: float = OUTLIER_RATIO,
 ) -> PrefillResult:
     """Prefill `input_ids` [N] (one sequence) with `arm`; see the module docstring.
 
     `row_share` and `probe` (prompt positions; default the last 64) only matter for "ridgefill+rows". `anchor`:
     how many first prompt rows run every layer in the fill arms (0 fills the sink too, for comparison only).
-    `logits_rows`: how many last rows get logits (default `tail`; 1 is enough to decode)."""
+    `outliers`: prefix rows whose split state exceeds this many times the prefix's median norm run every layer
+    too (0: none). `logits_rows`: how many last rows get logits (default `tail`; 1 is enough to decode)."""
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     n = int(ids.shape[0])
-    if not (isinstance(anchor, int) and anchor >= 0):
-        raise BadInput(f"anchor must be a non-negative number of rows, got {anchor!r}")
+    _check_rows_rules(anchor, outliers)
     rows = _check(lm, n, arm, split, tail, maps, exact_rows)
     keep = _logits_rows(logits_rows, tail)
     if arm != "exact":
@@ -158,11 +175,26 @@ def prefill(
             logits = out.logits[0, -keep:].float()
             cache = getattr(out, "cache", None)  # 5.x name; `past_key_values` is a deprecated alias
         else:
-            logits, cache, rows = _fill(lm, ids, arm, split, tail, maps, rows, select, keep)
+            logits, cache, rows = _fill(lm, ids, arm, split, tail, maps, rows, select, keep, outliers)
     _sync()  # a GPU runs asynchronously: the clock stops when its work is done
     seconds = time.perf_counter() - start
     return PrefillResult(logits=logits, cache=cache, seconds=seconds, arm=arm, split=split, tail=tail,
                          num_rows=n, exact_rows=rows)  # fmt: skip
+
+
+def _check_rows_rules(anchor, outliers) -> None:
+    if not (isinstance(anchor, int) and anchor >= 0):
+        raise BadInput(f"anchor must be a non-negative number of rows, got {anchor!r}")
+    if not (isinstance(outliers, (int, float)) and (outliers == 0 or outliers > 1)):
+        raise BadInput(f"outliers must be 0 (off) or a norm ratio above 1, got {outliers!r}")
+
+
+def _with_outliers(rows: list[int], h_split, prefix: int, outliers: float) -> list[int]:
+    """`rows` plus the prefix rows whose split state h_split [N, d] is an outlier by norm (`outlier_rows`)."""
+    if not outliers or prefix < 1:
+        return rows
+    found = torch.nonzero(outlier_rows(h_split[:prefix], outliers)).flatten().tolist()
+    return sorted(set(rows) | set(found))
 
 
 def _logits_rows(logits_rows, tail: int) -> int:
@@ -230,6 +262,7 @@ def prefill_from(
     exact_rows=None,
     anchor: int = ANCHOR_ROWS,
     logits_rows: int | None = None,
+    outliers: float = OUTLIER_RATIO,
 ) -> PrefillResult:
     """The fill arm `arm` ("ridgefill", "identity" or "nofill") at `split`, built from an exact run of the same
     prompt: the same result as `prefill(lm, run.ids, arm, ...)` up to float round-off, for the cost of the late
@@ -239,10 +272,10 @@ def prefill_from(
         raise BadInput(f"prefill_from builds 'ridgefill', 'identity' or 'nofill', not '{arm}' (use prefill)")
     if split not in run.states:
         raise BadInput(f"the exact run kept no state for split {split} (it has {sorted(run.states)})")
-    if not (isinstance(anchor, int) and anchor >= 0):
-        raise BadInput(f"anchor must be a non-negative number of rows, got {anchor!r}")
+    _check_rows_rules(anchor, outliers)
     rows = _check(lm, n, arm, split, tail, maps, exact_rows)
     rows = sorted(set(rows) | set(range(min(anchor, n - tail))))
+    rows = _with_outliers(rows, run.states[split], n - tail, outliers)
     keep = _logits_rows(logits_rows, tail)
     ad = lm.adapter
     if arm == "ridgefill":
@@ -313,7 +346,7 @@ def _attention_received(ad, l, x, pos, keys, window) -> torch.Tensor:
     return scores.softmax(dim=-1).sum(dim=(0, 1))
 
 
-def _fill(lm, ids, arm, split, tail, maps, rows, select, keep):
+def _fill(lm, ids, arm, split, tail, maps, rows, select, keep, outliers):
     from transformers import DynamicCache
 
     model, ad = lm.model, lm.adapter
@@ -342,6 +375,7 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select, keep):
     if select:  # "+rows": the most-attended prefix rows become exact rows
         order = torch.argsort(-received[:prefix], stable=True)  # ties: earlier position first
         rows = sorted(set(rows) | set(order[: min(select[0], prefix)].tolist()))
+    rows = _with_outliers(rows, hidden[0], prefix, outliers)
     logits, late = _late(lm, layers, hidden[0], rope, arm, split, tail, maps, rows, keep)
     if arm == "nofill":
         slots = [{"keys": k[0], "values": v[0], "positions": all_pos.expand(ad.num_kv_heads, n)} for k, v in early]
