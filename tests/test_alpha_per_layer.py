@@ -276,4 +276,4 @@ def test_a_default_release_keeps_its_fit_fields(tmp_path):
     fit = json.loads((tmp_path / "rel" / "ridgefill.json").read_text())["fit"]
     assert fit == {"alpha": 1e-3, "lambda": 0.5, "rows": 59, "documents": 1, "tokens": 60,
                    "calibration_sha256": ["a" * 64], "capture_id": ids["capture"], "solve_id": ids["solve"],
-                   "skip_first_rows": 1, "chat": False, "chat_share": None}
+                   "skip_first_rows": 1, "outlier_ratio": None, "chat": False, "chat_share": None}  # a capture from before the rule
