@@ -6,8 +6,9 @@
 Both evals run in this process, one after the other, each in a fresh store (so nothing is a cache hit) whose
 models/ links to the bench store's model cache, with the same settings but for the arms: the default arms, and
 `exact` alone. The ratio default / exact-only says what the fill arms add on top of the exact work every eval has
-to do (the exact forwards, the tail-only forwards that find key tokens, decoding, the timed prefills). Run it with
-another checkout on PYTHONPATH to measure that checkout's eval with the same script.
+to do (the exact forwards, the tail-only forwards that find key tokens, decoding, the timed prefills). Each run keeps
+its per-arm summary (the figures a gate reads). Run it with another checkout on PYTHONPATH to measure that checkout's
+eval with the same script.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def main() -> None:
             assert not cached
             result["runs"][name] = {"arms": list(arms), "wall_s": round(wall, 2),
                                     "needles": art.manifest["summary"]["samples"],
-                                    "documents": art.manifest["summary"]["documents"]}
+                                    "documents": art.manifest["summary"]["documents"],
+                                    "arms_summary": art.manifest["summary"]["arms"]}
             print(f"{name}: {wall:.1f} s", flush=True)
             write_json(args.out, result)  # partial results survive an interrupted run
     result["ratio_default_over_exact_only"] = round(result["runs"]["default"]["wall_s"]
