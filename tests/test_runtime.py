@@ -567,59 +567,6 @@ def test_greedy_batch_equals_greedy_on_each(arch, lm_of):
 
 
 @pytest.mark.parametrize("arch", MAIN)
-def test_a_draft_changes_the_forwards_not_the_tokens(arch, lm_of):
-    """greedy_batch / greedy with a draft give every prefill the tokens it gets without one: prefills that follow
-    the draft to their end, that leave it at its first token, halfway or after its last (the draft ended on an
-    end-of-sequence token of its own), under a stop rule and the token budget; nofill's SlotCache too. A prefill
-    that follows the draft costs no step: the draft's one batched forward is all the model runs."""
-    from ridgefill.runtime import greedy_batch
-
-    lm = lm_of(arch)
-    S, T = 2, 6
-    runs = [exact_run(lm, tokens(20, seed=k), splits=[S]) for k in (7, 8)]
-    make = lambda: [runs[0].result(T), prefill_from(lm, runs[0], "identity", split=S, tail=T),  # noqa: E731
-                    prefill_from(lm, runs[0], "ridgefill", split=S, tail=T, maps=random_maps(lm, S, seed=9)),
-                    runs[1].result(T)]
-    stop = lambda t: len(t) >= 3 + t[0] % 5  # noqa: E731
-    for max_new, rule in ((10, None), (10, stop), (4, None)):
-        want = [greedy(lm, r, max_new, stop=rule) for r in make()]
-        own = want[0]
-        changed = own[:3] + [(own[3] + 1) % 300] + own[4:] if len(own) > 3 else own
-        for draft in (own, changed, own[:-1], own + own, tokens(12, seed=3).tolist(), []):
-            assert greedy_batch(lm, make(), max_new, stop=rule, draft=draft) == want
-            nofill = [prefill_from(lm, run, "nofill", split=S, tail=T) for run in runs]
-            assert [greedy(lm, r, max_new, stop=rule, draft=draft) for r in nofill] == \
-                [greedy(lm, r, max_new, stop=rule) for r in [prefill_from(lm, run, "nofill", split=S, tail=T) for run in runs]]
-
-    calls = []
-    hook = lm.model.register_forward_hook(lambda *a: calls.append(1))
-    try:
-        own = greedy(lm, runs[0].result(T), 10)
-        calls.clear()
-        assert greedy_batch(lm, [runs[0].result(T)] * 3, 10, draft=own) == [own] * 3
-    finally:
-        hook.remove()
-    assert len(calls) == 1  # the draft's forward; no step
-
-
-def test_slot_cache_extends_and_truncates_like_steps(lm_of):
-    """SlotCache.extend over several tokens gives the logits of as many steps; truncate forgets them, and the
-    steps taken after it are those of a fresh prefill."""
-    lm = lm_of("gemma3_text")
-    ids, nxt = tokens(20, seed=21), tokens(5, seed=22)
-    fresh = lambda: prefill(lm, ids, "nofill", split=2, tail=6).cache  # noqa: E731
-    steps = fresh()
-    want = torch.stack([steps.step(int(t)) for t in nxt])
-    cache = fresh()
-    torch.testing.assert_close(cache.extend(nxt.tolist()), want, atol=1e-5, rtol=1e-5)
-    assert cache.next_position == 25
-    cache.truncate(22)
-    torch.testing.assert_close(torch.stack([cache.step(int(t)) for t in nxt[2:]]), want[2:], atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="cannot truncate to position 19"):
-        cache.truncate(19)
-
-
-@pytest.mark.parametrize("arch", MAIN)
 def test_decoding_cache_continues_like_the_stock_cache(arch, lm_of):
     """decoding_cache (rows written in place, room for one row, so it has to grow) continues a prefill exactly as
     the prefill's own DynamicCache does, and leaves that cache as it was."""

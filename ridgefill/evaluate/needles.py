@@ -319,28 +319,17 @@ def answer_complete(sample: NeedleSample, text: str) -> bool:
     return all(re.search(rf"(?<!\d){re.escape(a)}(?=\D)", text) for a in sample.answers)
 
 
-def decode_and_score(lm, sample: NeedleSample, results: list, draft=None) -> list[bool]:
-    """Greedy decoding from each prefill (PrefillResults of this sample's prompt) scored against the sample
-    (`decode_answers`)."""
-    return [score_answer(sample, lm.tokenizer.decode(t, skip_special_tokens=True))
-            for t in decode_answers(lm, sample, results, draft)]  # fmt: skip
-
-
-def decode_answers(lm, sample: NeedleSample, results: list, draft=None) -> list[list[int]]:
-    """Each prefill's greedy tokens, stopping once its answer is complete. Every prefill checks a draft in one
-    batched forward (`runtime.greedy_batch`), so that a fill arm that answers as the draft does takes no decoding
-    step of its own: `draft`, or else the tokens of the first prefill with a DynamicCache (the exact arm, where there
-    is one), which decodes first. Those that leave the draft decode on together, a SlotCache ("nofill") on its own."""
+def decode_and_score(lm, sample: NeedleSample, results: list) -> list[bool]:
+    """Greedy decoding from each prefill (PrefillResults of this sample's prompt) scored against the sample, each
+    stopping once its answer is complete. Prefills with DynamicCaches decode together in one batch
+    (`runtime.greedy_batch`), a SlotCache ("nofill") on its own."""
     from ridgefill.runtime import SlotCache, greedy, greedy_batch
 
-    stop = lambda toks: answer_complete(sample, lm.tokenizer.decode(toks, skip_special_tokens=True))  # noqa: E731
+    text = lambda toks: lm.tokenizer.decode(toks, skip_special_tokens=True)  # noqa: E731
+    stop = lambda toks: answer_complete(sample, text(toks))  # noqa: E731
     dyn = [i for i, r in enumerate(results) if not isinstance(r.cache, SlotCache)]
-    toks = {}
-    if draft is None and dyn:
-        toks[dyn[0]] = draft = greedy(lm, results[dyn[0]], sample.max_new_tokens, stop=stop)
-    rest = [i for i in dyn if i not in toks]
-    toks |= dict(zip(rest, greedy_batch(lm, [results[i] for i in rest], sample.max_new_tokens, stop=stop, draft=draft)))
+    toks = dict(zip(dyn, greedy_batch(lm, [results[i] for i in dyn], sample.max_new_tokens, stop=stop)))
     for i, r in enumerate(results):
         if i not in toks:
-            toks[i] = greedy(lm, r, sample.max_new_tokens, stop=stop, draft=draft)
-    return [toks[i] for i in range(len(results))]
+            toks[i] = greedy(lm, r, sample.max_new_tokens, stop=stop)
+    return [score_answer(sample, text(toks[i])) for i in range(len(results))]

@@ -32,7 +32,7 @@ RESULT, PLOT, TABLE = "sweep.json", "sweep.png", "sweep.md"
 ARMS = ("ridgefill", "identity")
 DEFAULT_SPLITS = 8  # evenly spaced over the middle half of the layers
 NEEDLE_DEPTHS = 8  # the single-needle samples spread over this many depths of the filled prefix
-DECODE_BATCH = 8  # fill prefills decoded together (4 splits x 2 arms), after the exact arm gives the draft
+DECODE_BATCH = 9  # prefills decoded together (exact + 4 splits x 2 arms): one batched forward per step
 
 
 @dataclass(frozen=True)
@@ -269,7 +269,7 @@ def _needles(lm, cfg: SweepConfig, maps: dict, out: Output, done: Checkpoint) ->
     """{"rows": [{"depth", "seed", "exact": bool, split: {arm: bool}}], "prompt": the first prompt's ids}."""
     import torch
 
-    from ridgefill.evaluate.needles import decode_and_score, decode_answers, score_answer
+    from ridgefill.evaluate.needles import decode_and_score
     from ridgefill.runtime.prefill import exact_run, prefill_from
 
     suite = needle_suite(lm, cfg)
@@ -279,16 +279,18 @@ def _needles(lm, cfg: SweepConfig, maps: dict, out: Output, done: Checkpoint) ->
             if i < len(rows):  # measured before a stop
                 continue
             run = exact_run(lm, torch.tensor(s.prompt_ids), splits=list(maps))
-            draft = decode_answers(lm, s, [run.result(cfg.tail)])[0]  # every fill checks exact's answer first
-            row = {"depth": s.depth, "seed": s.seed, "tokens": len(s.prompt_ids),
-                   "exact": score_answer(s, lm.tokenizer.decode(draft, skip_special_tokens=True))}
-            jobs = [(sp, arm) for sp in maps for arm in ARMS]
-            for at in range(0, len(jobs), DECODE_BATCH):  # DECODE_BATCH prefills at a time, decoded in one batch
+            row = {"depth": s.depth, "seed": s.seed, "tokens": len(s.prompt_ids)}
+            jobs = [(None, "exact")] + [(sp, arm) for sp in maps for arm in ARMS]
+            for at in range(0, len(jobs), DECODE_BATCH):  # decoded DECODE_BATCH prefills at a time, in one batch
                 chunk = jobs[at : at + DECODE_BATCH]
-                res = [prefill_from(lm, run, arm, split=sp, tail=cfg.tail, logits_rows=1,
+                res = [run.result(cfg.tail) if sp is None else
+                       prefill_from(lm, run, arm, split=sp, tail=cfg.tail, logits_rows=1,
                                     maps=maps[sp] if arm == "ridgefill" else None) for sp, arm in chunk]  # fmt: skip
-                for (sp, arm), ok in zip(chunk, decode_and_score(lm, s, res, draft=draft)):
-                    row.setdefault(str(sp), {})[arm] = ok
+                for (sp, arm), ok in zip(chunk, decode_and_score(lm, s, res)):
+                    if sp is None:
+                        row["exact"] = ok
+                    else:
+                        row.setdefault(str(sp), {})[arm] = ok
             done.add("needles", row)
             del run
             hits = sum(r["exact"] for r in rows)
