@@ -40,7 +40,18 @@ def tiny_qwen3(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", arch="qwen3")
 
 
-TINY_FIXTURES = {"llama": "tiny_llama", "gemma3_text": "tiny_gemma3", "qwen2": "tiny_qwen2", "qwen3": "tiny_qwen3"}
+@pytest.fixture(scope="session")
+def tiny_qwen3_next(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3_next", arch="qwen3_next")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3_5", arch="qwen3_5")
+
+
+TINY_FIXTURES = {"llama": "tiny_llama", "gemma3_text": "tiny_gemma3", "qwen2": "tiny_qwen2", "qwen3": "tiny_qwen3",
+                 "qwen3_next": "tiny_qwen3_next", "qwen3_5": "tiny_qwen3_5"}
 _LOADED: dict = {}
 
 

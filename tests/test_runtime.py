@@ -16,7 +16,9 @@ from ridgefill.runtime import (ARMS, OUTLIER_RATIO, SlotCache, ceiling, exact_ru
 from conftest import TINY_FIXTURES
 
 ALL = list(TINY_FIXTURES)
-MAIN = ["llama", "gemma3_text"]  # Gemma's tiny config has sliding_window=8, so a 20-row input slides
+# Gemma's tiny config has sliding_window=8, so a 20-row input slides; the hybrids have Gated DeltaNet layers on
+# both sides of split 2.
+MAIN = ["llama", "gemma3_text", "qwen3_next", "qwen3_5"]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -46,6 +48,23 @@ def random_maps(lm, split, seed=0):
     d = lm.adapter.hidden_size
     return {l: (torch.randn(d, d, generator=g) / d**0.5, torch.randn(d, generator=g))
             for l in range(split, lm.adapter.num_layers)}  # fmt: skip
+
+
+def snapshot(cache):
+    """Copies of every tensor a cache holds: keys and values, or a Gated DeltaNet layer's conv and recurrent states."""
+    out = []
+    for lay in cache.layers:
+        if hasattr(lay, "recurrent_states"):
+            out += [lay.conv_states[0].clone(), lay.recurrent_states[0].clone()]
+        else:
+            out += [lay.keys.clone(), lay.values.clone()]
+    return out
+
+
+def same(a, b, atol=0.0):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=atol, rtol=0)
 
 
 def decode_logits(lm, cache, next_ids):
@@ -117,9 +136,7 @@ def test_identity_maps_equal_identity_arm(arch, lm_of):
     rf = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps)
     idn = prefill(lm, ids, "identity", split=S, tail=T)
     torch.testing.assert_close(rf.logits, idn.logits, atol=1e-6, rtol=0)
-    for a, b in zip(rf.cache.layers, idn.cache.layers):
-        torch.testing.assert_close(a.keys, b.keys, atol=1e-6, rtol=0)
-        torch.testing.assert_close(a.values, b.values, atol=1e-6, rtol=0)
+    same(snapshot(rf.cache), snapshot(idn.cache), atol=1e-6)
     # ... and the fill really changes something: identity is not exact.
     ex = prefill(lm, ids, "exact", split=S, tail=T)
     assert (idn.logits - ex.logits).abs().max() > 1e-3
@@ -252,8 +269,10 @@ def attention_ranking(lm, ids, split, probe):
     eager = copy.deepcopy(lm.model)
     eager.set_attn_implementation("eager")
     with torch.no_grad():
-        att = eager(input_ids=ids[None], output_attentions=True).attentions  # L x [1, heads, N, N]
-    received = sum(att[l][0][:, probe].double().sum(dim=(0, 1)) for l in range(split))
+        att = eager(input_ids=ids[None], output_attentions=True).attentions  # per attention layer [1, heads, N, N]
+    # The hybrids' Gated DeltaNet layers have no attention probabilities: the list holds the attention layers only.
+    att = dict(zip([l for l in range(lm.adapter.num_layers) if not lm.adapter.is_linear(l)], att))
+    received = sum(att[l][0][:, probe].double().sum(dim=(0, 1)) for l in range(split) if l in att)
     return np.argsort(-received.numpy(), kind="stable").tolist()
 
 
@@ -557,9 +576,10 @@ def test_greedy_batch_equals_greedy_on_each(arch, lm_of):
     stop = lambda t: len(t) >= 1 + t[0] % 7  # noqa: E731
     for max_new, rule in ((12, None), (12, stop), (1, None)):
         batch = make()
-        lengths = [lay.keys.shape[-2] for lay in batch[2].cache.layers]
+        before = [snapshot(r.cache) for r in batch]
         got = greedy_batch(lm, batch, max_new, stop=rule)
-        assert [lay.keys.shape[-2] for lay in batch[2].cache.layers] == lengths  # not decoded into
+        for r, was in zip(batch, before):
+            same(snapshot(r.cache), was)  # not decoded into
         want = [greedy(lm, r, max_new, stop=rule) for r in make()]
         assert got == want and all(1 <= len(t) <= max_new for t in got)
         if rule is stop:
@@ -574,8 +594,8 @@ def test_decoding_cache_continues_like_the_stock_cache(arch, lm_of):
 
     lm = lm_of(arch)
     res = prefill(lm, tokens(20, seed=41), "ridgefill", split=2, tail=6, maps=random_maps(lm, 2, seed=6))
-    lengths = [lay.keys.shape[-2] for lay in res.cache.layers]
+    before = snapshot(res.cache)
     nxt = tokens(5, seed=42)
     got = decode_logits(lm, decoding_cache(lm, [res.cache], room=1), nxt)
-    assert [lay.keys.shape[-2] for lay in res.cache.layers] == lengths
+    same(snapshot(res.cache), before)
     torch.testing.assert_close(got, decode_logits(lm, copy.deepcopy(res.cache), nxt), atol=1e-5, rtol=1e-5)

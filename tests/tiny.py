@@ -36,7 +36,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 VOCAB_SIZE = 320  # 256 byte symbols + 6 specials + ~58 merges
-ARCHS = ("llama", "gemma3_text", "qwen2", "qwen3")
+ARCHS = ("llama", "gemma3_text", "qwen2", "qwen3", "qwen3_next", "qwen3_5")
+HYBRIDS = ("qwen3_next", "qwen3_5")  # Gated DeltaNet layers between gated-attention layers
 
 
 def make_tiny_tokenizer():
@@ -66,7 +67,8 @@ def make_tiny_tokenizer():
 
 def tiny_config(arch: str, *, layers: int, hidden: int, vocab_size: int):
     """A small config of `arch`: 4 query heads, 2 KV heads (GQA), head_dim = hidden / 4."""
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3_5Config, Qwen3_5TextConfig,
+                              Qwen3Config, Qwen3NextConfig)
 
     common = dict(
         vocab_size=vocab_size,
@@ -93,6 +95,21 @@ def tiny_config(arch: str, *, layers: int, hidden: int, vocab_size: int):
         # test input actually slides. Local and global RoPE keep Gemma's defaults (1e4 / 1e6), so they differ.
         kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         return Gemma3TextConfig(**common, layer_types=kinds, sliding_window=8, query_pre_attn_scalar=hidden // 4)
+    if arch in HYBRIDS:
+        # Gated DeltaNet and gated-attention layers alternate, so that both kinds sit on each side of split 2;
+        # grouped value heads (4 value heads on 2 key heads) and partial rotary (a quarter of head_dim), as the
+        # real ones have. Qwen3-Next's odd layers get a mixture of experts with a shared expert.
+        kinds = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        hybrid = dict(common, layer_types=kinds, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                      linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+        if arch == "qwen3_next":
+            return Qwen3NextConfig(**hybrid, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
+                                   shared_expert_intermediate_size=hidden // 2, decoder_sparse_step=2)
+        # Qwen3.5 ships as a vision-language checkpoint: the decoder's config is its text_config.
+        text = Qwen3_5TextConfig(**hybrid).to_dict()
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden)
+        return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
     raise ValueError(f"unknown tiny architecture {arch!r} (known: {', '.join(ARCHS)})")
 
 
@@ -105,7 +122,12 @@ def make_tiny_model(dirpath, arch: str = "llama", layers: int = 4, hidden: int =
     tokenizer = make_tiny_tokenizer()
     config = tiny_config(arch, layers=layers, hidden=hidden, vocab_size=len(tokenizer))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen3_5":  # the whole vision-language model, as the Hub has it; ridgefill loads its text part
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        model = Qwen3_5ForConditionalGeneration(config).to(torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Norm weights start at 1 (or 0 for Gemma's 1+w), which would hide a skipped or misplaced norm: jitter them.
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

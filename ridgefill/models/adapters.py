@@ -7,7 +7,8 @@ forward bit for bit (tests/test_models.py checks this with hooks). RoPE is left 
 scores do not need it (docs/method.md#choosing-alpha), and a fill runtime applies it with `rotary` + `apply_rope`.
 
 Supported: llama (and SmolLM2), qwen2 (q/k/v biases, no QK-norm), qwen3 and gemma3_text (QK-norm; Gemma 3 also
-has separate RoPE for sliding and full-attention layers).
+has separate RoPE for sliding and full-attention layers), and the hybrids qwen3_next and qwen3_5's text part
+(Gated DeltaNet layers between gated-attention layers; `Qwen3NextAdapter`).
 
     ad = adapter_for(model)
     k, v = ad.kv(l, x)                         # x [rows, d] -> k, v [rows, kv_heads, head_dim]
@@ -30,7 +31,7 @@ import torch
 
 from ridgefill.errors import BadInput
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 
 
 class Adapter:
@@ -55,6 +56,10 @@ class Adapter:
         self.layer_kinds: list[str] = list(getattr(cfg, "layer_types", None) or [FULL] * self.num_layers)
 
     # -- modules -------------------------------------------------------------------------------------------
+
+    def is_linear(self, l: int) -> bool:
+        """Whether layer l is a Gated DeltaNet layer (a recurrent state, no KV cache): only on the hybrids."""
+        return self.layer_kinds[l] == LINEAR
 
     def attn(self, l: int):
         return self.layers[l].self_attn
@@ -151,12 +156,15 @@ class Adapter:
 
     @staticmethod
     def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate k [rows, heads, head_dim] by (cos, sin) [rows, head_dim], as transformers' apply_rotary_pos_emb
-        does (rotate_half convention: the two halves of head_dim are the pair)."""
-        cos, sin = cos.to(k.device)[:, None, :], sin.to(k.device)[:, None, :]  # [rows, 1, head_dim], over heads
-        half = k.shape[-1] // 2
+        """Rotate k [rows, heads, head_dim] by (cos, sin) [rows, rotary_dim], as transformers' apply_rotary_pos_emb
+        does (rotate_half convention: the two halves of the rotated dims are the pair). With partial rotary
+        (rotary_dim < head_dim, as on the hybrids) only the first rotary_dim dims turn; the rest pass through."""
+        cos, sin = cos.to(k.device)[:, None, :], sin.to(k.device)[:, None, :]  # [rows, 1, rot], over heads
+        rot = cos.shape[-1]
+        k, rest = k[..., :rot], k[..., rot:]
+        half = rot // 2
         rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
-        return k * cos + rotated * sin
+        return torch.cat((k * cos + rotated * sin, rest), dim=-1)
 
 
 class Qwen2Adapter(Adapter):
@@ -183,6 +191,55 @@ class Gemma3Adapter(Adapter):
         return self.base.rotary_emb(x, position_ids, kind)
 
 
+class Qwen3NextAdapter(Adapter):
+    """Qwen3-Next: a hybrid of Gated DeltaNet layers (`linear_attention`, `layers[l].linear_attn`) and gated
+    attention layers (`full_attention`): QK-norm, partial rotary, and an output gate that q_proj computes beside
+    the queries (q_proj's output holds, per head, the query then the gate).
+
+    For a Gated DeltaNet layer there is no KV cache: what the layer keeps from a row is its contribution to the
+    recurrent state, written from the row's input projections. `kv(l, x)` returns, for such a layer, the key and
+    value parts of those projections (before the short convolution): k [rows, linear_key_heads, key_dim], v [rows,
+    linear_value_heads, value_dim]. Solve scores a fill on them as it scores keys and values (docs/hybrid.md)."""
+
+    model_type = "qwen3_next"
+    has_qk_norm = True
+
+    def q(self, l: int, x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            x = x.to(device=self.layer_device(l), dtype=self.dtype)
+            h = self.input_norm(l)(x)
+            both = self.attn(l).q_proj(h).view(*h.shape[:-1], self.num_heads, 2 * self.head_dim)
+            return self.attn(l).q_norm(both[..., : self.head_dim])  # the second half is the output gate
+
+    def kv(self, l: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_linear(l):
+            return super().kv(l, x)
+        with torch.inference_mode():
+            x = x.to(device=self.layer_device(l), dtype=self.dtype)
+            k, v = self._linear_kv(self.layers[l].linear_attn, self.input_norm(l)(x))
+        return k, v.to(k.device)
+
+    @staticmethod
+    def _linear_kv(gdn, h):
+        lead = h.shape[:-1]
+        flat = h.reshape(1, -1, h.shape[-1])  # the projection's reordering wants [batch, rows, d]
+        _, k, v, _, _, _ = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(flat), gdn.in_proj_ba(flat))
+        return k.reshape(*lead, *k.shape[-2:]), v.reshape(*lead, *v.shape[-2:])
+
+
+class Qwen3_5Adapter(Qwen3NextAdapter):
+    """Qwen3.5's text part: the layout of Qwen3-Next with separate input projections in its Gated DeltaNet layers
+    (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) and a dense MLP. Its rotary embedding is multimodal (three
+    position streams); for text the three are equal, which is ordinary partial rotary."""
+
+    model_type = "qwen3_5_text"
+
+    @staticmethod
+    def _linear_kv(gdn, h):
+        _, k, v = torch.split(gdn.in_proj_qkv(h), [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+        return k.unflatten(-1, (-1, gdn.head_k_dim)), v.unflatten(-1, (-1, gdn.head_v_dim))
+
+
 def module_device(module, fallback: torch.device | None = None) -> torch.device | None:
     """Where `module` computes.
 
@@ -202,7 +259,8 @@ def module_device(module, fallback: torch.device | None = None) -> torch.device 
     return fallback
 
 
-ADAPTERS = {cls.model_type: cls for cls in (Adapter, Qwen2Adapter, Qwen3Adapter, Gemma3Adapter)}
+ADAPTERS = {cls.model_type: cls for cls in (Adapter, Qwen2Adapter, Qwen3Adapter, Gemma3Adapter, Qwen3NextAdapter,
+                                            Qwen3_5Adapter)}
 
 
 def adapter_for(model) -> Adapter:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ridgefill.errors import BadInput, RidgefillError
-from ridgefill.models.spec import ModelRef
+from ridgefill.models.spec import LOADED_AS, ModelRef
 
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCE_FILE = "ridgefill-source.json"  # provenance of a dequantized GGUF cache directory
@@ -83,6 +83,19 @@ def check_transformers(version: str | None = None) -> None:
                        f"{'.'.join(map(str, TRANSFORMERS_FLOOR))} (pip install -U 'transformers>=5.24')")
 
 
+def check_architecture(model_type: str, known=None) -> None:
+    """Refuse a model whose architecture the installed transformers does not have (a hybrid such as qwen3_next on
+    a transformers from before it). `known`: the model types transformers has (default: its config mapping)."""
+    if known is None:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES as known
+    missing = sorted({model_type, LOADED_AS.get(model_type, model_type)} - set(known))
+    if missing:
+        import transformers
+
+        raise BadInput(f"transformers {transformers.__version__} has no '{missing[0]}' architecture: "
+                       "pip install -U transformers (a release that has it)")
+
+
 def load_model(
     ref: ModelRef,
     *,
@@ -109,6 +122,7 @@ def load_model(
     from ridgefill.models.device import check_device_map
 
     check_transformers()
+    check_architecture(ref.model_type)
     if dtype not in DTYPES:
         raise BadInput(f"unknown dtype '{dtype}' (choose one of: {', '.join(DTYPES)})")
     device_map, max_memory = check_device_map(device_map, max_memory, device)
@@ -161,7 +175,7 @@ def load_model(
 
 
 def _check_type(config, ref: ModelRef, source) -> None:
-    if config.model_type != ref.model_type:
+    if config.model_type not in (ref.model_type, LOADED_AS.get(ref.model_type)):
         raise RidgefillError(f"{source} loaded as '{config.model_type}', expected '{ref.model_type}'")
 
 

@@ -52,8 +52,13 @@ from pathlib import Path
 from ridgefill.artifacts.store import canonical_json, sha256_file
 from ridgefill.errors import BadInput, RidgefillError
 
-# transformers model_type -> has per-head RMSNorm on q and k (QK-norm).
-SUPPORTED_ARCHS = {"gemma3_text": True, "llama": False, "qwen2": False, "qwen3": True}
+# transformers model_type -> has per-head RMSNorm on q and k (QK-norm). qwen3_next and qwen3_5 are hybrids: Gated
+# DeltaNet layers between gated-attention layers (docs/hybrid.md). A qwen3_5 checkpoint is a vision-language model
+# whose config keeps the decoder's figures in `text_config`; ridgefill loads its text part (`qwen3_5_text`).
+SUPPORTED_ARCHS = {"gemma3_text": True, "llama": False, "qwen2": False, "qwen3": True, "qwen3_5": True,
+                   "qwen3_5_text": True, "qwen3_next": True}
+# model_type as config.json names it -> the model_type of what AutoModelForCausalLM loads from it, where they differ.
+LOADED_AS = {"qwen3_5": "qwen3_5_text"}
 # GGUF `general.architecture` (llama.cpp names) -> transformers model_type.
 GGUF_ARCHS = {"llama": "llama", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -298,6 +303,8 @@ def _read_config(config_path: Path) -> tuple[str, int, int]:
         raise BadInput(f"cannot read {config_path}: {exc}") from exc
     model_type = config.get("model_type")
     _check_arch(model_type)
+    if isinstance(config.get("text_config"), dict):  # a vision-language checkpoint: the decoder is its text part
+        config = config["text_config"]
     try:
         return model_type, int(config["num_hidden_layers"]), int(config["hidden_size"])
     except (KeyError, TypeError, ValueError) as exc:

@@ -26,11 +26,15 @@ class SlotCache:
     layers: per decoder layer a dict with "keys", "values" [kv_heads, n, head_dim] (post-RoPE), "positions"
     [kv_heads, n] int (-1: an empty slot, never attended) and optionally "bias" [kv_heads, n] float32 (added to
     s q.k, as an attention-biased compacted cache has). The "nofill" arm's cache is one (holes are empty slots);
-    so are the compacted caches of `ridgefill.fold`. Each layer's tensors are kept on that layer's device."""
+    so are the compacted caches of `ridgefill.fold`. Each layer's tensors are kept on that layer's device.
+    A Gated DeltaNet layer's entry is None: its conv and recurrent states are in `states`, a transformers cache
+    (updated in place as `step` runs)."""
 
-    def __init__(self, lm, layers: list[dict], next_position: int):
+    def __init__(self, lm, layers: list, next_position: int, states=None):
         ad = lm.adapter
-        self.lm, self.next_position = lm, int(next_position)
+        self.lm, self.next_position, self.states = lm, int(next_position), states
+        if any(d is None for d in layers) and states is None:
+            raise ValueError("a SlotCache with Gated DeltaNet layers needs their states")
 
         def t(x, dtype, dev):  # torch tensors (any device) or numpy arrays
             x = x if isinstance(x, torch.Tensor) else torch.tensor(np.asarray(x))
@@ -38,6 +42,9 @@ class SlotCache:
 
         self.layers = []
         for l, d in enumerate(layers):
+            if d is None:
+                self.layers.append(None)
+                continue
             dev = ad.layer_device(l)
             layer = {"keys": t(d["keys"], ad.dtype, dev)[None], "values": t(d["values"], ad.dtype, dev)[None],
                      "positions": t(d["positions"], torch.long, dev),
@@ -72,6 +79,9 @@ class SlotCache:
             h = ad.base.embed_tokens(torch.tensor([[token]], device=ad.device))
             rope = layers.rope(h, q_pos)
             for l, d in enumerate(self.layers):
+                if d is None:
+                    h = layers.run_linear(l, h, self.states)
+                    continue
                 kv, n = d["positions"].shape
                 d["keys"] = torch.cat([d["keys"], d["keys"].new_zeros(1, kv, 1, ad.head_dim)], dim=2)
                 d["values"] = torch.cat([d["values"], d["values"].new_zeros(1, kv, 1, ad.head_dim)], dim=2)
@@ -137,7 +147,10 @@ def greedy_batch(lm, results: list, max_new: int, stop=None) -> list[list[int]]:
             if keep != live:
                 rows = torch.tensor([live.index(i) for i in keep], device=lm.adapter.device)
                 for layer in cache.layers:
-                    layer.batch_select_indices(rows.to(layer.keys.device))
+                    if hasattr(layer, "recurrent_states"):  # a Gated DeltaNet layer's states
+                        layer.reorder_cache(rows)
+                    else:
+                        layer.batch_select_indices(rows.to(layer.keys.device))
                 live = keep
             ids = torch.tensor([[nxt[i]] for i in live], device=lm.adapter.device)
             o = lm.model(input_ids=ids, cache=cache, use_cache=True)
@@ -150,9 +163,13 @@ def decoding_cache(lm, caches: list, room: int):
     """One DynamicCache to decode from, the given prefill caches (same shapes) stacked along the batch. Full-attention
     layers get room for `room` more rows and write each new row in place: a DynamicLayer concatenates, copying the
     whole cache at every step, which costs more than the step's attention on long prompts. Sliding layers (at most
-    a window of rows) are stacked as they are. The given caches are not modified."""
+    a window of rows) are stacked as they are; Gated DeltaNet layers' states are stacked into new tensors (decoding
+    updates them in place). The given caches are not modified."""
     cache = DynamicCache(config=lm.model.config)
     for l, layer in enumerate(caches[0].layers):
+        if hasattr(layer, "recurrent_states"):
+            cache.layers[l] = _stacked_states([c.layers[l] for c in caches])
+            continue
         keys, values = _stack([c.layers[l].keys for c in caches]), _stack([c.layers[l].values for c in caches])
         if type(layer) is DynamicLayer:
             cache.layers[l] = _Roomy(keys, values, room)
@@ -161,6 +178,20 @@ def decoding_cache(lm, caches: list, room: int):
             merged.keys, merged.values = keys, values
             cache.layers[l] = merged
     return cache
+
+
+def _stacked_states(layers: list):
+    """One linear-attention cache layer holding the given layers' conv / recurrent states stacked along the batch
+    (new tensors, even for one layer)."""
+    merged = copy.copy(layers[0])
+    for name in ("conv_states", "recurrent_states"):
+        first = getattr(layers[0], name)
+        setattr(merged, name, {i: None if t is None else torch.cat([getattr(x, name)[i] for x in layers], dim=0)
+                               for i, t in first.items()})  # fmt: skip
+    for name in ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
+                 "conv_kernel_size"):
+        setattr(merged, name, dict(getattr(layers[0], name)))
+    return merged
 
 
 def _stack(xs: list) -> torch.Tensor:

@@ -5,6 +5,12 @@ model's own rotary embeddings, a mask built here from explicit query and key pos
 sliding-window layers), and a stand-in cache (`Slots`) whose `update` writes the rows being run into their own
 slots and hands the whole buffer back. So the stock attention code (sdpa or eager) runs unchanged, whatever rows
 are run and whatever the other slots hold. `prefill.py` and `cache.py` build on this.
+
+A Gated DeltaNet layer (the hybrids' `linear_attention`) has no slots: it carries a recurrent state and a short
+convolution state from row to row, in order. `run_linear` calls such a layer on consecutive rows with a
+transformers cache that holds those states (they are updated in place); `mix` runs only its token mixer (input
+norm, then the Gated DeltaNet) on rows that need nothing else, and `finish` completes the layer for the rows that
+do (residual, post-mixer norm, MLP or MoE block, residual), as the layer's own forward does after its mixer.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import torch
 
 from ridgefill.errors import BadInput
 
-SLIDING = "sliding_attention"
+SLIDING, LINEAR = "sliding_attention", "linear_attention"
 
 
 class Slots:
@@ -60,6 +66,11 @@ def final_logits(lm, hidden: torch.Tensor) -> torch.Tensor:
     return logits.float()
 
 
+def mlp_output(out):
+    """The hidden state of an MLP or MoE block's output (MoE blocks may return (hidden, router logits))."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 class Layers:
     """Calls the model's own decoder layers on chosen query rows against explicit key/value slot buffers."""
 
@@ -98,3 +109,23 @@ class Layers:
         slots = q_pos if slots is None else slots.to(dev)
         return self.ad.layers[l](h.to(dev), attention_mask=mask, position_embeddings=(cos.to(dev), sin.to(dev)),
                                  position_ids=q_pos[None], cache=Slots(keys, values, slots))  # fmt: skip
+
+    def run_linear(self, l, h, states):
+        """Gated DeltaNet layer `l` on consecutive rows h [1, Q, d] that follow the rows `states` (a transformers
+        cache holding layer l's conv and recurrent states; empty: h starts the sequence) has seen; updates them."""
+        layer = self.ad.layers[l]
+        dev = self.ad.layer_device(l)
+        return layer(h.to(dev), position_embeddings=None, attention_mask=None, cache=states)
+
+    def mix(self, l, h, states):
+        """Layer l's token mixer alone (input norm -> Gated DeltaNet) on consecutive rows h [1, Q, d]; updates
+        `states` as `run_linear` does. Returns the mixer's output [1, Q, d] (what `finish` adds to the residual)."""
+        layer = self.ad.layers[l]
+        dev = self.ad.layer_device(l)
+        return layer.linear_attn(layer.input_layernorm(h.to(dev)), cache=states, attention_mask=None)
+
+    def finish(self, l, h, mixed):
+        """The rest of layer l for rows h [1, Q, d] (its input) whose mixer output is `mixed` [1, Q, d]."""
+        layer = self.ad.layers[l]
+        h = h.to(mixed.device) + mixed
+        return h + mlp_output(layer.mlp(layer.post_attention_layernorm(h)))

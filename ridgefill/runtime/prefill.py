@@ -55,7 +55,7 @@ import torch
 
 from ridgefill.errors import BadInput
 from ridgefill.runtime.cache import SlotCache
-from ridgefill.runtime.layers import SLIDING, Layers, final_logits
+from ridgefill.runtime.layers import LINEAR, SLIDING, Layers, final_logits
 from ridgefill.runtime.maps import maps_on_devices
 
 ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
@@ -123,8 +123,9 @@ def _check(lm, n: int, arm: str, split: int, tail: int, maps, exact_rows) -> lis
     if getattr(lm.adapter.config, "use_bidirectional_attention", False):
         raise BadInput("the fill runtime needs causal attention (this model uses bidirectional attention)")
     kinds = set(lm.adapter.layer_kinds)
-    if not kinds <= {"full_attention", SLIDING}:
-        raise BadInput(f"the fill runtime supports attention layers only (this model has {sorted(kinds)})")
+    if not kinds <= {"full_attention", SLIDING, LINEAR}:
+        raise BadInput(f"the fill runtime supports attention and Gated DeltaNet layers only (this model has "
+                       f"{sorted(kinds)})")
     return rows
 
 
@@ -286,19 +287,24 @@ def prefill_from(
         layers = Layers(lm)
         h = run.states[split]
         rope = layers.rope(h[None], torch.arange(n, device=ad.device))
-        logits, late = _late(lm, layers, h, rope, arm, split, tail, maps, rows, keep)
+        # The early layers' cache, copied; the late Gated DeltaNet layers write their states into it as they run.
+        cache = _cache_copy(run.cache, split, lm.model.config)
+        logits, late = _late(lm, layers, h, rope, arm, split, tail, maps, rows, keep, cache)
         if arm == "nofill":
             early = []
             for l in range(split):
+                if ad.is_linear(l):
+                    early.append(None)
+                    continue
                 k, v = run.cache.layers[l].keys[0], run.cache.layers[l].values[0]  # a sliding layer: its last rows
                 pos = torch.arange(n - k.shape[1], n, device=k.device).expand(ad.num_kv_heads, -1)
                 early.append({"keys": k, "values": v, "positions": pos})
             all_pos = torch.arange(n, device=ad.device)
-            cache = SlotCache(lm, early + _late_slots(ad, late, all_pos), n)
+            cache = SlotCache(lm, early + _late_slots(ad, late, all_pos), n, states=cache)
         else:
-            cache = _cache_copy(run.cache, split, lm.model.config)
-            for l, (keys, values, _) in enumerate(late, start=split):
-                cache.update(keys, values, l)
+            for l, entry in enumerate(late, start=split):
+                if entry is not None:
+                    cache.update(entry[0], entry[1], l)
     _sync()
     return PrefillResult(logits=logits, cache=cache, seconds=time.perf_counter() - start, arm=arm, split=split,
                          tail=tail, num_rows=n, exact_rows=rows)
@@ -306,8 +312,9 @@ def prefill_from(
 
 def _cache_copy(cache, layers: int, config=None):
     """A cache whose first `layers` layers are copies of `cache`'s: the rest are `cache`'s own layers, or, given
-    the model `config`, fresh empty ones. Decoding replaces a layer's tensors (it concatenates), so the tensors
-    shared with `cache` are never written."""
+    the model `config`, fresh empty ones. Decoding replaces an attention layer's tensors (it concatenates), so the
+    tensors shared with `cache` are never written; a Gated DeltaNet layer's states are updated in place, so they
+    are cloned (they are small: no rows)."""
     import copy
 
     from transformers import DynamicCache
@@ -318,7 +325,21 @@ def _cache_copy(cache, layers: int, config=None):
     else:
         new = DynamicCache(config=config)
     for l in range(layers):
-        new.layers[l] = copy.copy(cache.layers[l])
+        new.layers[l] = copy_layer(cache.layers[l])
+    return new
+
+
+def copy_layer(layer):
+    """A copy of one cache layer that decoding from it cannot change: attention layers share their tensors (they
+    are replaced, never written), a linear-attention layer's conv / recurrent states are cloned."""
+    import copy
+
+    new = copy.copy(layer)
+    if hasattr(layer, "recurrent_states"):
+        for name in ("conv_states", "recurrent_states", "is_conv_states_initialized",
+                     "is_recurrent_states_initialized", "has_previous_state", "conv_kernel_size"):
+            states = getattr(layer, name)
+            setattr(new, name, {i: t.clone() if isinstance(t, torch.Tensor) else t for i, t in states.items()})
     return new
 
 
@@ -351,6 +372,7 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select, keep, outliers):
 
     model, ad = lm.model, lm.adapter
     layers = Layers(lm)
+    cache = DynamicCache(config=model.config)  # Gated DeltaNet layers update their states here as they run
     # Positions, masks and row indices live on the input device and move to each layer's device (with a device
     # map every layer may sit on another one); each layer's key/value slots are made on its own device.
     device = ad.device
@@ -365,6 +387,10 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select, keep, outliers):
     # Early layers: every row, exactly.
     every = torch.ones(n, dtype=torch.bool, device=device)
     for l in range(split):
+        if ad.is_linear(l):
+            hidden = layers.run_linear(l, hidden, cache)
+            early.append(None)
+            continue
         keys, values = _new_slots(ad, l, n), _new_slots(ad, l, n)
         layer_in = hidden
         hidden = layers.run(l, hidden, all_pos, rope, keys, values, every, every_row=True)
@@ -376,13 +402,14 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select, keep, outliers):
         order = torch.argsort(-received[:prefix], stable=True)  # ties: earlier position first
         rows = sorted(set(rows) | set(order[: min(select[0], prefix)].tolist()))
     rows = _with_outliers(rows, hidden[0], prefix, outliers)
-    logits, late = _late(lm, layers, hidden[0], rope, arm, split, tail, maps, rows, keep)
+    logits, late = _late(lm, layers, hidden[0], rope, arm, split, tail, maps, rows, keep, cache)
     if arm == "nofill":
-        slots = [{"keys": k[0], "values": v[0], "positions": all_pos.expand(ad.num_kv_heads, n)} for k, v in early]
-        return logits, SlotCache(lm, slots + _late_slots(ad, late, all_pos), n), rows
-    cache = DynamicCache(config=model.config)
-    for l, (keys, values) in enumerate(early + [(k, v) for k, v, _ in late]):
-        cache.update(keys, values, l)  # sliding layers keep their last window - 1 rows, as in a stock prefill
+        slots = [None if e is None else {"keys": e[0][0], "values": e[1][0],
+                                         "positions": all_pos.expand(ad.num_kv_heads, n)} for e in early]
+        return logits, SlotCache(lm, slots + _late_slots(ad, late, all_pos), n, states=cache), rows
+    for l, entry in enumerate(early + late):
+        if entry is not None:  # sliding layers keep their last window - 1 rows, as in a stock prefill
+            cache.update(entry[0], entry[1], l)
     return logits, cache, rows
 
 
@@ -392,16 +419,19 @@ def _new_slots(ad, l: int, n: int) -> torch.Tensor:
 
 
 def _late_slots(ad, late, all_pos) -> list[dict]:
-    """SlotCache layers of the late layers (the "nofill" arm's holes are empty slots, position -1)."""
+    """SlotCache layers of the late layers (the "nofill" arm's holes are empty slots, position -1; a Gated
+    DeltaNet layer, None, keeps its states in the SlotCache's `states`)."""
     n = all_pos.shape[0]
-    return [{"keys": k[0], "values": v[0], "positions": torch.where(ok, all_pos, -1).expand(ad.num_kv_heads, n)}
-            for k, v, ok in late]  # fmt: skip
+    return [None if e is None else
+            {"keys": e[0][0], "values": e[1][0], "positions": torch.where(e[2], all_pos, -1).expand(ad.num_kv_heads, n)}
+            for e in late]  # fmt: skip
 
 
-def _late(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep):
+def _late(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep, states):
     """Late layers from the split state h_split [N, d]: the query rows (exact rows + tail) run every layer; the
-    filled rows only write keys/values. Returns the last `keep` rows' logits and, per late layer, (keys, values,
-    valid slots)."""
+    filled rows only write keys/values (attention) or their state updates (Gated DeltaNet, into `states`, a
+    transformers cache). Returns the last `keep` rows' logits and, per late layer, (keys, values, valid slots),
+    or None for a Gated DeltaNet layer."""
     ad = lm.adapter
     device, dtype = ad.device, ad.dtype
     n, L = int(h_split.shape[0]), ad.num_layers
@@ -423,6 +453,11 @@ def _late(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep):
     late = []
     for l in range(split, L):
         dev = ad.layer_device(l)
+        if ad.is_linear(l):
+            x = _predicted(arm, maps, l, x_split, fill_pos, dev)
+            hq = _late_linear(layers, l, hq, x, fill_pos, rows, prefix, states)
+            late.append(None)
+            continue
         keys, values = _new_slots(ad, l, n), _new_slots(ad, l, n)
         kv_valid = torch.zeros(n, dtype=torch.bool, device=device)
         kv_valid[q_pos] = True
@@ -431,12 +466,7 @@ def _late(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep):
         if kind == SLIDING and layers.window:
             pos = fill_pos_sliding  # the other rows are outside every query's window
         if pos.numel():
-            x = x_split[pos.to(x_split.device)].to(dev)  # [F, d] float32, on the layer's device
-            if arm.startswith("ridgefill"):
-                W, b = maps[l]
-                W = torch.as_tensor(W, dtype=torch.float32, device=dev)  # in place already (maps_on_devices)
-                b = torch.as_tensor(b, dtype=torch.float32, device=dev)
-                x = x @ W.T + b
+            x = _predicted(arm, maps, l, x_split, pos, dev)
             k, v = ad.kv(l, x)  # [F, kv_heads, head_dim], before RoPE, on the layer's device
             cos, sin = rope[kind]
             at = pos.to(cos.device)
@@ -448,3 +478,39 @@ def _late(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep):
         hq = layers.run(l, hq, q_pos, q_rope, keys, values, kv_valid)
         late.append((keys, values, kv_valid))
     return final_logits(lm, hq[0, -keep:]), late
+
+
+def _predicted(arm, maps, l, x_split, pos, dev):
+    """The filled rows' input to late layer l: W_l h_S + b_l ("ridgefill"), or h_S ("identity"), for the rows at
+    `pos` of x_split [N, d] float32: [F, d] float32 on `dev`."""
+    x = x_split[pos.to(x_split.device)].to(dev)
+    if arm.startswith("ridgefill"):
+        W, b = maps[l]
+        W = torch.as_tensor(W, dtype=torch.float32, device=dev)  # in place already (maps_on_devices)
+        b = torch.as_tensor(b, dtype=torch.float32, device=dev)
+        x = x @ W.T + b
+    return x
+
+
+def _late_linear(layers, l, hq, x_fill, fill_pos, rows, prefix, states):
+    """A late Gated DeltaNet layer. Its state runs over the prefix in order, every row in its own place: a filled
+    row contributes from its predicted input x_fill [F, d] (at fill_pos), an exact row from its true input (hq's
+    first len(rows) rows); in "nofill" (no fill_pos) only the exact rows contribute. The tail then continues from
+    that state. Only the query rows (hq [1, Q, d]: the exact rows, then the tail) get the rest of the layer;
+    returns their output [1, Q, d]."""
+    ad = layers.ad
+    dev = ad.layer_device(l)
+    hq = hq.to(dev)
+    r = len(rows)
+    at = torch.tensor(rows, dtype=torch.long, device=dev)
+    if fill_pos.numel():
+        x = hq.new_empty((1, prefix, hq.shape[-1]))
+        x[0, fill_pos.to(dev)] = x_fill.to(hq.dtype)
+        x[0, at] = hq[0, :r]
+    else:
+        x, at = hq[:, :r], torch.arange(r, device=dev)
+    parts = []
+    if x.shape[1]:
+        parts.append(layers.mix(l, x, states)[:, at])
+    parts.append(layers.mix(l, hq[:, r:], states))
+    return layers.finish(l, hq, torch.cat(parts, dim=1))
