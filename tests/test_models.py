@@ -21,10 +21,11 @@ from ridgefill.errors import BadInput
 from ridgefill.models import adapter_for, load_model, resolve_model
 from ridgefill.models import spec as spec_mod
 from ridgefill.models.spec import ModelRef, read_gguf_header
-from tiny import ARCHS, make_tiny_gguf, make_tiny_model
+from tiny import ARCHS, HYBRIDS, make_tiny_gguf, make_tiny_model
 
-FIXTURES = {"llama": "tiny_llama", "gemma3_text": "tiny_gemma3", "qwen2": "tiny_qwen2", "qwen3": "tiny_qwen3"}
-QK_NORM = {"llama": False, "gemma3_text": True, "qwen2": False, "qwen3": True}
+FIXTURES = {"llama": "tiny_llama", "gemma3_text": "tiny_gemma3", "qwen2": "tiny_qwen2", "qwen3": "tiny_qwen3",
+            "qwen3_next": "tiny_qwen3_next", "qwen3_5": "tiny_qwen3_5"}
+QK_NORM = {"llama": False, "gemma3_text": True, "qwen2": False, "qwen3": True, "qwen3_next": True, "qwen3_5": True}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -445,13 +446,14 @@ def test_refuses_unknown_architecture(tiny_llama, tmp_path):
     copy = shutil.copytree(tiny_llama, tmp_path / "copy")
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps(dict(config, model_type="foo")))
-    expected = "unknown architecture 'foo' (supported: gemma3_text, llama, qwen2, qwen3)"
+    expected = ("unknown architecture 'foo' (supported: gemma3_text, llama, qwen2, qwen3, qwen3_5, qwen3_5_text, "
+                "qwen3_next)")
     assert refuse(str(copy), tmp_path) == expected
     assert refuse(str(make_tiny_gguf(tmp_path / "foo.gguf", arch="foo")), tmp_path) == expected
 
 
 def test_adapter_refuses_unknown_architecture():
-    expected = r"^unknown architecture 'gpt2' \(supported: gemma3_text, llama, qwen2, qwen3\)$"
+    expected = r"^unknown architecture 'gpt2' \(supported: gemma3_text, llama, qwen2, qwen3, qwen3_5_text, qwen3_next\)$"
     with pytest.raises(BadInput, match=expected):
         adapter_for(SimpleNamespace(config=SimpleNamespace(model_type="gpt2")))
 
@@ -475,8 +477,9 @@ def record_forward(model, ids):
     """Run a normal forward with hooks on every layer's q/k/v projections and norms; return (outputs, records)."""
     records, handles = {}, []
     for l, layer in enumerate(model.model.layers):
-        for name in ("q_proj", "q_norm", "k_proj", "v_proj", "k_norm"):
-            module = getattr(layer.self_attn, name, None)
+        mixer = getattr(layer, "self_attn", None) or layer.linear_attn  # a hybrid's Gated DeltaNet layer: linear_attn
+        for name in ("q_proj", "q_norm", "k_proj", "v_proj", "k_norm", "in_proj_qkvz", "in_proj_qkv"):
+            module = getattr(mixer, name, None)
             if module is not None:
                 hook = lambda mod, inp, out, key=(l, name): records.__setitem__(key, out.detach().clone())  # noqa: E731
                 handles.append(module.register_forward_hook(hook))
@@ -495,6 +498,9 @@ def check_kv_against_forward(model, ad, seq: int = 20, seed: int = 0):
     cache = out.cache  # DynamicCache; `past_key_values` is the deprecated name
     for l in range(ad.num_layers):
         x = out.hidden_states[l][0].float()  # [seq, d]: the input of layer l
+        if ad.is_linear(l):
+            check_linear_kv(model.config, l, ad.kv(l, x), rec)
+            continue
         k, v = ad.kv(l, x)  # [seq, kv_heads, head_dim]
         assert k.shape == v.shape == (seq, ad.num_kv_heads, ad.head_dim)
         heads = (seq, ad.num_kv_heads, ad.head_dim)
@@ -521,6 +527,25 @@ def check_kv_against_forward(model, ad, seq: int = 20, seed: int = 0):
         tol = 1e-6 if k.dtype == torch.float32 else 1e-2
         torch.testing.assert_close(k_rot[seq - n :], cached_k, rtol=0, atol=tol)
         torch.testing.assert_close(v[seq - n :], cached_v, rtol=0, atol=tol)
+
+
+def check_linear_kv(config, l, kv, rec):
+    """A Gated DeltaNet layer's kv: the key and value parts of its input projection, per head, from the forward."""
+    cfg = config.get_text_config()
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)  # fmt: skip
+    if (l, "in_proj_qkv") in rec:  # Qwen3.5: [all queries | all keys | all values]
+        proj = rec[l, "in_proj_qkv"][0]
+        ref_k = proj[:, hk * dk : 2 * hk * dk].unflatten(-1, (hk, dk))
+        ref_v = proj[:, 2 * hk * dk :].unflatten(-1, (hv, dv))
+    else:  # Qwen3-Next: per key head [query | key | its value heads' values | their gates]
+        group = rec[l, "in_proj_qkvz"][0].unflatten(-1, (hk, -1))  # [seq, hk, 2 dk + 2 (hv/hk) dv]
+        r = hv // hk
+        ref_k = group[..., dk : 2 * dk]
+        ref_v = group[..., 2 * dk : 2 * dk + r * dv].reshape(-1, hv, dv)
+    k, v = kv
+    torch.testing.assert_close(k, ref_k, rtol=0, atol=1e-6)
+    torch.testing.assert_close(v, ref_v, rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -552,6 +577,15 @@ def test_adapter_shapes_and_modules(arch, tiny_models):
     assert (ad.num_layers, ad.hidden_size, ad.num_heads, ad.num_kv_heads, ad.head_dim) == (4, 64, 4, 2, 16)
     assert ad.has_qk_norm is QK_NORM[arch]
     assert ad.base is model.model and ad.layers is model.model.layers
+    if arch in HYBRIDS:
+        assert ad.layer_kinds == ["linear_attention", "full_attention"] * 2
+        assert [ad.is_linear(l) for l in range(4)] == [True, False, True, False]
+        cos, sin = ad.rotary(torch.arange(3))
+        assert cos.shape == sin.shape == (3, 4)  # partial rotary: a quarter of head_dim turns
+        k = torch.randn(3, 2, 16)
+        turned = ad.apply_rope(k, cos, sin)
+        assert torch.equal(turned[..., 4:], k[..., 4:]) and not torch.allclose(turned[1, :, :4], k[1, :, :4])
+        return
     for l in range(4):
         assert ad.k_proj(l) is model.model.layers[l].self_attn.k_proj
         assert ad.input_norm(l) is model.model.layers[l].input_layernorm

@@ -212,6 +212,9 @@ def capture(lm, ids, *, query_rows: Sequence[int] | None = None, keys: bool = Fa
     import torch
 
     ad = lm.adapter
+    if any(ad.is_linear(l) for l in range(ad.num_layers)):
+        raise BadInput("compact and fold handle attention-only models; this one has Gated DeltaNet layers, whose "
+                       "recurrent state has no rows to compact")
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
     rows = None if query_rows is None else torch.as_tensor(np.asarray(query_rows, dtype=np.int64))
     if rows is not None and rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < ids.numel()):
