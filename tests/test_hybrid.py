@@ -1,0 +1,170 @@
+"""Hybrid models (Gated DeltaNet layers between gated-attention layers): the whole chain on the tiny random
+qwen3_next and qwen3_5 models through the CLI, solve's Gated DeltaNet score against a brute-force float64
+computation from the raw weights, the filled layer's state against the stock layer run on the predicted inputs,
+and the refusals. The runtime's arms are checked against the stock forward and `generate` in test_runtime.py."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ridgefill.artifacts import Store
+from ridgefill.capture.run import load_heldout
+from ridgefill.errors import BadInput
+from ridgefill.models.load import check_architecture
+from ridgefill.runtime import prefill
+from clirun import cli
+from tiny import HYBRIDS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TEXTS = [f"document {i}: " + "the cat sat on the mat and looked around. import os; print(x) " * (9 + i) for i in range(6)]
+EVAL = ["--tail", "48", "--scored", "16", "--doc-tokens", "128", "--lengths", "600", "--documents", "2",
+        "--samples", "1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def chain(request, tmp_path_factory):
+    """capture -> solve -> quantize -> export -> verify -> eval on one tiny hybrid, through the CLI."""
+    arch = request.param
+    model = request.getfixturevalue({"qwen3_next": "tiny_qwen3_next", "qwen3_5": "tiny_qwen3_5"}[arch])
+    tmp = tmp_path_factory.mktemp(f"hybrid-{arch}")
+    data = tmp / "data"
+    data.mkdir()
+    for i, t in enumerate(TEXTS):
+        (data / f"d{i}.txt").write_text(t)
+    store = tmp / "store"
+    ids = {}
+    for stage, args in (("capture", [model, "--data", data, "--split", "2", "--chunk", "64", "--held-out", "2"]),
+                        ("solve", None), ("quantize", None)):  # fmt: skip
+        r = cli(stage, *(args or [ids[prev]]), "--store", store, "--json")
+        assert r.returncode == 0, r.stderr
+        ids[stage], prev = json.loads(r.stdout)["id"], stage
+    rel = tmp / "release"
+    r = cli("export", ids["quantize"], "--out", rel, "--store", store)
+    assert r.returncode == 0, r.stderr
+    return {"arch": arch, "model": model, "store": store, "ids": ids, "release": rel}
+
+
+def _rms(x, w, eps):
+    """The hybrids' RMSNorm, (1 + w) scaled, in float64."""
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * (1 + w)
+
+
+def _gdn_kv_brute(model, l, x):
+    """Key and value parts of Gated DeltaNet layer l's input projection, per head, from the raw weights (float64)."""
+    layer = model.model.layers[l]
+    gdn, cfg = layer.linear_attn, model.config
+    norm = layer.input_layernorm
+    xn = _rms(x, norm.weight.double().numpy(), norm.eps)
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)  # fmt: skip
+    if hasattr(gdn, "in_proj_qkv"):  # Qwen3.5: [queries | keys | values]
+        p = xn @ gdn.in_proj_qkv.weight.double().numpy().T
+        return p[:, hk * dk : 2 * hk * dk].reshape(-1, hk, dk), p[:, 2 * hk * dk :].reshape(-1, hv, dv)
+    p = (xn @ gdn.in_proj_qkvz.weight.double().numpy().T).reshape(len(x), hk, -1)  # per key head: q k v.. z..
+    r = hv // hk
+    return p[..., dk : 2 * dk], p[..., 2 * dk : 2 * dk + r * dv].reshape(-1, hv, dv)
+
+
+def _attn_kv_brute(model, l, x):
+    layer = model.model.layers[l]
+    attn, norm, hd = layer.self_attn, layer.input_layernorm, model.config.head_dim
+    xn = _rms(x, norm.weight.double().numpy(), norm.eps)
+    k = (xn @ attn.k_proj.weight.double().numpy().T).reshape(len(x), -1, hd)
+    k = _rms(k, attn.k_norm.weight.double().numpy(), attn.k_norm.eps)
+    return k, (xn @ attn.v_proj.weight.double().numpy().T).reshape(len(x), -1, hd)
+
+
+def _cos(a, b):
+    return ((a * b).sum(-1) / np.sqrt((a * a).sum(-1) * (b * b).sum(-1))).mean()
+
+
+def test_solve_scores_gated_deltanet_layers_by_their_projections(chain):
+    """Solve's held-out score of a Gated DeltaNet layer is the cosine of its key and value input projections from
+    the predicted and the true input; an attention layer keeps keys and values (brute force, float64)."""
+    from transformers import AutoModelForCausalLM
+
+    from ridgefill.artifacts import tensors
+
+    store = Store(chain["store"])
+    sol = store.get(chain["ids"]["solve"], stage="solve")
+    rep = json.loads(sol.file("report.json").read_text())
+    held = load_heldout(store.get(chain["ids"]["capture"], stage="capture"))
+    model = AutoModelForCausalLM.from_pretrained(chain["model"], dtype=torch.float32).requires_grad_(False)
+    maps = tensors.load(sol.file("maps.safetensors"))[0]
+    x = held["hidden.2"].astype(np.float64)
+    for l, brute in ((2, _gdn_kv_brute), (3, _attn_kv_brute)):
+        y = held[f"hidden.{l}"].astype(np.float64)
+        y_hat = x @ maps[f"layer.{l}.weight"].astype(np.float64).T + maps[f"layer.{l}.bias"]
+        (kp, vp), (kt, vt) = brute(model, l, y_hat), brute(model, l, y)
+        got = rep["fitted"]["layers"][str(l)]
+        assert got["k_cosine"] == pytest.approx(_cos(kp, kt), abs=2e-5)
+        assert got["v_cosine"] == pytest.approx(_cos(vp, vt), abs=2e-5)
+
+
+def test_release_and_eval(chain):
+    rel = chain["release"]
+    man = json.loads((rel / "ridgefill.json").read_text())
+    assert man["model"]["architecture"] == chain["arch"]
+    assert man["layers"] == [{"index": 2, "kind": "linear_attention"}, {"index": 3, "kind": "full_attention"}]
+    assert cli("verify", rel).returncode == 0
+    r = cli("eval", chain["model"], rel, *EVAL, "--store", chain["store"], "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["summary"]
+    assert set(s["arms"]) == {"exact", "ridgefill", "identity", "nofill"}
+    for arm in ("ridgefill", "identity", "nofill"):
+        assert s["arms"][arm]["kl"] >= 0 and 0 <= s["arms"][arm]["needle"] <= 100
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_filled_state_is_the_stock_layer_run_on_the_predicted_inputs(arch, lm_of):
+    """A filled Gated DeltaNet layer's recurrent and conv states after the prompt are what the stock layer leaves
+    when it runs on the prompt with the filled rows' inputs replaced by their predictions and the exact rows' (row 0
+    and the tail) kept: checked by running the stock model's layers one by one on exactly those inputs."""
+    from transformers import DynamicCache
+
+    lm = lm_of(arch)
+    ad = lm.adapter
+    ids, S, T, n = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(7)), 2, 6, 24
+    g = torch.Generator().manual_seed(8)
+    d = ad.hidden_size
+    maps = {l: (torch.randn(d, d, generator=g) / d**0.5, torch.randn(d, generator=g)) for l in range(S, 4)}
+    res = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, outliers=0)
+    assert res.exact_rows == [0]
+    with torch.no_grad():
+        hs = lm.model(input_ids=ids[None], output_hidden_states=True).hidden_states
+        h_s = hs[S][0]
+        # Layer 2 (Gated DeltaNet): the prefix rows but row 0 take W h_S + b; row 0 and the tail their true input.
+        x = hs[2][0].clone()
+        W, b = maps[2]
+        x[1 : n - T] = h_s[1 : n - T] @ W.T + b
+        ref = DynamicCache(config=lm.model.config)
+        ad.layers[2](x[None], position_embeddings=None, attention_mask=None, cache=ref)
+    for name in ("conv_states", "recurrent_states"):
+        torch.testing.assert_close(getattr(res.cache.layers[2], name)[0], getattr(ref.layers[2], name)[0],
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+    # The early Gated DeltaNet layer (0) holds the stock forward's states.
+    with torch.no_grad():
+        stock = lm.model(input_ids=ids[None], use_cache=True).cache
+    torch.testing.assert_close(res.cache.layers[0].recurrent_states[0], stock.layers[0].recurrent_states[0],
+                               atol=1e-6, rtol=1e-6)  # fmt: skip
+
+
+def test_hybrid_refusals(lm_of, tmp_path):
+    with pytest.raises(BadInput, match=r"^transformers .* has no 'qwen3_next' architecture: pip install -U"):
+        check_architecture("qwen3_next", known={"llama", "qwen3"})
+    with pytest.raises(BadInput, match=r"has no 'qwen3_5_text' architecture"):
+        check_architecture("qwen3_5", known={"qwen3_5"})  # the config's type, but not its text part
+    check_architecture("qwen3_5", known={"qwen3_5", "qwen3_5_text"})
+    from ridgefill.fold.queries import context_cache
+
+    with pytest.raises(BadInput, match="^compact and fold handle attention-only models; this one has Gated DeltaNet"):
+        context_cache(lm_of("qwen3_next"), torch.arange(3, 20))
+
+
+def test_qwen3_5_loads_its_text_part(lm_of):
+    lm = lm_of("qwen3_5")
+    assert lm.ref.model_type == "qwen3_5" and lm.model.config.model_type == "qwen3_5_text"
+    assert (lm.ref.num_layers, lm.ref.hidden_size) == (4, 64)  # read from config.json's text_config
+    assert type(lm.adapter).__name__ == "Qwen3_5Adapter"
