@@ -219,6 +219,21 @@ class Qwen3NextAdapter(Adapter):
             k, v = self._linear_kv(self.layers[l].linear_attn, self.input_norm(l)(x))
         return k, v.to(k.device)
 
+    def linear_log_gates(self, l: int, x: torch.Tensor) -> torch.Tensor:
+        """The log decay g [rows, value heads] (float32, <= 0) Gated DeltaNet layer l applies to its state as each
+        row of x [rows, d] (its input, before the input norm) arrives: g = -exp(A_log) softplus(a + dt_bias)."""
+        gdn = self.layers[l].linear_attn
+        with torch.inference_mode():
+            x = x.to(device=self.layer_device(l), dtype=self.dtype)
+            a = self._linear_a(gdn, self.input_norm(l)(x))
+            return -gdn.A_log.float().exp() * torch.nn.functional.softplus(a.float() + gdn.dt_bias)
+
+    @staticmethod
+    def _linear_a(gdn, h):
+        # in_proj_ba holds, per key head, its value heads' b then their a
+        ba = gdn.in_proj_ba(h).unflatten(-1, (gdn.num_k_heads, -1))  # [rows, key heads, 2 * value heads per key head]
+        return ba[..., ba.shape[-1] // 2 :].reshape(*h.shape[:-1], gdn.num_v_heads)
+
     @staticmethod
     def _linear_kv(gdn, h):
         lead = h.shape[:-1]
@@ -233,6 +248,10 @@ class Qwen3_5Adapter(Qwen3NextAdapter):
     position streams); for text the three are equal, which is ordinary partial rotary."""
 
     model_type = "qwen3_5_text"
+
+    @staticmethod
+    def _linear_a(gdn, h):
+        return gdn.in_proj_a(h)
 
     @staticmethod
     def _linear_kv(gdn, h):

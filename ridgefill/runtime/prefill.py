@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from ridgefill.errors import BadInput
+from ridgefill.runtime import corrections as fixes
 from ridgefill.runtime.cache import SlotCache
 from ridgefill.runtime.layers import LINEAR, SLIDING, Layers, final_logits
 from ridgefill.runtime.maps import maps_on_devices
@@ -143,17 +144,24 @@ def prefill(
     anchor: int = ANCHOR_ROWS,
     logits_rows: int | None = None,
     outliers: float = OUTLIER_RATIO,
+    corrections=(),
+    state_offsets: dict | None = None,
+    correction_rows: int = fixes.CORRECTION_ROWS,
 ) -> PrefillResult:
     """Prefill `input_ids` [N] (one sequence) with `arm`; see the module docstring.
 
     `row_share` and `probe` (prompt positions; default the last 64) only matter for "ridgefill+rows". `anchor`:
     how many first prompt rows run every layer in the fill arms (0 fills the sink too, for comparison only).
     `outliers`: prefix rows whose split state exceeds this many times the prefix's median norm run every layer
-    too (0: none). `logits_rows`: how many last rows get logits (default `tail`; 1 is enough to decode)."""
+    too (0: none). `logits_rows`: how many last rows get logits (default `tail`; 1 is enough to decode).
+    `corrections`: any of "vscale", "kscale", "kshift" (measured on the first `correction_rows` tail rows) and
+    "state" (with `state_offsets` {layer: [value heads, key dim, value dim]}), for the fill arms
+    (ridgefill.runtime.corrections)."""
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     n = int(ids.shape[0])
     _check_rows_rules(anchor, outliers)
     rows = _check(lm, n, arm, split, tail, maps, exact_rows)
+    fix = _fix(lm, arm, split, corrections, state_offsets, correction_rows)
     keep = _logits_rows(logits_rows, tail)
     if arm != "exact":
         rows = sorted(set(rows) | set(range(min(anchor, n - tail))))
@@ -176,11 +184,36 @@ def prefill(
             logits = out.logits[0, -keep:].float()
             cache = getattr(out, "cache", None)  # 5.x name; `past_key_values` is a deprecated alias
         else:
-            logits, cache, rows = _fill(lm, ids, arm, split, tail, maps, rows, select, keep, outliers)
+            logits, cache, rows = _fill(lm, ids, arm, split, tail, maps, rows, select, keep, outliers, fix)
     _sync()  # a GPU runs asynchronously: the clock stops when its work is done
     seconds = time.perf_counter() - start
     return PrefillResult(logits=logits, cache=cache, seconds=seconds, arm=arm, split=split, tail=tail,
                          num_rows=n, exact_rows=rows)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Fix:
+    """The corrections of one fill: which, the terminal-state offsets on the layers' devices, rows to measure on."""
+
+    which: tuple[str, ...] = ()
+    offsets: dict | None = None
+    rows: int = fixes.CORRECTION_ROWS
+
+
+def _fix(lm, arm, split, corrections, state_offsets, rows) -> _Fix:
+    which = fixes.check_corrections(lm.adapter, split, corrections, state_offsets)
+    if not which:
+        return _Fix()
+    if arm in ("exact", "nofill"):
+        raise BadInput(f"corrections apply to the fill arms, not '{arm}'")
+    if not (isinstance(rows, int) and rows >= 1):
+        raise BadInput(f"correction_rows must be a positive number of tail rows, got {rows!r}")
+    offsets = None
+    if "state" in which:
+        ad = lm.adapter
+        offsets = {int(l): torch.as_tensor(o, dtype=torch.float32).to(ad.layer_device(int(l)))
+                   for l, o in state_offsets.items()}  # fmt: skip
+    return _Fix(which, offsets, rows)
 
 
 def _check_rows_rules(anchor, outliers) -> None:
@@ -264,6 +297,9 @@ def prefill_from(
     anchor: int = ANCHOR_ROWS,
     logits_rows: int | None = None,
     outliers: float = OUTLIER_RATIO,
+    corrections=(),
+    state_offsets: dict | None = None,
+    correction_rows: int = fixes.CORRECTION_ROWS,
 ) -> PrefillResult:
     """The fill arm `arm` ("ridgefill", "identity" or "nofill") at `split`, built from an exact run of the same
     prompt: the same result as `prefill(lm, run.ids, arm, ...)` up to float round-off, for the cost of the late
@@ -275,6 +311,7 @@ def prefill_from(
         raise BadInput(f"the exact run kept no state for split {split} (it has {sorted(run.states)})")
     _check_rows_rules(anchor, outliers)
     rows = _check(lm, n, arm, split, tail, maps, exact_rows)
+    fix = _fix(lm, arm, split, corrections, state_offsets, correction_rows)
     rows = sorted(set(rows) | set(range(min(anchor, n - tail))))
     rows = _with_outliers(rows, run.states[split], n - tail, outliers)
     keep = _logits_rows(logits_rows, tail)
@@ -289,7 +326,7 @@ def prefill_from(
         rope = layers.rope(h[None], torch.arange(n, device=ad.device))
         # The early layers' cache, copied; the late Gated DeltaNet layers write their states into it as they run.
         cache = _cache_copy(run.cache, split, lm.model.config)
-        logits, late = _late(lm, layers, h, rope, arm, split, tail, maps, rows, keep, cache)
+        logits, late = _late(lm, layers, h, rope, arm, split, tail, maps, rows, keep, cache, fix)
         if arm == "nofill":
             early = []
             for l in range(split):
@@ -367,7 +404,7 @@ def _attention_received(ad, l, x, pos, keys, window) -> torch.Tensor:
     return scores.softmax(dim=-1).sum(dim=(0, 1))
 
 
-def _fill(lm, ids, arm, split, tail, maps, rows, select, keep, outliers):
+def _fill(lm, ids, arm, split, tail, maps, rows, select, keep, outliers, fix):
     from transformers import DynamicCache
 
     model, ad = lm.model, lm.adapter
@@ -402,7 +439,7 @@ def _fill(lm, ids, arm, split, tail, maps, rows, select, keep, outliers):
         order = torch.argsort(-received[:prefix], stable=True)  # ties: earlier position first
         rows = sorted(set(rows) | set(order[: min(select[0], prefix)].tolist()))
     rows = _with_outliers(rows, hidden[0], prefix, outliers)
-    logits, late = _late(lm, layers, hidden[0], rope, arm, split, tail, maps, rows, keep, cache)
+    logits, late = _late(lm, layers, hidden[0], rope, arm, split, tail, maps, rows, keep, cache, fix)
     if arm == "nofill":
         slots = [None if e is None else {"keys": e[0][0], "values": e[1][0],
                                          "positions": all_pos.expand(ad.num_kv_heads, n)} for e in early]
@@ -427,11 +464,13 @@ def _late_slots(ad, late, all_pos) -> list[dict]:
             for e in late]  # fmt: skip
 
 
-def _late(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep, states):
+def _late(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep, states, fix=None):
     """Late layers from the split state h_split [N, d]: the query rows (exact rows + tail) run every layer; the
     filled rows only write keys/values (attention) or their state updates (Gated DeltaNet, into `states`, a
-    transformers cache). Returns the last `keep` rows' logits and, per late layer, (keys, values, valid slots),
-    or None for a Gated DeltaNet layer."""
+    transformers cache). `fix`: the corrections (`_Fix`). Returns the last `keep` rows' logits and, per late
+    layer, (keys, values, valid slots), or None for a Gated DeltaNet layer."""
+    fix = fix or _Fix()
+    kv_fix = [c for c in fix.which if c in fixes.KV_CORRECTIONS]
     ad = lm.adapter
     device, dtype = ad.device, ad.dtype
     n, L = int(h_split.shape[0]), ad.num_layers
@@ -455,7 +494,8 @@ def _late(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep, states)
         dev = ad.layer_device(l)
         if ad.is_linear(l):
             x = _predicted(arm, maps, l, x_split, fill_pos, dev)
-            hq = _late_linear(layers, l, hq, x, fill_pos, rows, prefix, states)
+            offset = fix.offsets[l] if "state" in fix.which else None
+            hq = _late_linear(layers, l, hq, x, fill_pos, rows, prefix, states, offset)
             late.append(None)
             continue
         keys, values = _new_slots(ad, l, n), _new_slots(ad, l, n)
@@ -467,7 +507,13 @@ def _late(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep, states)
             pos = fill_pos_sliding  # the other rows are outside every query's window
         if pos.numel():
             x = _predicted(arm, maps, l, x_split, pos, dev)
-            k, v = ad.kv(l, x)  # [F, kv_heads, head_dim], before RoPE, on the layer's device
+            k, v = ad.kv(l, x)
+            if kv_fix:  # measured on the first tail rows: from their true input (hq) and from the map's prediction
+                m = min(fix.rows, tail)
+                r = len(rows)
+                k_true, v_true = ad.kv(l, hq[0, r : r + m])
+                k_pred, v_pred = ad.kv(l, _predicted(arm, maps, l, x_split, all_pos[prefix : prefix + m], dev))
+                k, v = fixes.apply_kv(fixes.kv_params(kv_fix, k_true, v_true, k_pred, v_pred), k, v)  # [F, kv_heads, head_dim], before RoPE, on the layer's device
             cos, sin = rope[kind]
             at = pos.to(cos.device)
             k = ad.apply_rope(k, cos[0, at], sin[0, at])
@@ -492,12 +538,13 @@ def _predicted(arm, maps, l, x_split, pos, dev):
     return x
 
 
-def _late_linear(layers, l, hq, x_fill, fill_pos, rows, prefix, states):
+def _late_linear(layers, l, hq, x_fill, fill_pos, rows, prefix, states, offset=None):
     """A late Gated DeltaNet layer. Its state runs over the prefix in order, every row in its own place: a filled
     row contributes from its predicted input x_fill [F, d] (at fill_pos), an exact row from its true input (hq's
     first len(rows) rows); in "nofill" (no fill_pos) only the exact rows contribute. The tail then continues from
     that state. Only the query rows (hq [1, Q, d]: the exact rows, then the tail) get the rest of the layer;
-    returns their output [1, Q, d]."""
+    returns their output [1, Q, d]. `offset` [value heads, key dim, value dim]: the terminal-state correction,
+    added to the state at the end of the prefix scaled by the filled rows' share of it."""
     ad = layers.ad
     dev = ad.layer_device(l)
     hq = hq.to(dev)
@@ -512,5 +559,11 @@ def _late_linear(layers, l, hq, x_fill, fill_pos, rows, prefix, states):
     parts = []
     if x.shape[1]:
         parts.append(layers.mix(l, x, states)[:, at])
+        if offset is not None and fill_pos.numel():
+            filled = torch.ones(prefix, dtype=torch.bool, device=dev)
+            filled[at] = False
+            share = fixes.filled_share(ad.linear_log_gates(l, x[0]), filled)  # [value heads]
+            state = states.layers[l].recurrent_states[0]  # [1, value heads, key dim, value dim], updated in place
+            state += (share.to(offset.device)[:, None, None] * offset).to(state)[None]
     parts.append(layers.mix(l, hq[:, r:], states))
     return layers.finish(l, hq, torch.cat(parts, dim=1))
