@@ -19,6 +19,8 @@ def solve(
     metric: Annotated[str, typer.Option("--metric", help="Held-out selection metric: kv (K/V cosine) or input (input cosine).")] = "kv",
     chat_share: Annotated[Optional[float], typer.Option("--chat-share", help="Weight of chat-template rows when the capture has them.")] = None,
     alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Give every late layer the alpha best for its own held-out score (default: one alpha shared by all).")] = False,
+    state_data: Annotated[Optional[list[str]], typer.Option("--state-data", help="Hybrids: text kept apart from the capture's (file, directory or .jsonl; repeatable) on which to measure the terminal-state correction of the filled Gated DeltaNet layers.")] = None,
+    state_chunk: Annotated[int, typer.Option("--state-chunk", help="Measure the states every this many tokens.")] = 2048,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     device_map: DeviceMapOpt = None,
@@ -32,12 +34,17 @@ def solve(
 
     out = output(json)
     art, cached = run(store(store_root), capture, out, model=model, split=split, alphas=alpha, metric=metric,
-                      chat_share=chat_share, alpha_per_layer=alpha_per_layer, device=device, dtype=dtype, device_map=device_map, max_memory=max_memory)
+                      chat_share=chat_share, alpha_per_layer=alpha_per_layer, state_data=state_data, state_chunk=state_chunk, device=device, dtype=dtype, device_map=device_map, max_memory=max_memory)
     report = jsonlib.loads(art.file(REPORT).read_text())
     out.table(grid_table(report))
     for line in extension_lines(report) + per_layer_lines(report):
         out.info(line)
     out.table(layer_table(report))
+    if "state_correction" in report:
+        sc = report["state_correction"]
+        norms = ", ".join(f"{l}: {v:.3g} (state {sc['exact_state_norm'][l]:.3g})" for l, v in sc["offset_norm"].items())
+        out.info(f"terminal-state offsets from {len(sc['documents'])} documents, {sc['states_per_layer']} states per "
+                 f"layer; norm per layer {norms}")
     done(out, "solve", art, cached)
 
 

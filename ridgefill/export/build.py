@@ -53,8 +53,9 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
             maps, group = load_quant(src), {"group_size": group_size(src)}
         else:
             maps, group = _float_maps(src), {"weight_dtype": "f32"}
+        state = _state_offsets(sol, rep)
         with store.build("export", recipe) as build:
-            release.write_release(build.path / RELEASE_DIR, maps, manifest, model_card, **group)
+            release.write_release(build.path / RELEASE_DIR, maps, manifest, model_card, **group, **state)
             _flatten(build.path / RELEASE_DIR, build.path)
             art = build.commit(info={"source": src.id, "solve": sol.id, "capture": cap.id},
                                summary={"split": manifest["split"], "files": sorted(manifest_files(build.path))})
@@ -73,6 +74,20 @@ def _flatten(rel: Path, dest: Path) -> None:
     for p in rel.iterdir():
         p.rename(dest / p.name)
     rel.rmdir()
+
+
+def _state_offsets(sol: Artifact, rep: dict) -> dict:
+    """The solve's terminal-state offsets and what they were measured on, as write_release takes them (or {})."""
+    from ridgefill.artifacts import tensors
+    from ridgefill.solve.state import STATE
+
+    if "state_correction" not in rep:
+        return {}
+    arrays, _ = tensors.load(sol.file(STATE))
+    sc = rep["state_correction"]
+    facts = {"chunk": sc["chunk"], "states_per_layer": sc["states_per_layer"],
+             "data_sha256": [d["sha256"] for d in sc["documents"]]}
+    return {"state_offsets": {int(name.split(".")[1]): a for name, a in arrays.items()}, "state_facts": facts}
 
 
 def _float_maps(src: Artifact) -> dict:

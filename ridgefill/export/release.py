@@ -13,6 +13,10 @@ else in the package should repeat them. A release folder holds exactly:
                         [d_out, ceil(d_in/group_size)], `layer.<l>.bias` BF16 [d_out]; or, unquantized,
                         `layer.<l>.weight` BF16|F32 [d_out, d_in] and `layer.<l>.bias` (same dtype);
                         `__metadata__` {"format": "ridgefill-maps/1", "ridgefill.facts": <facts JSON>}
+    corrections.safetensors   only in a release of a hybrid fitted with terminal-state offsets (`solve
+                        --state-data`): `layer.<l>.state_offset` F32 [value heads, key dim, value dim] for every
+                        `linear_attention` layer of `layers`; the manifest's `corrections` {"state": {file, layers,
+                        chunk, states_per_layer, data_sha256}} describes it (a fact, like every other field)
     README.md           model card; optional, never hashed, because the Hub may rewrite it
 
 What is protected, and how. `files` holds the sha256 of maps.safetensors, and maps.safetensors records the
@@ -58,6 +62,9 @@ FORMAT = "ridgefill-maps/1"
 MANIFEST = "ridgefill.json"
 CARD = "README.md"
 MAPS_FILE = "maps.safetensors"
+CORRECTIONS_FILE = "corrections.safetensors"
+STATE_OFFSET = "state_offset"
+_OFFSET_RE = re.compile(r"^layer\.(0|[1-9][0-9]*)\.state_offset$")
 DOC_FILES = frozenset({CARD})  # documentation: present in the folder, never hashed
 UNHASHED = frozenset({CARD, MANIFEST})  # the manifest cannot list itself
 GITATTRIBUTES, DOWNLOAD_CACHE, HF_DIR = ".gitattributes", ".cache", "huggingface"  # left by `hf download`
@@ -200,6 +207,8 @@ def write_release(
     weight_dtype: str | None = None,
     group_size: int = int8.GROUP_SIZE,
     overwrite: bool = False,
+    state_offsets: dict[int, np.ndarray] | None = None,
+    state_facts: dict | None = None,
 ) -> dict:
     """Write a release folder atomically and return the manifest written.
 
@@ -209,7 +218,8 @@ def write_release(
     and `files` are set here (the caller's `projector` keys are kept, ours win). If the manifest has
     `layers: [{index, ...}]`, its indices must be exactly the keys of `maps`. The facts (the manifest written,
     less `files` and `eval`) go into maps.safetensors' metadata, so its hash covers them. `card` is the model
-    card's text, or a function of the manifest written that returns it.
+    card's text, or a function of the manifest written that returns it. `state_offsets` {layer: float32 [value
+    heads, key dim, value dim]} (with `state_facts`, what was measured) go into corrections.safetensors.
 
     Everything is written into a temporary sibling folder and renamed into place. An existing non-empty
     `out_dir` is refused (BadInput) unless `overwrite=True`, and even then only if it is a release folder
@@ -231,8 +241,18 @@ def write_release(
         "group_size": group_size if dtype == "int8" else None,
         "files": [MAPS_FILE],
     }
+    extra = {}
+    if state_offsets:
+        layers = sorted(int(l) for l in state_offsets)
+        kinds = {int(x["index"]): x.get("kind") for x in manifest.get("layers") or []}
+        if any(kinds.get(l) != "linear_attention" for l in layers):
+            raise ValueError(f"state offsets for layers {layers}, which are not all linear_attention layers")
+        offs = {f"layer.{l}.{STATE_OFFSET}": ("F32", _f32(state_offsets[l], f"layer {l} state offset")) for l in layers}
+        extra[CORRECTIONS_FILE] = _encode_safetensors(offs, {META_FORMAT: FORMAT})
+        written["corrections"] = {"state": {**(state_facts or {}), "file": CORRECTIONS_FILE, "layers": layers}}
     blob = _encode_safetensors(tensors, {META_FORMAT: FORMAT, META_FACTS: facts_json(written)})
     written["files"] = {MAPS_FILE: hashlib.sha256(blob).hexdigest()}
+    written["files"].update({name: hashlib.sha256(data).hexdigest() for name, data in extra.items()})
     try:
         text = json.dumps(written, sort_keys=True, indent=2, allow_nan=False) + "\n"
     except (TypeError, ValueError) as e:
@@ -250,6 +270,8 @@ def write_release(
     tmp = staging_dir(out_dir)
     try:
         _write_file(tmp / MAPS_FILE, blob)
+        for name, data in extra.items():
+            _write_file(tmp / name, data)
         _write_file(tmp / MANIFEST, text.encode())
         _write_file(tmp / CARD, card_text.encode("utf-8"))
         move_into_place(tmp, out_dir)
@@ -494,6 +516,32 @@ def load_release(dir: Path) -> tuple[dict, dict[int, dict[str, np.ndarray]]]:
     for layer in sorted(raw):
         maps[layer] = _decode_layer(layer, raw[layer], dtype, group, where, ", ".join(proj["files"]))
     return manifest, maps
+
+
+def load_state_offsets(dir: Path, manifest: dict) -> dict[int, np.ndarray] | None:
+    """The terminal-state offsets of a verified release ({layer: float32 [value heads, key dim, value dim]}), or
+    None when it has none; BadInput when they do not match its layers: a tensor other than
+    layer.<l>.state_offset, not float32 rank 3, or layers other than exactly its linear_attention layers."""
+    state = (manifest.get("corrections") or {}).get("state")
+    if state is None:
+        return None
+    fname = state.get("file") if isinstance(state, dict) else None
+    if fname != CORRECTIONS_FILE or fname not in (manifest.get("files") or {}):
+        raise BadInput(f"{MANIFEST}: 'corrections.state.file' must be {CORRECTIONS_FILE}, listed in 'files'")
+    offsets = {}
+    for tname, (st_dtype, arr) in _read_safetensors(Path(dir) / fname, fname).items():
+        m = _OFFSET_RE.match(tname)
+        if m is None:
+            raise BadInput(f"{fname}: unexpected tensor {tname!r} (expected layer.<l>.{STATE_OFFSET})")
+        if st_dtype != "F32" or arr.ndim != 3:
+            raise BadInput(f"{fname}: {tname} must be F32 [value heads, key dim, value dim], got {st_dtype} "
+                           f"{list(arr.shape)}")
+        offsets[int(m.group(1))] = np.asarray(arr, dtype=np.float32)
+    linear = sorted(int(x["index"]) for x in manifest.get("layers") or [] if x.get("kind") == "linear_attention")
+    if sorted(offsets) != linear or state.get("layers") != linear:
+        raise BadInput(f"{fname}: state offsets for layers {sorted(offsets)} (manifest: {state.get('layers')}), "
+                       f"but the release's Gated DeltaNet layers are {linear}")
+    return offsets
 
 
 def _read_safetensors(path: Path, fname: str) -> dict[str, tuple[str, np.ndarray]]:

@@ -52,6 +52,29 @@ def warn_if_mixed(cap: Artifact, place, out: Output) -> None:
     warn_mixed(out, f"capture {cap.id}", recorded(cap.recipe), place)
 
 
+def _state_documents(cap: Artifact, split: int, paths: list[str], chunk: int) -> list:
+    """The --state-data documents, or BadInput: a model without Gated DeltaNet layers above the split, a chunk
+    below 1, or a document the capture used (the offsets are measured on text kept apart from the maps')."""
+    import json
+
+    from ridgefill.capture.corpus import read_corpus
+    from ridgefill.capture.run import DOCS
+
+    kinds = cap.info.get("layer_kinds") or {}
+    if not any(kinds.get(str(l)) == "linear_attention" for l in range(split, cap.info["model"]["num_layers"])):
+        raise BadInput(f"--state-data: the terminal-state correction needs Gated DeltaNet layers above split "
+                       f"{split}; this model has none")
+    if chunk < 1:
+        raise BadInput(f"--state-chunk must be >= 1, got {chunk}")
+    docs = read_corpus(list(paths)).documents
+    used = {d["sha256"]: d["name"] for d in json.loads(cap.file(DOCS).read_text())}
+    reused = [d.name for d in docs if d.sha256 in used]
+    if reused:
+        raise BadInput(f"--state-data must be kept apart from the capture's text; capture {cap.id} used "
+                       f"{', '.join(reused[:3])}{' ...' if len(reused) > 3 else ''}")
+    return docs
+
+
 def pick_split(cap: Artifact, split: int | None) -> int:
     splits = cap.recipe["splits"]
     if split is None:
@@ -74,6 +97,8 @@ def solve(
     chat_share: float | None = None,
     alpha_per_layer: bool = False,
     *,
+    state_data: list[str] | None = None,
+    state_chunk: int = 2048,
     device: str = "auto",
     dtype: str = "auto",
     device_map=None,
@@ -83,7 +108,9 @@ def solve(
     held-out rows (ridgefill.models.device); its device kind and dtype go into the recipe (nothing for cpu /
     float32), and a warning says so when they differ from the capture's. alpha_per_layer: every late layer gets
     the alpha best for its own held-out score (ridge.search_per_layer), instead of one shared by all; the recipe
-    records it only when on, so the default's id is what it always was."""
+    records it only when on, so the default's id is what it always was. state_data: documents (capture's --data
+    forms) kept apart from the capture's, on which the terminal-state offsets of a hybrid's filled Gated DeltaNet
+    layers are measured with the solved maps, every `state_chunk` tokens (ridgefill.solve.state)."""
     from ridgefill.capture.run import load_heldout, load_stats
     from ridgefill.models.device import where
 
@@ -101,6 +128,10 @@ def solve(
               "split": split, "alphas": alphas, "metric": metric, "chat_share": chat_share, **place.recipe()}
     if alpha_per_layer:
         recipe["alpha_per_layer"] = True
+    state_docs = None
+    if state_data:
+        state_docs = _state_documents(cap, split, state_data, state_chunk)
+        recipe["state"] = {"data": [d.sha256 for d in state_docs], "chunk": state_chunk}
     warn_if_mixed(cap, place, out)
     hit = store.cached("solve", recipe)
     if hit is not None:
@@ -145,6 +176,20 @@ def solve(
         w, b = maps_at(e, best["alpha"])
         fitted = scorer.score(w, b)
     identity = scorer.score(None, None)
+    offsets = None
+    if state_docs:
+        from ridgefill.capture.run import _tokenize
+        from ridgefill.capture.corpus import Corpus
+        from ridgefill.solve.state import measure_offsets
+
+        t = time.perf_counter()
+        context = int(getattr(lm.model.config.get_text_config(), "max_position_embeddings", 0) or 0) or None
+        ids = _tokenize(lm.tokenizer, Corpus(state_docs, 0, 0), False, context)["raw"]
+        fit = {l: (w[i], b[i]) for i, l in enumerate(layers)}
+        offsets, info = measure_offsets(lm, fit, split, ids, state_chunk, out)
+        state_report = {"documents": [{"name": d.name, "sha256": d.sha256, "tokens": len(x)}
+                                      for d, x in zip(state_docs, ids)], **info}  # fmt: skip
+        t_state = time.perf_counter() - t
     report = {
         "split": split, "metric": metric, "alpha": best["alpha"], "lambda": best["lambda"], "grid": grid,
         "extended": extended,
@@ -152,6 +197,9 @@ def solve(
         "timings": {"eig_s": t_eig, "maps_all_alphas_s": t_maps, "grid_s": t_eig + t_maps,
                     "scoring_s": t_score},
     }
+    if offsets is not None:
+        report["state_correction"] = state_report
+        report["timings"]["state_s"] = t_state
     if per_layer is not None:
         report["per_layer"] = per_layer  # "alpha", "lambda" and "grid" above stay the shared search's
         report["timings"]["per_layer_s"] = t_per  # choosing the alphas, their maps and scoring those
@@ -163,6 +211,11 @@ def solve(
         meta = ({"alpha_per_layer": ",".join(f"{l}:{per_layer['alpha'][str(l)]!r}" for l in layers)}
                 if per_layer else {"alpha": repr(best["alpha"])})
         tensors.save(build.path / MAPS, arrays, {"split": str(split), **meta})
+        if offsets is not None:
+            from ridgefill.solve.state import STATE, offset_name
+
+            tensors.save(build.path / STATE, {offset_name(l): o for l, o in offsets.items()},
+                         {"split": str(split), "chunk": str(state_chunk)})
         write_json(build.path / REPORT, report)
         summary = {"split": split, "alpha": best["alpha"], "score": best["score"],
                    "fitted": fitted["mean"], "identity": identity["mean"], "layers": layers}
