@@ -14,7 +14,7 @@ from ridgefill.cli.common import (DEFAULT_STORE, DebugOpt, DeviceMapOpt, DeviceO
 def eval_(
     model: ModelArg,
     source: Annotated[str, typer.Argument(help="Release folder, or a solve / quantize artifact id.")],
-    arms: Annotated[Optional[list[str]], typer.Option("--arms", help="exact, ridgefill, identity, nofill, ridgefill+rows (repeatable; default: all but +rows).")] = None,
+    arms: Annotated[Optional[list[str]], typer.Option("--arms", help="exact, ridgefill, identity, nofill, or a fill arm with +corrections (vscale, kscale, kshift, state) and a +selector (rows, protected; its :random and :tail controls are added); repeatable; default: the first four.")] = None,
     tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = 512,
     lengths: Annotated[Optional[list[int]], typer.Option("--lengths", help="Needle context lengths (repeatable).")] = None,
     depths: Annotated[Optional[list[float]], typer.Option("--depths", help="Needle depths in the context (repeatable).")] = None,
@@ -51,13 +51,17 @@ def eval_(
                            max_memory=max_memory)
     s = art.manifest["summary"]
     t = Table(title=f"eval {art.id}: {s['samples']} needle samples, {s['documents']} documents; ceiling x{s['ceiling_speedup']:.2f}")
-    for c in ("arm", "needle %", "ΔNLL", "ΔNLL novel", "ΔNLL key", "KL", "top-1", "prefill s", "speed-up"):
+    t.add_column("arm", justify="right", no_wrap=True)
+    for c in ("needle %", "ΔNLL", "ΔNLL novel", "ΔNLL key", "KL", "top-1", "prefill s", "speed-up"):
         t.add_column(c, justify="right")
     fmt = lambda v, f=".3f": "–" if v is None else format(v, f)  # noqa: E731
     for arm, a in s["arms"].items():
         t.add_row(arm, fmt(a.get("needle"), ".1f"), *(fmt(a.get(k)) for k in ("dnll", "dnll_novel", "dnll_key", "kl", "top1")),
                   fmt(a.get("prefill_s"), ".2f"), fmt(a.get("speedup"), ".2f"))
     out.table(t)
+    if s.get("pairs"):
+        for line in pairs_lines(s):
+            out.info(line)
     from ridgefill.export.release import MANIFEST, set_eval
 
     if (Path(source) / MANIFEST).is_file():  # a release folder: record the figures in it
@@ -67,3 +71,21 @@ def eval_(
     done(out, "eval", art, cached, {"gate": {"passed": not failed, "failed": failed} if rules else None})
     if failed:
         raise GateFailed("gate failed: " + "; ".join(failed))
+
+
+def pairs_lines(summary: dict) -> list[str]:
+    """Each correction, selector and control against what it changes: the difference and its paired interval."""
+
+    def ci(x, f):
+        return f"{x['mean']:{f}} [{x['low']:{f}}, {x['high']:{f}}]"
+
+    lines = ["paired differences, mean [95 % interval]:"]
+    for name, p in summary["pairs"].items():
+        arm, against = name.split(" - ")
+        parts = [f"needle {ci(p['needle'], '+.1f')} points"] if p.get("needle") else []
+        parts += [f"ΔNLL {k} {ci(p['dnll_' + k], '+.4f')}" for k in ("novel", "key") if p.get("dnll_" + k)]
+        added = summary["arms"][arm].get("rows_added")
+        if added is not None:
+            parts.append(f"{100 * added:.1f} % of the prompt's rows exact")
+        lines.append(f"  {arm} vs {against}: " + "; ".join(parts))
+    return lines

@@ -21,12 +21,12 @@ from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 
-FORMAT_VERSION = 6  # 2: single needles in noise filler; 3: nofill needles, "ridgefill+rows"; 4: row 0 exact;
+FORMAT_VERSION = 7  # 2: single needles in noise filler; 3: nofill needles, "ridgefill+rows"; 4: row 0 exact;
 # 5: arms built from one exact run per prompt, speed from one timed prefill per arm and length ("timing");
-# 6: prefix rows whose split state is an outlier by norm (later sinks) run exactly
+# 6: prefix rows whose split state is an outlier by norm (later sinks) run exactly; 7: corrections, selectors and
+# their controls (evaluate/arms.py), paired comparisons ("pairs")
 RESULTS = "results.json"
-ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
-DEFAULT_ARMS = ARMS[:4]  # "+rows" is optional (it costs another fill per sample)
+DEFAULT_ARMS = ("exact", "ridgefill", "identity", "nofill")  # the rest are asked for by name (evaluate/arms.py)
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,8 @@ class MapsSource:
     ident: str  # content identity for the recipe
     calibration: frozenset  # calibration document sha256s
     release_dir: Path | None
+    state_offsets: dict | None = None  # a hybrid's terminal-state offsets {layer: float32 array}
+    protected: frozenset | None = None  # the protected-token table: token ids
 
 
 def load_source(store: Store, source: str) -> MapsSource:
@@ -64,9 +66,11 @@ def load_source(store: Store, source: str) -> MapsSource:
     p = Path(source)
     if (p / release.MANIFEST).is_file():
         manifest, maps = release.load_release(p)
+        table = release.load_protected(p, manifest)
         return MapsSource({l: (m["weight"], m["bias"]) for l, m in maps.items()}, int(manifest["split"]),
                           manifest["model"]["fingerprint"], "release:" + recipe_id(manifest["files"]),
-                          frozenset(manifest.get("fit", {}).get("calibration_sha256", [])), p)
+                          frozenset(manifest.get("fit", {}).get("calibration_sha256", [])), p,
+                          release.load_state_offsets(p, manifest), None if table is None else frozenset(table))
     art = store.get(source)
     if art.stage not in ("solve", "quantize"):
         raise BadInput(f"artifact {art.id} is a {art.stage} artifact; eval takes a release folder, solve or quantize artifact")
@@ -82,7 +86,11 @@ def load_source(store: Store, source: str) -> MapsSource:
     docs = json.loads(cap.file(DOCS).read_text())
     calib = frozenset(d["sha256"] for d in docs if d["role"] == "calibration")
     split = int(art.manifest["summary"]["split"])
-    return MapsSource(maps, split, art.info["model"]["fingerprint"], f"{art.stage}:{art.id}", calib, None)
+    from ridgefill.solve.run import load_extras
+
+    offsets, table = load_extras(art if art.stage == "solve" else store.upstream(art, "solve"))
+    return MapsSource(maps, split, art.info["model"]["fingerprint"], f"{art.stage}:{art.id}", calib, None, offsets,
+                      None if table is None else frozenset(table))
 
 
 def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output, *, device: str = "auto",
@@ -92,10 +100,11 @@ def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output
     from ridgefill.models import resolve_model
     from ridgefill.models.device import where
 
+    from ridgefill.evaluate.arms import plan
+
     place = where(device, dtype, device_map, max_memory)
-    for a in cfg.arms:
-        if a not in ARMS:
-            raise BadInput(f"unknown arm '{a}' (choose from {', '.join(ARMS)})")
+    arms = plan(cfg.arms)
+    cfg = replace(cfg, arms=tuple(a.name for a in arms))
     from ridgefill.evaluate.needles import TASKS
 
     bad = [t for t in cfg.tasks if t not in TASKS]
@@ -108,6 +117,12 @@ def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output
     if not 0 < cfg.scored < cfg.tail or cfg.tail >= min(cfg.lengths + (cfg.doc_tokens,)):
         raise BadInput(f"need 0 < scored ({cfg.scored}) < tail ({cfg.tail}) < every length and --doc-tokens")
     src = load_source(store, source)
+    for a in arms:
+        if "state" in a.corrections and src.state_offsets is None:
+            raise BadInput(f"arm '{a.name}' needs terminal-state offsets, and '{source}' has none "
+                           "(measure them with solve --state-data)")
+        if a.selector == "protected" and src.protected is None:
+            raise BadInput(f"arm '{a.name}' needs a protected-token table, and '{source}' has none")
     ref = resolve_model(model, store_root=store.root)
     if ref.fingerprint != src.fingerprint:
         raise BadInput(f"'{source}' was fitted on a different model (fingerprint {src.fingerprint[:12]}) "
@@ -125,13 +140,14 @@ def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output
     from ridgefill.runtime import maps_on_devices
 
     src = replace(src, maps=maps_on_devices(lm, src.maps, range(src.split, ref.num_layers)))  # once, not per prefill
+    _check_corrections(lm, src, arms)
     suite = needle_suite(lm, cfg)
     results = {"split": src.split, "num_layers": ref.num_layers, "tail": cfg.tail,
-               "documents": _documents(lm, src, cfg, out), "needles": _needles(lm, src, cfg, suite, out)}
+               "documents": _documents(lm, src, cfg, arms, out), "needles": _needles(lm, src, cfg, arms, suite, out)}
     prompts = {}
     for s in suite:  # the first sample of each length
         prompts.setdefault(s.context_tokens, s.prompt_ids)
-    results["timing"] = time_prefills(lm, src, cfg.arms, cfg.tail, prompts)
+    results["timing"] = time_prefills(lm, src, arms, cfg.tail, prompts, cfg.seed)
     results["summary"] = summarize(results, cfg)
     with store.build("eval", recipe) as build:
         write_json(build.path / RESULTS, results)
@@ -140,26 +156,94 @@ def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output
     return art, False
 
 
-def _fill_args(src: MapsSource, arm: str, tail: int, probe=None) -> dict:
-    args = {"split": src.split, "tail": tail, "maps": src.maps if arm.startswith("ridgefill") else None}
-    return args | ({"probe": probe} if arm == "ridgefill+rows" and probe is not None else {})
+def _check_corrections(lm, src: MapsSource, arms) -> None:
+    """Refuse, before anything is measured, a correction the model has no layers for, or terminal-state offsets
+    that do not match its Gated DeltaNet layers."""
+    from ridgefill.runtime.corrections import check_corrections
+
+    for a in arms:
+        if a.corrections:
+            where = f"{src.release_dir}: " if src.release_dir is not None and "state" in a.corrections else ""
+            try:
+                check_corrections(lm.adapter, src.split, a.corrections, src.state_offsets)
+            except BadInput as e:
+                raise BadInput(f"arm '{a.name}': {where}{e}") from None
 
 
-def _arms_from(lm, run, src: MapsSource, arms, tail: int, probe=None, logits_rows=None) -> dict:
-    """Each arm's PrefillResult for one prompt, built from its exact run (`runtime.prefill_from`): the fill arms
-    only run their late layers. "ridgefill+rows" picks its rows inside a prefill of its own."""
+def _fill_args(src: MapsSource, arm, tail: int) -> dict:
+    """prefill / prefill_from arguments of a fill arm (an `arms.Arm`)."""
+    args = {"split": src.split, "tail": tail, "maps": src.maps if arm.base == "ridgefill" else None}
+    if arm.corrections:
+        args["corrections"] = arm.corrections
+        if "state" in arm.corrections:
+            args["state_offsets"] = src.state_offsets
+    return args
+
+
+def _rows_rng(seed: int, ids) -> np.random.Generator:
+    """The random control's generator for one prompt: a function of the eval seed and the prompt's tokens."""
+    import hashlib
+
+    digest = hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).digest()
+    return np.random.default_rng([seed, int.from_bytes(digest[:8], "little")])
+
+
+def _arms_from(lm, run, src: MapsSource, arms, tail: int, probe=None, logits_rows=None, seed: int = 0,
+               timed: bool = False) -> tuple[dict, dict]:
+    """Each arm's PrefillResult for one prompt, and the number of rows each selected-rows arm added.
+
+    With `timed` every arm is a real, timed `prefill`; otherwise the arms are built from the prompt's exact run
+    (`runtime.prefill_from`: the fill arms only run their late layers), but for "+rows", which picks its rows
+    inside a prefill of its own. A selector's rows are the prefix rows it makes exact beyond the arm's own exact
+    rows (row 0 and the outlier rows); its controls get as many: random filled rows, or a longer tail."""
     from ridgefill.runtime import prefill
     from ridgefill.runtime.prefill import prefill_from
 
-    res = {}
+    ids = run.ids
+    n = int(ids.shape[0])
+
+    def fill(arm, base: str, **extra):
+        args = _fill_args(src, arm, tail) | extra
+        if timed or base == "ridgefill+rows":
+            return prefill(lm, ids, base, logits_rows=logits_rows, **args)
+        return prefill_from(lm, run, base, logits_rows=logits_rows, **args)
+
+    res, added, own = {}, {}, None
     for arm in arms:
-        if arm == "exact":
-            res[arm] = run.result(tail)
-        elif arm == "ridgefill+rows":
-            res[arm] = prefill(lm, run.ids, arm, logits_rows=logits_rows, **_fill_args(src, arm, tail, probe))
+        if arm.base == "exact":
+            res[arm.name] = prefill(lm, ids, "exact", split=src.split, tail=tail, logits_rows=logits_rows) \
+                if timed else run.result(tail)
+            continue
+        if arm.base == "nofill":
+            res[arm.name] = fill(arm, "nofill")
+            continue
+        if arm.selector is None:
+            res[arm.name] = fill(arm, arm.base)
+            own = own or res[arm.name].exact_rows
+            continue
+        if own is None:  # the arm's own exact rows (row 0, the outliers), from a plain fill of this prompt
+            from ridgefill.evaluate.arms import Arm
+
+            own = fill(Arm("ridgefill"), "ridgefill").exact_rows
+        if arm.control is None:
+            if arm.selector == "rows":
+                r = fill(arm, "ridgefill+rows", **({"probe": probe} if probe is not None else {}))
+            else:
+                table = src.protected
+                pick = [p for p in range(n - tail) if int(ids[p]) in table]
+                r = fill(arm, "ridgefill", exact_rows=pick)
+            added[arm.name] = sorted(set(r.exact_rows) - set(own))
+            res[arm.name] = r
+            continue
+        count = len(added[arm.selected.name])
+        if arm.control == "random":
+            free = np.array([p for p in range(n - tail) if p not in set(own)], dtype=np.int64)
+            pick = sorted(_rows_rng(seed, ids.cpu()).choice(free, size=min(count, len(free)), replace=False).tolist())
+            res[arm.name] = fill(arm, "ridgefill", exact_rows=pick)
         else:
-            res[arm] = prefill_from(lm, run, arm, logits_rows=logits_rows, **_fill_args(src, arm, tail))
-    return res
+            res[arm.name] = fill(arm, "ridgefill", tail=min(tail + count, n))
+        added[arm.name] = count
+    return res, {k: (len(v) if isinstance(v, list) else v) for k, v in added.items()}
 
 
 def eval_documents(lm, tokens: int, count: int, calibration) -> list:
@@ -201,7 +285,7 @@ class DocumentScore:
                                    metrics.top1_agree(self.exact, la), self.novel, self.key)
 
 
-def _documents(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
+def _documents(lm, src: MapsSource, cfg: EvalConfig, arms, out: Output) -> list[dict]:
     import torch
 
     from ridgefill.runtime.prefill import PROBE_ROWS
@@ -215,9 +299,10 @@ def _documents(lm, src: MapsSource, cfg: EvalConfig, out: Output) -> list[dict]:
             N = len(ids)
             doc = DocumentScore(lm, ids, T, K, splits=[src.split])  # its exact run is shared by every arm
             probe = range(N - K - PROBE_ROWS, N - K)  # "+rows": the stretch just before the scored tokens
-            fills = [a for a in cfg.arms if a != "exact"]
-            res = _arms_from(lm, doc.run, src, fills, T, probe, logits_rows=doc.keep)
-            rows.append({"name": d.name, "tokens": N, **{arm: doc(r) for arm, r in res.items()}})
+            fills = [a for a in arms if a.base != "exact"]
+            res, added = _arms_from(lm, doc.run, src, fills, T, probe, logits_rows=doc.keep, seed=cfg.seed)
+            rows.append({"name": d.name, "tokens": N, **{arm: doc(r) for arm, r in res.items()},
+                         **({"rows_added": added} if added else {})})
             bar.update(i + 1, (i + 1) * N, f"doc {i + 1}/{len(docs)}")
     return rows
 
@@ -245,7 +330,7 @@ def needle_suite(lm, cfg: EvalConfig) -> list:
     return [s for s in suite if s.in_filled_region(cfg.tail)]
 
 
-def _needles(lm, src: MapsSource, cfg: EvalConfig, suite: list, out: Output) -> list[dict]:
+def _needles(lm, src: MapsSource, cfg: EvalConfig, arms, suite: list, out: Output) -> list[dict]:
     import torch
 
     from ridgefill.evaluate.needles import decode_and_score
@@ -257,25 +342,28 @@ def _needles(lm, src: MapsSource, cfg: EvalConfig, suite: list, out: Output) -> 
             run = exact_run(lm, torch.tensor(s.prompt_ids), splits=[src.split])  # shared by every arm
             row = {"task": s.task, "length": s.context_tokens, "depth": s.depth, "seed": s.seed,
                    "answers": s.answers}
-            res = _arms_from(lm, run, src, cfg.arms, cfg.tail, logits_rows=1)
+            res, added = _arms_from(lm, run, src, arms, cfg.tail, logits_rows=1, seed=cfg.seed)
             row["correct"] = dict(zip(res, decode_and_score(lm, s, list(res.values()))))  # decoded in one batch
+            if added:
+                row["rows_added"] = added
             rows.append(row)
             bar.update(i + 1, (i + 1) * len(s.prompt_ids), f"sample {i + 1}/{len(suite)}")
     return rows
 
 
-def time_prefills(lm, src: MapsSource, arms, tail: int, prompts: dict) -> list[dict]:
+def time_prefills(lm, src: MapsSource, arms, tail: int, prompts: dict, seed: int = 0) -> list[dict]:
     """The measured prefill speed: one real, timed `prefill` per arm and length ({length: prompt ids}), the arms
     interleaved within each length, so a slow spell of a shared machine does not favour one arm."""
     import torch
 
-    from ridgefill.runtime import prefill
+    from ridgefill.runtime.prefill import ExactRun
 
     rows = []
     for length, ids in sorted(prompts.items()):
-        ids = torch.tensor(ids)
-        rows.append({"length": length, "tokens": len(ids),
-                     "seconds": {arm: prefill(lm, ids, arm, **_fill_args(src, arm, tail)).seconds for arm in arms}})
+        ids = torch.tensor(ids).to(lm.adapter.device)
+        run = ExactRun(ids=ids, logits=None, cache=None, states={}, seconds=0.0)  # timed: every arm prefills
+        res, _ = _arms_from(lm, run, src, arms, tail, seed=seed, timed=True, logits_rows=1)
+        rows.append({"length": length, "tokens": len(ids), "seconds": {a: r.seconds for a, r in res.items()}})
     return rows
 
 
@@ -317,6 +405,11 @@ def summarize(results: dict, cfg: EvalConfig) -> dict:
             out["ridgefill_minus_identity"]["dnll_key"] = boot(
                 [nan(d["ridgefill"]["dnll_key"]) for d in docs], [nan(d["identity"]["dnll_key"]) for d in docs],
                 [d["ridgefill"]["key_tokens"] for d in docs]) if any(d["ridgefill"]["key_tokens"] for d in docs) else None
+    for arm in cfg.arms:  # the rows a selector (or its control) added, as a share of the prompt
+        added = [(r["rows_added"][arm], n) for r, n in _prompts(results) if arm in r.get("rows_added", {})]
+        if added:
+            out["arms"][arm]["rows_added"] = float(np.mean([a / n for a, n in added]))
+    out["pairs"] = _pairs(results, cfg, boot, nan)
     ex = out["arms"]["exact"].get("prefill_s")
     if ex:
         for arm in cfg.arms:
@@ -327,9 +420,62 @@ def summarize(results: dict, cfg: EvalConfig) -> dict:
     return out
 
 
+def _prompts(results: dict):
+    """(row, prompt length) of every document and needle sample."""
+    for d in results["documents"]:
+        yield d, d["tokens"]
+    for n in results["needles"]:
+        yield n, n["length"]
+
+
+def comparisons(arm_names) -> list[tuple[str, str]]:
+    """The paired comparisons eval reports, (arm, against): each corrected arm against the same arm without its
+    corrections, each selected-rows arm against the arm without the selector, and each control against the
+    selected-rows arm it matches in cost."""
+    from dataclasses import replace as with_
+
+    from ridgefill.evaluate.arms import parse_arm
+
+    names = list(arm_names)
+    pairs = []
+    for name in names:
+        a = parse_arm(name)
+        if a.control:
+            against = a.selected.name
+        elif a.selector:
+            against = with_(a, selector=None).name
+        elif a.corrections:
+            against = with_(a, corrections=()).name
+        else:
+            continue
+        if against in names:
+            pairs.append((name, against))
+    return pairs
+
+
+def _pairs(results: dict, cfg: EvalConfig, boot, nan) -> dict:
+    """Paired bootstrap intervals of arm minus arm (`comparisons`): needle points per sample, ΔNLL on novel and key
+    tokens per document (token-weighted)."""
+    docs, needles = results["documents"], results["needles"]
+    out = {}
+    for a, b in comparisons(cfg.arms):
+        pair: dict = {}
+        if needles and a in needles[0]["correct"] and b in needles[0]["correct"]:
+            pair["needle"] = boot([100.0 * n["correct"][a] for n in needles], [100.0 * n["correct"][b] for n in needles])
+        for key, w in (("dnll_novel", "novel_tokens"), ("dnll_key", "key_tokens")):
+            weights = [d[a][w] for d in docs] if docs and a in docs[0] else []
+            if sum(weights):
+                pair[key] = boot([nan(d[a][key]) for d in docs], [nan(d[b][key]) for d in docs], weights)
+        out[f"{a} - {b}"] = pair
+    return out
+
+
 def manifest_summary(summary: dict, eval_id: str) -> dict:
     """The compact figures a release manifest and model card carry (the artifact keeps the rest)."""
-    keep = ("needle", "dnll", "dnll_novel", "dnll_key", "kl", "top1", "prefill_s", "speedup")
+    keep = ("needle", "dnll", "dnll_novel", "dnll_key", "kl", "top1", "prefill_s", "speedup", "rows_added")
     arms = {a: {k: round(v, 4) for k, v in s.items() if k in keep and v is not None} for a, s in summary["arms"].items()}
+    from ridgefill.evaluate.arms import parse_arm
+
+    validated = sorted({c for a in summary["arms"] for c in parse_arm(a).corrections})
     return {"eval_id": eval_id, "samples": summary["samples"], "documents": summary["documents"],
-            "ceiling_speedup": round(summary["ceiling_speedup"], 4), "arms": arms}
+            "ceiling_speedup": round(summary["ceiling_speedup"], 4), "arms": arms, "corrections": validated}

@@ -53,9 +53,9 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
             maps, group = load_quant(src), {"group_size": group_size(src)}
         else:
             maps, group = _float_maps(src), {"weight_dtype": "f32"}
-        state = _state_offsets(sol, rep)
+        extras = _extras(sol, rep)
         with store.build("export", recipe) as build:
-            release.write_release(build.path / RELEASE_DIR, maps, manifest, model_card, **group, **state)
+            release.write_release(build.path / RELEASE_DIR, maps, manifest, model_card, **group, **extras)
             _flatten(build.path / RELEASE_DIR, build.path)
             art = build.commit(info={"source": src.id, "solve": sol.id, "capture": cap.id},
                                summary={"split": manifest["split"], "files": sorted(manifest_files(build.path))})
@@ -76,18 +76,21 @@ def _flatten(rel: Path, dest: Path) -> None:
     rel.rmdir()
 
 
-def _state_offsets(sol: Artifact, rep: dict) -> dict:
-    """The solve's terminal-state offsets and what they were measured on, as write_release takes them (or {})."""
-    from ridgefill.artifacts import tensors
-    from ridgefill.solve.state import STATE
+def _extras(sol: Artifact, rep: dict) -> dict:
+    """The solve's protected-token table and terminal-state offsets with what they were measured on, as
+    write_release takes them ({} for a solve that has neither)."""
+    from ridgefill.solve.run import load_extras
 
-    if "state_correction" not in rep:
-        return {}
-    arrays, _ = tensors.load(sol.file(STATE))
-    sc = rep["state_correction"]
-    facts = {"chunk": sc["chunk"], "states_per_layer": sc["states_per_layer"],
-             "data_sha256": [d["sha256"] for d in sc["documents"]]}
-    return {"state_offsets": {int(name.split(".")[1]): a for name, a in arrays.items()}, "state_facts": facts}
+    offsets, table = load_extras(sol)
+    extras = {}
+    if table is not None:
+        extras = {"protected": table, "protected_facts": rep["protected_tokens"]}
+    if offsets is not None:
+        sc = rep["state_correction"]
+        facts = {"chunk": sc["chunk"], "states_per_layer": sc["states_per_layer"],
+                 "data_sha256": [d["sha256"] for d in sc["documents"]]}
+        extras |= {"state_offsets": offsets, "state_facts": facts}
+    return extras
 
 
 def _float_maps(src: Artifact) -> dict:

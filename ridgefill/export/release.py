@@ -17,6 +17,9 @@ else in the package should repeat them. A release folder holds exactly:
                         --state-data`): `layer.<l>.state_offset` F32 [value heads, key dim, value dim] for every
                         `linear_attention` layer of `layers`; the manifest's `corrections` {"state": {file, layers,
                         chunk, states_per_layer, data_sha256}} describes it (a fact, like every other field)
+    protected.safetensors   the protected-token table (`protected_token_ids` I32, ascending), when the solve
+                        made one; the manifest's `protected_tokens` {file, share, types, eligible_types, ...}
+                        describes it
     README.md           model card; optional, never hashed, because the Hub may rewrite it
 
 What is protected, and how. `files` holds the sha256 of maps.safetensors, and maps.safetensors records the
@@ -63,6 +66,8 @@ MANIFEST = "ridgefill.json"
 CARD = "README.md"
 MAPS_FILE = "maps.safetensors"
 CORRECTIONS_FILE = "corrections.safetensors"
+PROTECTED_FILE = "protected.safetensors"
+PROTECTED_IDS = "protected_token_ids"
 STATE_OFFSET = "state_offset"
 _OFFSET_RE = re.compile(r"^layer\.(0|[1-9][0-9]*)\.state_offset$")
 DOC_FILES = frozenset({CARD})  # documentation: present in the folder, never hashed
@@ -209,6 +214,8 @@ def write_release(
     overwrite: bool = False,
     state_offsets: dict[int, np.ndarray] | None = None,
     state_facts: dict | None = None,
+    protected: np.ndarray | None = None,
+    protected_facts: dict | None = None,
 ) -> dict:
     """Write a release folder atomically and return the manifest written.
 
@@ -219,7 +226,8 @@ def write_release(
     `layers: [{index, ...}]`, its indices must be exactly the keys of `maps`. The facts (the manifest written,
     less `files` and `eval`) go into maps.safetensors' metadata, so its hash covers them. `card` is the model
     card's text, or a function of the manifest written that returns it. `state_offsets` {layer: float32 [value
-    heads, key dim, value dim]} (with `state_facts`, what was measured) go into corrections.safetensors.
+    heads, key dim, value dim]} (with `state_facts`, what was measured) go into corrections.safetensors, the
+    `protected` token ids (with `protected_facts`) into protected.safetensors.
 
     Everything is written into a temporary sibling folder and renamed into place. An existing non-empty
     `out_dir` is refused (BadInput) unless `overwrite=True`, and even then only if it is a release folder
@@ -250,6 +258,12 @@ def write_release(
         offs = {f"layer.{l}.{STATE_OFFSET}": ("F32", _f32(state_offsets[l], f"layer {l} state offset")) for l in layers}
         extra[CORRECTIONS_FILE] = _encode_safetensors(offs, {META_FORMAT: FORMAT})
         written["corrections"] = {"state": {**(state_facts or {}), "file": CORRECTIONS_FILE, "layers": layers}}
+    if protected is not None:
+        ids = np.asarray(protected)
+        if ids.dtype != np.int32 or ids.ndim != 1 or np.any(np.diff(ids) <= 0) or (len(ids) and ids[0] < 0):
+            raise ValueError("protected token ids must be a strictly ascending 1-D int32 array of ids >= 0")
+        extra[PROTECTED_FILE] = _encode_safetensors({PROTECTED_IDS: ("I32", ids)}, {META_FORMAT: FORMAT})
+        written["protected_tokens"] = {**(protected_facts or {}), "file": PROTECTED_FILE}
     blob = _encode_safetensors(tensors, {META_FORMAT: FORMAT, META_FACTS: facts_json(written)})
     written["files"] = {MAPS_FILE: hashlib.sha256(blob).hexdigest()}
     written["files"].update({name: hashlib.sha256(data).hexdigest() for name, data in extra.items()})
@@ -518,6 +532,23 @@ def load_release(dir: Path) -> tuple[dict, dict[int, dict[str, np.ndarray]]]:
     return manifest, maps
 
 
+def load_protected(dir: Path, manifest: dict) -> np.ndarray | None:
+    """The protected-token table of a verified release (int32 token ids, ascending), or None when it has none."""
+    info = manifest.get("protected_tokens")
+    if info is None:
+        return None
+    fname = info.get("file") if isinstance(info, dict) else None
+    if fname != PROTECTED_FILE or fname not in (manifest.get("files") or {}):
+        raise BadInput(f"{MANIFEST}: 'protected_tokens.file' must be {PROTECTED_FILE}, listed in 'files'")
+    got = _read_safetensors(Path(dir) / fname, fname)
+    if set(got) != {PROTECTED_IDS} or got[PROTECTED_IDS][0] != "I32" or got[PROTECTED_IDS][1].ndim != 1:
+        raise BadInput(f"{fname}: expected one I32 vector {PROTECTED_IDS!r}, got {sorted(got)}")
+    ids = got[PROTECTED_IDS][1]
+    if len(ids) and (ids[0] < 0 or np.any(np.diff(ids) <= 0)):
+        raise BadInput(f"{fname}: {PROTECTED_IDS} must be ascending token ids")
+    return ids
+
+
 def load_state_offsets(dir: Path, manifest: dict) -> dict[int, np.ndarray] | None:
     """The terminal-state offsets of a verified release ({layer: float32 [value heads, key dim, value dim]}), or
     None when it has none; BadInput when they do not match its layers: a tensor other than
@@ -549,14 +580,14 @@ def _read_safetensors(path: Path, fname: str) -> dict[str, tuple[str, np.ndarray
     import torch
     from safetensors import safe_open
 
-    as_np = {torch.int8: "I8", torch.bfloat16: "BF16", torch.float32: "F32"}
+    as_np = {torch.int8: "I8", torch.int32: "I32", torch.bfloat16: "BF16", torch.float32: "F32"}
     out = {}
     try:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 t = f.get_tensor(name)
                 if t.dtype not in as_np:
-                    raise BadInput(f"{fname}: tensor {name!r} has dtype {t.dtype}, expected int8, bf16 or f32")
+                    raise BadInput(f"{fname}: tensor {name!r} has dtype {t.dtype}, expected int8, int32, bf16 or f32")
                 arr = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
                 out[name] = (as_np[t.dtype], arr.copy())
     except BadInput:

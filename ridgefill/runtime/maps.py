@@ -4,6 +4,7 @@
     rel = load_release_maps(lm, "release/smollm2-135m")   # verified; refuses maps made for another model
     rel.maps    # {layer: (W float32 [d, d], b float32 [d])} on each late layer's device
     rel.split, rel.tail, rel.manifest
+    rel.state_offsets   # a hybrid's terminal-state offsets {layer: [value heads, key dim, value dim]}, or None
 
 The folder is read only through `ridgefill.export.release.load_release`, which checks every file against the
 manifest's hashes before anything is used; the split, the default tail and the model's identity come from the
@@ -29,6 +30,7 @@ class ReleaseMaps:
     tail: int  # the release's default tail (`tail_default`): prompt rows that run every layer
     manifest: dict  # the verified `ridgefill.json`
     folder: Path
+    state_offsets: dict | None = None  # {layer: float32 tensor} for prefill(corrections=("state",)), or None
 
 
 def maps_on_devices(lm, maps: dict, layers) -> dict:
@@ -50,8 +52,9 @@ def load_release_maps(lm, folder) -> ReleaseMaps:
 
     BadInput (one line) when the folder does not verify, when it was made for another model (the manifest's
     model fingerprint differs from `lm.ref.fingerprint`), or when its maps do not cover the late layers
-    split..L-1 with d x d weights."""
-    from ridgefill.export.release import MANIFEST, load_release
+    split..L-1 with d x d weights, or when its terminal-state offsets do not match the model's layers."""
+    from ridgefill.export.release import MANIFEST, load_release, load_state_offsets
+    from ridgefill.runtime.corrections import check_state_offsets
 
     folder = Path(folder)
     manifest, maps = load_release(folder)
@@ -73,4 +76,11 @@ def load_release_maps(lm, folder) -> ReleaseMaps:
         if w.shape != (d, d) or b.shape != (d,):
             raise BadInput(f"{folder}: layer {l} map is {tuple(w.shape)}, expected ({d}, {d}) for this model")
     late = {l: (maps[l]["weight"], maps[l]["bias"]) for l in range(split, L)}
-    return ReleaseMaps(maps_on_devices(lm, late, range(split, L)), split, tail, manifest, folder)
+    offsets = load_state_offsets(folder, manifest)
+    if offsets is not None:
+        try:
+            check_state_offsets(ad, split, offsets)
+        except BadInput as e:
+            raise BadInput(f"{folder}: {e}") from None
+        offsets = {l: torch.as_tensor(o).to(ad.layer_device(l)) for l, o in offsets.items()}
+    return ReleaseMaps(maps_on_devices(lm, late, range(split, L)), split, tail, manifest, folder, offsets)

@@ -13,7 +13,7 @@ from ridgefill.errors import BadInput
 from ridgefill.output import Output
 from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose, lam, maps_at, maps_per_layer, search, search_per_layer
 
-FORMAT_VERSION = 2  # 2: the grid is extended past an open edge (ridge.search)
+FORMAT_VERSION = 3  # 2: the grid is extended past an open edge (ridge.search); 3: the protected-token table
 MAPS = "maps.safetensors"
 REPORT = "report.json"
 METRIC_CHOICES = ("kv", "input")
@@ -73,6 +73,20 @@ def _state_documents(cap: Artifact, split: int, paths: list[str], chunk: int) ->
         raise BadInput(f"--state-data must be kept apart from the capture's text; capture {cap.id} used "
                        f"{', '.join(reused[:3])}{' ...' if len(reused) > 3 else ''}")
     return docs
+
+
+def load_extras(art: Artifact) -> tuple[dict | None, np.ndarray | None]:
+    """A solve artifact's terminal-state offsets {layer: float32 [value heads, key dim, value dim]} and protected-
+    token table (token ids), each None when it has none."""
+    from ridgefill.solve.protected import PROTECTED
+    from ridgefill.solve.state import STATE
+
+    names = art.manifest.get("files") or {}
+    offsets = None
+    if STATE in names:
+        offsets = {int(n.split(".")[1]): a for n, a in tensors.load(art.file(STATE))[0].items()}
+    table = tensors.load(art.file(PROTECTED))[0]["token_ids"] if PROTECTED in names else None
+    return offsets, table
 
 
 def pick_split(cap: Artifact, split: int | None) -> int:
@@ -176,6 +190,11 @@ def solve(
         w, b = maps_at(e, best["alpha"])
         fitted = scorer.score(w, b)
     identity = scorer.score(None, None)
+    from ridgefill.capture.run import COUNTS
+    from ridgefill.solve.protected import protected_table, token_classes
+
+    counts = tensors.load(cap.file(COUNTS))[0]["counts"]
+    table, table_facts = protected_table(counts, token_classes(lm.tokenizer, len(counts)))
     offsets = None
     if state_docs:
         from ridgefill.capture.run import _tokenize
@@ -197,6 +216,7 @@ def solve(
         "timings": {"eig_s": t_eig, "maps_all_alphas_s": t_maps, "grid_s": t_eig + t_maps,
                     "scoring_s": t_score},
     }
+    report["protected_tokens"] = table_facts
     if offsets is not None:
         report["state_correction"] = state_report
         report["timings"]["state_s"] = t_state
@@ -211,6 +231,9 @@ def solve(
         meta = ({"alpha_per_layer": ",".join(f"{l}:{per_layer['alpha'][str(l)]!r}" for l in layers)}
                 if per_layer else {"alpha": repr(best["alpha"])})
         tensors.save(build.path / MAPS, arrays, {"split": str(split), **meta})
+        from ridgefill.solve.protected import PROTECTED
+
+        tensors.save(build.path / PROTECTED, {"token_ids": table}, {"share": repr(table_facts["share"])})
         if offsets is not None:
             from ridgefill.solve.state import STATE, offset_name
 
