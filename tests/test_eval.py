@@ -113,14 +113,88 @@ def test_gate_exit_code_names_the_threshold(release, tiny_llama, tmp_path):
     assert r.returncode == 2 and "unknown key(s) speed_max" in r.stderr
 
 
-def test_eval_rows_arm(release, tiny_llama):
+def test_eval_selectors_controls_and_corrections(release, tiny_llama):
+    """Selected-rows arms come with their two equal-cost controls; every arm's figures equal an independent prefill
+    with the same rows / tail / corrections; the pairs compare each with what it changes; the release records the
+    corrections it was validated with."""
+    import numpy as np
+    import torch
+
+    from ridgefill.evaluate import metrics, texts
+    from ridgefill.evaluate.run import EvalConfig, _rows_rng, evaluate, load_source
+    from ridgefill.models import load_model, resolve_model
+    from ridgefill.runtime import prefill
+
     _, st, sol, rel = release
-    r = cli("eval", tiny_llama, sol.id, *TINY, "--arms", "exact", "--arms", "ridgefill+rows", "--store", st.root, "--json")
+    arms = ("exact", "ridgefill", "ridgefill+protected", "ridgefill+kshift+vscale", "ridgefill+rows")
+    cfg = EvalConfig(arms=arms, tail=48, scored=16, doc_tokens=128, lengths=(600,), documents=2, seed=3)
+    art, _ = evaluate(st, str(tiny_llama), str(rel), cfg, Output(quiet=True))
+    res = json.loads(art.file("results.json").read_text())
+    s = art.manifest["summary"]
+    assert list(s["arms"]) == ["exact", "ridgefill", "ridgefill+protected", "ridgefill+protected:random",
+                               "ridgefill+protected:tail", "ridgefill+vscale+kshift", "ridgefill+rows",
+                               "ridgefill+rows:random", "ridgefill+rows:tail"]
+    assert set(s["pairs"]) == {"ridgefill+protected - ridgefill", "ridgefill+protected:random - ridgefill+protected",
+                               "ridgefill+protected:tail - ridgefill+protected", "ridgefill+vscale+kshift - ridgefill",
+                               "ridgefill+rows - ridgefill", "ridgefill+rows:random - ridgefill+rows",
+                               "ridgefill+rows:tail - ridgefill+rows"}
+    lm = load_model(resolve_model(str(tiny_llama), store_root=st.root), store_root=st.root)
+    src = load_source(st, str(rel))
+    assert src.protected is not None and len(src.protected) > 0
+    fill = {"split": src.split, "maps": src.maps}
+    for d, row in zip(texts.long_documents(lm.tokenizer, 128, limit=2), res["documents"]):
+        ids = torch.tensor(d.ids[:128])
+        targets, pick = ids[-16:].numpy(), slice(48 - 16 - 1, 48 - 1)
+        le = prefill(lm, ids, "exact", split=src.split, tail=48).logits[pick].numpy()
+        nll = metrics.token_nll(le, targets)
+
+        def check(arm, **kw):
+            la = prefill(lm, ids, "ridgefill", **fill, **kw).logits[-17:-1][: 16].numpy() if "tail" in kw and kw[
+                "tail"] != 48 else prefill(lm, ids, "ridgefill", tail=48, **fill, **kw).logits[pick].numpy()
+            assert row[arm]["dnll"] == pytest.approx(float(np.mean(metrics.token_nll(la, targets) - nll)), abs=1e-4), arm
+
+        protected = [p for p in range(128 - 48) if int(ids[p]) in src.protected]
+        count = row["rows_added"]["ridgefill+protected"]
+        assert count == len(set(protected) - {0}) > 0  # row 0 is exact in every fill arm anyway
+        assert row["rows_added"]["ridgefill+protected:random"] == row["rows_added"]["ridgefill+protected:tail"] == count
+        check("ridgefill+protected", exact_rows=protected)
+        free = np.arange(1, 128 - 48)
+        randoms = sorted(_rows_rng(3, ids).choice(free, size=count, replace=False).tolist())
+        assert set(randoms) != set(protected) - {0}
+        check("ridgefill+protected:random", exact_rows=randoms)
+        check("ridgefill+protected:tail", tail=48 + count)
+        check("ridgefill+vscale+kshift", corrections=("vscale", "kshift"))
+        probe = range(128 - 16 - 64, 128 - 16)  # documents: the stretch before the scored tokens
+        rows = set(prefill(lm, ids, "ridgefill+rows", tail=48, probe=probe, **fill).exact_rows) - {0}
+        assert row["rows_added"]["ridgefill+rows"] == row["rows_added"]["ridgefill+rows:tail"] == len(rows) > 0
+        check("ridgefill+rows:tail", tail=48 + len(rows))
+    man = json.loads((rel / "ridgefill.json").read_text())
+    r = cli("eval", tiny_llama, rel, *TINY, "--arms", "exact", "--arms", "ridgefill+vscale", "--store", st.root)
     assert r.returncode == 0, r.stderr
-    s = json.loads(r.stdout)["summary"]
-    assert set(s["arms"]) == {"exact", "ridgefill+rows"} and "dnll" in s["arms"]["ridgefill+rows"]
-    r = cli("eval", tiny_llama, sol.id, *TINY, "--arms", "exact", "--arms", "rows", "--store", st.root)
-    assert r.returncode == 2 and "unknown arm 'rows'" in r.stderr
+    assert json.loads((rel / "ridgefill.json").read_text())["eval"]["corrections"] == ["vscale"]
+    assert "ridgefill+vscale vs ridgefill" not in r.stderr  # no plain ridgefill arm to compare with
+    assert man["protected_tokens"]["share"] == 0.25
+
+
+@pytest.mark.parametrize("arms, message", [
+    (["rows"], "unknown arm 'rows' (an arm is one of exact, nofill, identity, ridgefill, optionally with +modifiers)"),
+    (["ridgefill+vrescale"], "arm 'ridgefill+vrescale': unknown modifier 'vrescale'"),
+    (["nofill+vscale"], "arm 'nofill+vscale': 'nofill' takes no modifiers (they apply to the fill arms)"),
+    (["identity+rows"], "arm 'identity+rows': row selectors apply to ridgefill"),
+    (["ridgefill+rows+protected"], "arm 'ridgefill+rows+protected': one selector per arm"),
+    (["ridgefill+state"], "arm 'ridgefill+state' needs terminal-state offsets, and "),
+])
+def test_eval_refuses_bad_arms(release, tiny_llama, arms, message):
+    _, st, sol, rel = release
+    before = sorted((st.root / "eval").iterdir()) if (st.root / "eval").exists() else []
+    r = cli("eval", tiny_llama, rel, *TINY, "--arms", "exact", *[x for a in arms for x in ("--arms", a)],
+            "--store", st.root)
+    assert r.returncode == 2 and r.stderr.startswith("Error: " + message), r.stderr
+    assert (sorted((st.root / "eval").iterdir()) if (st.root / "eval").exists() else []) == before
+
+
+def test_eval_tasks_refusal(release, tiny_llama):
+    _, st, sol, rel = release
     r = cli("eval", tiny_llama, sol.id, *TINY, "--tasks", "single", "--tasks", "haystack", "--store", st.root)
     assert r.returncode == 2 and "unknown needle task(s) haystack" in r.stderr
 

@@ -162,6 +162,20 @@ def test_load_gguf_returns_the_manifest_facts_and_maps(tmp_path, int8_release):
         assert (np.abs(m["weight"] - maps[layer]["weight"]) <= q8_0_bound(maps[layer]["weight"])).all()
 
 
+def test_gguf_carries_state_offsets_and_the_protected_table(tmp_path, int8_release):
+    manifest_, maps = release.load_release(int8_release)
+    rng = np.random.default_rng(0)
+    offsets = {12: rng.standard_normal((4, 8, 8)).astype(np.float32), 13: rng.standard_normal((4, 8, 8)).astype(np.float32)}
+    table = np.array([3, 17, 250], dtype=np.int32)
+    tensors_, _ = G.encode_tensors(maps)
+    G.write_gguf(tmp_path / "m.gguf", manifest_, tensors_ + G.extra_tensors(offsets, table))
+    _, got = G.load_gguf(tmp_path / "m.gguf")
+    assert sorted(got) == list(LAYERS)  # the maps read as before
+    got_offsets, got_table = G.load_gguf_extras(tmp_path / "m.gguf")
+    assert sorted(got_offsets) == [12, 13] and all(np.array_equal(got_offsets[l], offsets[l]) for l in offsets)
+    assert got_table.tolist() == table.tolist()
+
+
 def test_metadata_keys_and_types(tmp_path, int8_release):
     from gguf import GGUFReader, GGUFValueType as T
 
@@ -263,7 +277,7 @@ def test_cli_exports_a_quantize_artifact_as_gguf(chain, tmp_path):
     assert sorted(p.name for p in art.iterdir()) == ["artifact.json", "maps.gguf"]
     rec = json.loads((art / "artifact.json").read_text())["recipe"]
     rel_id = rec["source"].split("/")[1]
-    assert rec == {"stage": "export", "version": 2, "format": "gguf", "source": f"export/{rel_id}"}
+    assert rec == {"stage": "export", "version": 3, "format": "gguf", "source": f"export/{rel_id}"}
     assert doc["summary"]["bias_correction"] is True
 
     # the GGUF's facts are the release's manifest (its maps: see test_store_gguf_is_one_rounding_of_the_float_maps)
@@ -273,6 +287,7 @@ def test_cli_exports_a_quantize_artifact_as_gguf(chain, tmp_path):
     want, _ = release.load_release(rel)
     facts, got = G.load_gguf(out)
     assert facts == no_nulls(want) and sorted(got) == list(LAYERS)
+    assert G.load_gguf_extras(out) == (None, None)  # a hand-built solve: no protected-token table
     from gguf import GGUFReader
 
     fields = GGUFReader(out).fields

@@ -114,7 +114,8 @@ def test_quantize_export_verify(chain):
     out = chain["tmp"] / "release"
     r = cli("export", q["id"], "--out", out, "--store", store, "--json")
     assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "maps.safetensors", "ridgefill.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "maps.safetensors", "protected.safetensors",
+                                                     "ridgefill.json"]
     man = json.loads((out / "ridgefill.json").read_text())
     assert man["format"] == "ridgefill-maps/1" and man["split"] == 2 and man["projector"]["dtype"] == "int8"
     assert [x["index"] for x in man["layers"]] == [2, 3]
@@ -303,3 +304,43 @@ def test_solve_runs_no_direct_solve(chain, tmp_path, monkeypatch):
                             alphas=[1e-3, 1e-2])
     assert not cached
     assert "direct_solve_one_alpha_s" not in json.loads(sol.file("report.json").read_text())["timings"]
+
+
+def test_protected_token_table(chain, tiny_llama):
+    """The solve's protected-token table follows the rule from the capture's counts (brute force: every eligible
+    type, rarest first, while the occurrences stay within 25 % of the eligible ones), and the release ships it."""
+    from transformers import AutoTokenizer
+
+    from ridgefill.capture.run import COUNTS
+    from ridgefill.export.release import load_protected, verify_release
+    from ridgefill.solve.protected import ELIGIBLE, token_class
+
+    st = Store(chain["store"])
+    sol = st.get(chain["solve"]["id"], stage="solve")
+    got = tensors.load(sol.file("protected.safetensors"))[0]["token_ids"]
+    counts = tensors.load(chain["cap"].file(COUNTS))[0]["counts"]
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    special = set(tok.all_special_ids)
+    eligible = [i for i in range(len(counts)) if i not in special
+                and token_class(tok.convert_tokens_to_string([tok.convert_ids_to_tokens(i)])) in ELIGIBLE]
+    total, vocab = int(counts.sum()), len(counts)
+    rarest = sorted(eligible, key=lambda i: (np.log((counts[i] + 1) / (total + vocab)), i))
+    budget, used, want = 0.25 * sum(int(counts[i]) for i in eligible), 0, []
+    for i in rarest:
+        used += int(counts[i])
+        if used > budget:
+            break
+        want.append(i)
+    assert got.tolist() == sorted(want) and 0 < len(want) < len(eligible)
+    assert any(counts[i] > 0 for i in want)  # seen types too, not only the unseen ones
+    rel = chain["tmp"] / "release"
+    assert load_protected(rel, verify_release(rel)).tolist() == got.tolist()
+
+
+@pytest.mark.parametrize("piece, cls", [(" The", "cap_word_start"), (" the", "lower_word_start"), ("The", "cap_piece"),
+                                        ("ing", "lower_piece"), (" x2", "mixed"), ("'t", "mixed"), (" 42", "number"),
+                                        ("3.14", "digits_punct"), (" ,", "punct"), ("\n ", "space"), (" ïve", "lower_word_start")])
+def test_token_classes(piece, cls):
+    from ridgefill.solve.protected import token_class
+
+    assert token_class(piece) == cls

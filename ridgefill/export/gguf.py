@@ -12,6 +12,9 @@ File layout `ridgefill-maps-gguf/1` (this module owns every name below):
       blk.<l>.ridgefill.weight   Q8_0, GGML ne = [d_in, d_out] (numpy / torch [d_out, d_in], as every GGUF
                                  linear weight: ggml_mul_mat(W, h) gives W h)
       blk.<l>.ridgefill.bias     F32 [d_out]
+    and, when the release has them (`load_gguf_extras` reads them back):
+      blk.<l>.ridgefill.state_offset   F32 [value heads, key dim, value dim]: a hybrid's terminal-state offsets
+      ridgefill.protected_token_ids    I32 [n]: the protected-token table
     metadata (general.architecture first, then sorted keys):
       general.architecture = "ridgefill", general.type = "adapter", general.name,
       general.base_model.count / .0.name / .0.version, general.file_type = 7 (MOSTLY_Q8_0),
@@ -60,7 +63,8 @@ from ridgefill.errors import BadInput
 from ridgefill.export import release
 from ridgefill.output import Output
 
-FORMAT_VERSION = 2  # 2: from the store, Q8_0 of the float maps with the bias correction; release facts hashed
+FORMAT_VERSION = 3  # 2: from the store, Q8_0 of the float maps with the bias correction; release facts hashed;
+# 3: the protected-token table and terminal-state offsets ride along
 LAYOUT = "ridgefill-maps-gguf/1"
 ARCH = "ridgefill"
 GGUF_FILE = "maps.gguf"
@@ -75,6 +79,8 @@ K_FILES, K_SHA = "ridgefill.files", "ridgefill.files_sha256"  # manifest `files`
 _SPECIAL = (K_LAYERS, K_KINDS, K_FILES, K_SHA)
 _RESERVED = {"gguf", "layer_kinds", "files_sha256"}  # top-level manifest keys that would collide with ours
 _TENSOR_RE = re.compile(r"^blk\.(0|[1-9][0-9]*)\.ridgefill\.(weight|bias)$")
+_OFFSET_RE = re.compile(r"^blk\.(0|[1-9][0-9]*)\.ridgefill\.state_offset$")
+PROTECTED_TENSOR = "ridgefill.protected_token_ids"
 
 
 def tensor_name(layer: int, kind: str) -> str:
@@ -313,6 +319,8 @@ def load_gguf(path: Path) -> tuple[dict, dict[int, dict[str, np.ndarray]]]:
                        f"{K_FORMAT} {kv.get(K_FORMAT)!r})")
     parts: dict[int, dict[str, np.ndarray]] = {}
     for t in reader.tensors:
+        if _is_extra(t):
+            continue
         m = _TENSOR_RE.match(t.name)
         want = GGMLQuantizationType.Q8_0 if m and m.group(2) == "weight" else GGMLQuantizationType.F32
         if m is None or t.tensor_type != want:
@@ -326,6 +334,40 @@ def load_gguf(path: Path) -> tuple[dict, dict[int, dict[str, np.ndarray]]]:
     if [x["index"] for x in manifest.get("layers", [])] != sorted(parts):
         raise BadInput(f"{path}: {K_LAYERS} does not match the tensors' layers {sorted(parts)}")
     return manifest, dict(sorted(parts.items()))
+
+
+def extra_tensors(offsets: dict | None, protected) -> list:
+    """The release's terminal-state offsets and protected-token table as GGUF tensors (after the maps)."""
+    out = [(f"blk.{l}.ridgefill.state_offset", np.asarray(offsets[l], dtype=np.float32), "F32")
+           for l in sorted(offsets or {})]  # fmt: skip
+    if protected is not None:
+        out.append((PROTECTED_TENSOR, np.asarray(protected, dtype=np.int32), "I32"))
+    return out
+
+
+def _is_extra(t) -> bool:
+    from gguf import GGMLQuantizationType
+
+    if _OFFSET_RE.match(t.name):
+        return t.tensor_type == GGMLQuantizationType.F32
+    return t.name == PROTECTED_TENSOR and t.tensor_type == GGMLQuantizationType.I32
+
+
+def load_gguf_extras(path: Path) -> tuple[dict | None, np.ndarray | None]:
+    """A ridgefill GGUF's terminal-state offsets {layer: float32 [value heads, key dim, value dim]} and protected-
+    token table (int32 ids), each None when absent."""
+    from gguf import GGUFReader
+
+    offsets, protected = {}, None
+    for t in GGUFReader(path).tensors:
+        if not _is_extra(t):
+            continue
+        data = np.array(t.data)
+        if t.name == PROTECTED_TENSOR:
+            protected = data.astype(np.int32).reshape(-1)
+        else:
+            offsets[int(_OFFSET_RE.match(t.name).group(1))] = data.astype(np.float32)
+    return offsets or None, protected
 
 
 # ------------------------------------------------------------------------------------------ the stage
@@ -342,6 +384,7 @@ def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail
     maps = None
     if (folder / release.MANIFEST).is_file():
         manifest, maps = release.load_release(folder)  # verified; --tail does not apply: the release has its own
+        extras = extra_tensors(release.load_state_offsets(folder, manifest), release.load_protected(folder, manifest))
         for layer, m in sorted(maps.items()):
             check_row_length(layer, m["weight"].shape[1])
         source, provenance = "release:" + hashlib.sha256(canonical_json(manifest).encode()).hexdigest(), {}
@@ -363,9 +406,10 @@ def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail
     if not cached:
         mean_x = None
         if maps is None:
-            manifest, _ = _load_release_artifact(rel)  # the facts, verified as a user's release would be
+            manifest, _, extras = _load_release_artifact(rel)  # the facts, verified as a user's release would be
             maps, mean_x = float_maps_and_mean(store, sol, manifest)
         tensors, errors = encode_tensors(maps, mean_x)
+        tensors += extras
         with store.build("export", recipe) as b:
             write_gguf(b.path / GGUF_FILE, manifest, tensors, provenance)
             summary = {"format": "gguf", "split": manifest.get("split"), "files": [GGUF_FILE],
@@ -404,14 +448,18 @@ def _source_row_lengths(src: Artifact) -> list[tuple[int, int]]:
     return [(l, w.shape[1]) for l, (w, _) in sorted(load_maps(src).items())]
 
 
-def _load_release_artifact(rel: Artifact) -> tuple[dict, dict]:
-    """Load the store's release artifact as a user loads a release: its files (not artifact.json) in a folder."""
+def _load_release_artifact(rel: Artifact) -> tuple[dict, dict, list]:
+    """Load the store's release artifact as a user loads a release: its files (not artifact.json) in a folder.
+    Returns (manifest, maps, its extra tensors for the GGUF)."""
     from ridgefill.export.build import manifest_files
 
     with tempfile.TemporaryDirectory(prefix="ridgefill-gguf-") as tmp:
         for name in manifest_files(rel.path):
             shutil.copyfile(rel.path / name, Path(tmp) / name)
-        return release.load_release(Path(tmp))
+        manifest, maps = release.load_release(Path(tmp))
+        extras = extra_tensors(release.load_state_offsets(Path(tmp), manifest),
+                               release.load_protected(Path(tmp), manifest))  # fmt: skip
+        return manifest, maps, extras
 
 
 def _gguf_version() -> str | None:

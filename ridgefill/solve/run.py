@@ -193,8 +193,10 @@ def solve(
     from ridgefill.capture.run import COUNTS
     from ridgefill.solve.protected import protected_table, token_classes
 
-    counts = tensors.load(cap.file(COUNTS))[0]["counts"]
-    table, table_facts = protected_table(counts, token_classes(lm.tokenizer, len(counts)))
+    table = table_facts = None
+    if COUNTS in (cap.manifest.get("files") or {}):  # every capture writes them; a hand-built one may not
+        counts = tensors.load(cap.file(COUNTS))[0]["counts"]
+        table, table_facts = protected_table(counts, token_classes(lm.tokenizer, len(counts)))
     offsets = None
     if state_docs:
         from ridgefill.capture.run import _tokenize
@@ -216,7 +218,8 @@ def solve(
         "timings": {"eig_s": t_eig, "maps_all_alphas_s": t_maps, "grid_s": t_eig + t_maps,
                     "scoring_s": t_score},
     }
-    report["protected_tokens"] = table_facts
+    if table is not None:
+        report["protected_tokens"] = table_facts
     if offsets is not None:
         report["state_correction"] = state_report
         report["timings"]["state_s"] = t_state
@@ -231,9 +234,10 @@ def solve(
         meta = ({"alpha_per_layer": ",".join(f"{l}:{per_layer['alpha'][str(l)]!r}" for l in layers)}
                 if per_layer else {"alpha": repr(best["alpha"])})
         tensors.save(build.path / MAPS, arrays, {"split": str(split), **meta})
-        from ridgefill.solve.protected import PROTECTED
+        if table is not None:
+            from ridgefill.solve.protected import PROTECTED
 
-        tensors.save(build.path / PROTECTED, {"token_ids": table}, {"share": repr(table_facts["share"])})
+            tensors.save(build.path / PROTECTED, {"token_ids": table}, {"share": repr(table_facts["share"])})
         if offsets is not None:
             from ridgefill.solve.state import STATE, offset_name
 
