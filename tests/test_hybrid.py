@@ -19,6 +19,7 @@ from tiny import HYBRIDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEXTS = [f"document {i}: " + "the cat sat on the mat and looked around. import os; print(x) " * (9 + i) for i in range(6)]
+STATE_TEXTS = [f"state text {i}: " + "a river runs under the old stone bridge while birds sing. " * (12 + i) for i in range(2)]
 EVAL = ["--tail", "48", "--scored", "16", "--doc-tokens", "128", "--lengths", "600", "--documents", "2",
         "--samples", "1"]  # fmt: skip
 
@@ -33,17 +34,22 @@ def chain(request, tmp_path_factory):
     data.mkdir()
     for i, t in enumerate(TEXTS):
         (data / f"d{i}.txt").write_text(t)
+    state = tmp / "state"
+    state.mkdir()
+    for i, t in enumerate(STATE_TEXTS):
+        (state / f"s{i}.txt").write_text(t)
     store = tmp / "store"
     ids = {}
     for stage, args in (("capture", [model, "--data", data, "--split", "2", "--chunk", "64", "--held-out", "2"]),
-                        ("solve", None), ("quantize", None)):  # fmt: skip
-        r = cli(stage, *(args or [ids[prev]]), "--store", store, "--json")
+                        ("solve", ["--state-data", state, "--state-chunk", "32"]), ("quantize", [])):  # fmt: skip
+        args = args if stage == "capture" else [ids[prev], *args]
+        r = cli(stage, *args, "--store", store, "--json")
         assert r.returncode == 0, r.stderr
         ids[stage], prev = json.loads(r.stdout)["id"], stage
     rel = tmp / "release"
     r = cli("export", ids["quantize"], "--out", rel, "--store", store)
     assert r.returncode == 0, r.stderr
-    return {"arch": arch, "model": model, "store": store, "ids": ids, "release": rel}
+    return {"arch": arch, "model": model, "store": store, "ids": ids, "release": rel, "state": state, "data": data}
 
 
 def _rms(x, w, eps):
@@ -109,12 +115,85 @@ def test_release_and_eval(chain):
     assert man["model"]["architecture"] == chain["arch"]
     assert man["layers"] == [{"index": 2, "kind": "linear_attention"}, {"index": 3, "kind": "full_attention"}]
     assert cli("verify", rel).returncode == 0
-    r = cli("eval", chain["model"], rel, *EVAL, "--store", chain["store"], "--json")
+    assert sorted(p.name for p in rel.iterdir()) == ["README.md", "corrections.safetensors", "maps.safetensors",
+                                                     "protected.safetensors", "ridgefill.json"]
+    assert man["corrections"]["state"]["layers"] == [2] and man["corrections"]["state"]["chunk"] == 32
+    r = cli("eval", chain["model"], rel, *EVAL, "--arms", "exact", "--arms", "ridgefill", "--arms", "identity",
+            "--arms", "nofill", "--arms", "ridgefill+state", "--arms", "ridgefill+vscale", "--store", chain["store"],
+            "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)["summary"]
-    assert set(s["arms"]) == {"exact", "ridgefill", "identity", "nofill"}
-    for arm in ("ridgefill", "identity", "nofill"):
+    assert set(s["arms"]) == {"exact", "ridgefill", "identity", "nofill", "ridgefill+state", "ridgefill+vscale"}
+    for arm in ("ridgefill", "identity", "nofill", "ridgefill+state"):
         assert s["arms"][arm]["kl"] >= 0 and 0 <= s["arms"][arm]["needle"] <= 100
+    assert set(s["pairs"]) == {"ridgefill+state - ridgefill", "ridgefill+vscale - ridgefill"}
+    assert json.loads((rel / "ridgefill.json").read_text())["eval"]["corrections"] == ["state", "vscale"]
+
+
+def test_state_offsets_by_brute_force(chain, lm_of):
+    """The solve's terminal-state offsets: the stock Gated DeltaNet layer run chunk by chunk on the true inputs and
+    on the fill's (row 0 exact, the rest from the solved maps), sum(exact - filled) / sum(share) over chunk ends."""
+    from ridgefill.artifacts import tensors
+    from ridgefill.runtime.corrections import filled_share
+    from transformers import AutoTokenizer, DynamicCache
+
+    lm = lm_of(chain["arch"])
+    store = Store(chain["store"])
+    sol = store.get(chain["ids"]["solve"], stage="solve")
+    maps = tensors.load(sol.file("maps.safetensors"))[0]
+    got = tensors.load(sol.file("state.safetensors"))[0]["layer.2.state_offset"]
+    tok = AutoTokenizer.from_pretrained(chain["model"])
+    W, b = (torch.tensor(maps[f"layer.2.{k}"]) for k in ("weight", "bias"))
+    gdn, norm = lm.adapter.layers[2].linear_attn, lm.adapter.layers[2].input_layernorm
+    diff, share = np.zeros(got.shape), np.zeros(got.shape[0])
+    for text in STATE_TEXTS:
+        ids = torch.tensor(tok(text)["input_ids"][: lm.model.config.max_position_embeddings])  # as solve cuts them
+        with torch.no_grad():
+            hs = lm.model(input_ids=ids[None], output_hidden_states=True).hidden_states
+            x_true, x_fill = hs[2][0], hs[2][0].clone()
+            x_fill[1:] = hs[2][0][1:] @ W.T + b  # split 2: h_S is layer 2's own input
+            filled = torch.ones(len(ids), dtype=torch.bool)
+            filled[0] = False
+            if hasattr(gdn, "in_proj_a"):  # Qwen3.5: its own projection
+                a = gdn.in_proj_a(norm(x_fill))
+            else:  # Qwen3-Next: per key head [b b a a]
+                a = gdn.in_proj_ba(norm(x_fill)).view(len(ids), 2, 4)[..., 2:].reshape(len(ids), 4)
+            gates = -gdn.A_log.exp() * torch.nn.functional.softplus(a + gdn.dt_bias)
+            for end in range(32, len(ids) + 1, 32):
+                states = []
+                for x in (x_true, x_fill):
+                    c = DynamicCache(config=lm.model.config)
+                    gdn(norm(x[:end])[None], cache=c)  # one call over the whole run: the same state as chunk by chunk
+                    states.append(c.layers[2].recurrent_states[0][0].double().numpy())
+                diff += states[0] - states[1]
+                share += filled_share(gates[:end], filled[:end]).numpy()
+    np.testing.assert_allclose(got, diff / share[:, None, None], rtol=1e-3, atol=1e-6)
+
+
+def test_corrections_refusals(chain, tmp_path):
+    """A release whose correction tensors do not match its layers, and corrections asked of a model without such
+    layers: one line, exit 2, nothing written."""
+    from ridgefill.export.release import load_release, load_state_offsets, verify_release, write_release
+
+    rel = chain["release"]
+    manifest, maps = load_release(rel)
+    offsets = load_state_offsets(rel, manifest)
+    bad = tmp_path / "bad"
+    facts = {k: v for k, v in manifest.items() if k not in ("files", "eval", "format", "projector", "corrections",
+                                                              "protected_tokens")}  # fmt: skip
+    write_release(bad, {l: {"weight": m["weight"], "bias": m["bias"]} for l, m in maps.items()}, facts, "card",
+                  state_offsets={2: offsets[2][:, :, :4].copy()}, state_facts=manifest["corrections"]["state"])
+    verify_release(bad)  # consistent hashes: only the shapes are wrong
+    evals = lambda: sorted((chain["store"] / "eval").iterdir())  # noqa: E731
+    before = evals()
+    r = cli("eval", chain["model"], bad, *EVAL, "--arms", "exact", "--arms", "ridgefill+state", "--store",
+            chain["store"])  # fmt: skip
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        f"Error: arm 'ridgefill+state': {bad}: terminal-state offset of layer 2 has shape [4, 8, 4], but the layer's "
+        "state is [4, 8, 8]"), r.stderr
+    assert evals() == before and "Traceback" not in r.stderr
+    r = cli("solve", chain["ids"]["capture"], "--state-data", chain["data"], "--store", chain["store"])
+    assert r.returncode == 2 and "--state-data must be kept apart from the capture's text" in r.stderr
 
 
 @pytest.mark.parametrize("arch", HYBRIDS)
