@@ -87,5 +87,16 @@ def pairs_lines(summary: dict) -> list[str]:
         added = summary["arms"][arm].get("rows_added")
         if added is not None:
             parts.append(f"{100 * added:.1f} % of the prompt's rows exact")
-        lines.append(f"  {arm} vs {against}: " + "; ".join(parts))
+        lines.append(f"  {arm} vs {against}: " + "; ".join(parts) + f" -> {verdict(p)}")
     return lines
+
+
+def verdict(pair: dict) -> str:
+    """"helps" / "hurts" when an interval excludes zero (more needles, or less added loss, is better), "mixed"
+    when they disagree, else "no clear effect"."""
+    signs = set()
+    for key, better in (("needle", 1), ("dnll_novel", -1), ("dnll_key", -1)):
+        x = pair.get(key)
+        if x and (x["low"] > 0 or x["high"] < 0):
+            signs.add("helps" if (x["low"] > 0) == (better > 0) else "hurts")
+    return "mixed" if len(signs) > 1 else signs.pop() if signs else "no clear effect"
