@@ -9,7 +9,8 @@
 
     [capture]                               # CaptureConfig fields; data defaults to ["builtin:default"]
     data = ["builtin:default"]
-    [solve]                                 # alphas, metric, split, chat_share, alpha_per_layer
+    [solve]                                 # alphas, metric, split, chat_share, alpha_per_layer, and on a hybrid
+                                            # state_data (paths, as capture's data) and state_chunk
     split = "auto"                          # optional: run `ridgefill sweep` and release its recommended split
     [sweep]                                 # with split = "auto": SweepConfig fields (splits, length, samples,
                                             # max_needle_drop, max_key_dnll, ...); tail defaults to [export]'s
@@ -40,7 +41,7 @@ from ridgefill.output import Output
 
 SECTIONS = {"capture", "solve", "quantize", "export", "eval", "push", "sweep"}
 PLACE_KEYS = ("device", "dtype", "device_map", "max_memory")  # optional top-level keys: where the model runs
-SOLVE_KEYS = {"alphas", "metric", "split", "chat_share", "alpha_per_layer"}
+SOLVE_KEYS = {"alphas", "metric", "split", "chat_share", "alpha_per_layer", "state_data", "state_chunk"}
 PUSH_KEYS = {"repo", "revision", "private", "commit_message"}
 
 
@@ -106,6 +107,11 @@ def load_recipe(path: Path) -> Recipe:
     sol = dict(_known(doc.get("solve", {}), SOLVE_KEYS, "solve"))
     if "alpha_per_layer" in sol and not isinstance(sol["alpha_per_layer"], bool):
         raise BadInput(f"recipe [solve]: alpha_per_layer must be true or false, got {sol['alpha_per_layer']!r}")
+    if "state_data" in sol:
+        paths = [sol["state_data"]] if isinstance(sol["state_data"], str) else sol["state_data"]
+        if not (isinstance(paths, list) and paths and all(isinstance(x, str) for x in paths)):
+            raise BadInput("recipe [solve]: state_data must be a path or a list of paths")
+        sol["state_data"] = [str(rel(x)) for x in paths]
     sweep = None
     if sol.get("split") == "auto":
         from ridgefill.evaluate.sweep import SweepConfig
@@ -174,7 +180,9 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
 
         scfg = SweepConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recipe.sweep.items()},
                            quantize=recipe.quantize, alpha_per_layer=solve_args.get("alpha_per_layer", False))
-        shared = {k: v for k, v in solve_args.items() if k not in ("split", "alpha_per_layer")}
+        # the sweep's solves measure no terminal-state offsets: the released split's solve does
+        shared = {k: v for k, v in solve_args.items() if k not in ("split", "alpha_per_layer", "state_data",
+                                                                     "state_chunk")}  # fmt: skip
         sw = stage("sweep", lambda: sweep(store, recipe.model, scfg, out, data=recipe.capture["data"],
                                           capture_args=cap_cfg, solve_args=shared, **place))
         rec = sw.manifest["summary"]

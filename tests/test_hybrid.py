@@ -247,3 +247,23 @@ def test_qwen3_5_loads_its_text_part(lm_of):
     assert lm.ref.model_type == "qwen3_5" and lm.model.config.model_type == "qwen3_5_text"
     assert (lm.ref.num_layers, lm.ref.hidden_size) == (4, 64)  # read from config.json's text_config
     assert type(lm.adapter).__name__ == "Qwen3_5Adapter"
+
+
+def test_recipe_releases_a_hybrid_with_its_state_correction(tmp_path, tiny_qwen3_next):
+    """The whole chain from one recipe file on a hybrid: solve measures the terminal-state offsets on its
+    state_data (a path relative to the recipe), the release carries them, eval runs the corrected arm."""
+    for name, texts in (("data", TEXTS), ("state", STATE_TEXTS)):
+        (tmp_path / name).mkdir()
+        for i, t in enumerate(texts):
+            (tmp_path / name / f"d{i}.txt").write_text(t)
+    recipe = tmp_path / "hybrid.toml"
+    recipe.write_text("\n".join([
+        f'model = "{tiny_qwen3_next}"', 'out = "rel"', "[capture]", 'data = ["data"]', "splits = [2]", "chunk = 64",
+        "held_out = 2", "[solve]", 'state_data = ["state"]', "state_chunk = 32", "[eval]", "tail = 48", "scored = 16",
+        "doc_tokens = 128", "lengths = [600]", "documents = 2", "samples = 1",
+        'arms = ["exact", "ridgefill", "ridgefill+state"]']) + "\n")  # fmt: skip
+    r = cli("release", recipe, "--store", tmp_path / "store", "--json")
+    assert r.returncode == 0, r.stderr
+    man = json.loads((tmp_path / "rel" / "ridgefill.json").read_text())
+    assert man["corrections"]["state"]["layers"] == [2] and man["eval"]["corrections"] == ["state"]
+    assert "ridgefill+state" in man["eval"]["arms"]
