@@ -35,6 +35,15 @@ place, and writes the rows being run into their own slots when the attention cal
 slots become an ordinary `DynamicCache(config=...)` (sliding layers keep their last window - 1 rows, as the stock
 cache does), so decoding continues with the stock model at positions N, N+1, ...
 
+Hybrids (docs/hybrid.md). A Gated DeltaNet layer has a recurrent state instead of key/value slots: early ones run
+every row in order; in a late one the state runs over the prefix with the filled rows' predicted inputs and the
+exact rows' true ones, then over the tail, and only the query rows get the rest of the layer. The states land in
+the final cache beside the attention layers' keys and values.
+
+Corrections (`corrections=`, ridgefill.runtime.corrections): per-request value / key rescales and key-mean shift
+of the filled keys and values, measured on the first tail rows, and the terminal-state correction of a hybrid's
+filled Gated DeltaNet states.
+
 In sliding-window late layers only the prefix rows that some query row (an exact row or the tail) sees are
 filled: a row more than a window behind the next query row gets no keys at all. The final cache keeps only the
 last window - 1 rows, which the tail's queries see.
@@ -507,13 +516,13 @@ def _late(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep, states,
             pos = fill_pos_sliding  # the other rows are outside every query's window
         if pos.numel():
             x = _predicted(arm, maps, l, x_split, pos, dev)
-            k, v = ad.kv(l, x)
+            k, v = ad.kv(l, x)  # [F, kv_heads, head_dim], before RoPE, on the layer's device
             if kv_fix:  # measured on the first tail rows: from their true input (hq) and from the map's prediction
                 m = min(fix.rows, tail)
                 r = len(rows)
                 k_true, v_true = ad.kv(l, hq[0, r : r + m])
                 k_pred, v_pred = ad.kv(l, _predicted(arm, maps, l, x_split, all_pos[prefix : prefix + m], dev))
-                k, v = fixes.apply_kv(fixes.kv_params(kv_fix, k_true, v_true, k_pred, v_pred), k, v)  # [F, kv_heads, head_dim], before RoPE, on the layer's device
+                k, v = fixes.apply_kv(fixes.kv_params(kv_fix, k_true, v_true, k_pred, v_pred), k, v)
             cos, sin = rope[kind]
             at = pos.to(cos.device)
             k = ad.apply_rope(k, cos[0, at], sin[0, at])
