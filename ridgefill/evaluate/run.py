@@ -229,15 +229,16 @@ def _arms_from(lm, run, src: MapsSource, arms, tail: int, probe=None, logits_row
             if arm.selector == "rows":
                 r = fill(arm, "ridgefill+rows", **({"probe": probe} if probe is not None else {}))
             else:
-                table = src.protected
-                pick = [p for p in range(n - tail) if int(ids[p]) in table]
+                prefix = ids[: n - tail].tolist()
+                pick = [p for p, t in enumerate(prefix) if t in src.protected]
                 r = fill(arm, "ridgefill", exact_rows=pick)
             added[arm.name] = sorted(set(r.exact_rows) - set(own))
             res[arm.name] = r
             continue
         count = len(added[arm.selected.name])
         if arm.control == "random":
-            free = np.array([p for p in range(n - tail) if p not in set(own)], dtype=np.int64)
+            taken = set(own)
+            free = np.array([p for p in range(n - tail) if p not in taken], dtype=np.int64)
             pick = sorted(_rows_rng(seed, ids.cpu()).choice(free, size=min(count, len(free)), replace=False).tolist())
             res[arm.name] = fill(arm, "ridgefill", exact_rows=pick)
         else:
