@@ -16,6 +16,8 @@ solved, on documents kept apart from the calibration text:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 
 from ridgefill.errors import BadInput
@@ -48,8 +50,8 @@ def measure_offsets(lm, maps: dict, split: int, documents: list, chunk: int, out
     share_sum = {l: 0.0 for l in linear}  # [heads]
     exact_norm = {l: 0.0 for l in linear}
     states = 0
-    progress = out.progress("state offsets", total=len(documents)) if out is not None else None
-    with torch.no_grad(), (progress or _Null()) as bar:
+    progress = out.progress("state offsets", total=len(documents)) if out is not None else nullcontext()
+    with torch.no_grad(), progress as bar:
         for i, ids in enumerate(documents):
             ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
             n = int(ids.shape[0])
@@ -85,10 +87,3 @@ def measure_offsets(lm, maps: dict, split: int, documents: list, chunk: int, out
             "exact_state_norm": {str(l): round(exact_norm[l] / states, 6) for l in linear}}  # fmt: skip
     return offsets, info
 
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
