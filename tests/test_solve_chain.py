@@ -101,6 +101,9 @@ def test_solve_refusals(chain, tmp_path, tiny_qwen3):
     assert r.stderr.startswith(f"Error: capture {chain['cap'].id} was made with a different model")
     r = cli("solve", chain["cap"].id, "--store", chain["store"], "--split", "3")
     assert (r.returncode, r.stderr.strip()) == (2, f"Error: capture {chain['cap'].id} has no split 3 (it has 2)")
+    r = cli("solve", chain["cap"].id, "--store", chain["store"], "--state-data", chain["data"])
+    assert (r.returncode, r.stderr.strip()) == (2, "Error: --state-data: the terminal-state correction needs Gated "
+                                                   "DeltaNet layers above split 2; this model has none")
     assert len(list((chain["store"] / "solve").iterdir())) == 1  # nothing new written
 
 
