@@ -176,20 +176,38 @@ def test_eval_selectors_controls_and_corrections(release, tiny_llama):
     assert man["protected_tokens"]["share"] == 0.25
 
 
-@pytest.mark.parametrize("arms, message", [
-    (["rows"], "unknown arm 'rows' (an arm is one of exact, nofill, identity, ridgefill, optionally with +modifiers)"),
-    (["ridgefill+vrescale"], "arm 'ridgefill+vrescale': unknown modifier 'vrescale'"),
-    (["nofill+vscale"], "arm 'nofill+vscale': 'nofill' takes no modifiers (they apply to the fill arms)"),
-    (["identity+rows"], "arm 'identity+rows': row selectors apply to ridgefill"),
-    (["ridgefill+rows+protected"], "arm 'ridgefill+rows+protected': one selector per arm"),
-    (["ridgefill+state"], "arm 'ridgefill+state' needs terminal-state offsets, and "),
+@pytest.mark.parametrize("name, message", [
+    ("rows", "unknown arm 'rows' (an arm is one of exact, nofill, identity, ridgefill, optionally with +modifiers)"),
+    ("ridgefill+vrescale", "arm 'ridgefill+vrescale': unknown modifier 'vrescale'"),
+    ("nofill+vscale", "arm 'nofill+vscale': 'nofill' takes no modifiers (they apply to the fill arms)"),
+    ("identity+rows", "arm 'identity+rows': row selectors apply to ridgefill"),
+    ("ridgefill+rows+protected", "arm 'ridgefill+rows+protected': one selector per arm"),
 ])
-def test_eval_refuses_bad_arms(release, tiny_llama, arms, message):
+def test_arm_names_refused(name, message):
+    from ridgefill.errors import BadInput
+    from ridgefill.evaluate.arms import plan
+
+    with pytest.raises(BadInput) as e:
+        plan(["exact", name])
+    assert str(e.value).startswith(message)
+
+
+def test_arm_names_canonical():
+    from ridgefill.evaluate.arms import plan
+
+    assert [a.name for a in plan(["exact", "ridgefill+rows:tail", "ridgefill+kshift+vscale", "ridgefill+vscale+kshift"])] \
+        == ["exact", "ridgefill+rows", "ridgefill+rows:random", "ridgefill+rows:tail", "ridgefill+vscale+kshift"]
+
+
+def test_eval_refuses_bad_arms(release, tiny_llama):
+    """Through the CLI: one line, exit 2, no eval artifact."""
     _, st, sol, rel = release
     before = sorted((st.root / "eval").iterdir()) if (st.root / "eval").exists() else []
-    r = cli("eval", tiny_llama, rel, *TINY, "--arms", "exact", *[x for a in arms for x in ("--arms", a)],
-            "--store", st.root)
-    assert r.returncode == 2 and r.stderr.startswith("Error: " + message), r.stderr
+    for arms, message in ((["rows"], "unknown arm 'rows'"),
+                          (["ridgefill+state"], "arm 'ridgefill+state' needs terminal-state offsets, and ")):
+        r = cli("eval", tiny_llama, rel, *TINY, "--arms", "exact", *[x for a in arms for x in ("--arms", a)],
+                "--store", st.root)
+        assert r.returncode == 2 and r.stderr.startswith("Error: " + message), r.stderr
     assert (sorted((st.root / "eval").iterdir()) if (st.root / "eval").exists() else []) == before
 
 

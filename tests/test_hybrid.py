@@ -171,8 +171,10 @@ def test_state_offsets_by_brute_force(chain, lm_of):
 
 
 def test_corrections_refusals(chain, tmp_path):
-    """A release whose correction tensors do not match its layers, and corrections asked of a model without such
-    layers: one line, exit 2, nothing written."""
+    """A release whose correction tensors do not match its layers, and --state-data the capture used: one line,
+    exit 2, nothing written (a model without such layers: test_corrections.py, test_solve_chain.py)."""
+    if chain["arch"] != "qwen3_next":
+        pytest.skip("the refusals do not depend on the architecture: checked on qwen3_next")
     from ridgefill.export.release import load_release, load_state_offsets, verify_release, write_release
 
     rel = chain["release"]
