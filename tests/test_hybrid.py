@@ -14,7 +14,7 @@ from ridgefill.capture.run import load_heldout
 from ridgefill.errors import BadInput
 from ridgefill.models.load import check_architecture
 from ridgefill.runtime import prefill
-from clirun import cli
+from clirun import cli_here as cli  # in this process: no interpreter and torch start-up per command
 from tiny import HYBRIDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
