@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ridgefill.runtime.layers import SLIDING, Layers, final_logits
+from ridgefill.runtime.layers import SLIDING, Layers, final_logits, holds_state
 
 
 class SlotCache:
@@ -147,7 +147,7 @@ def greedy_batch(lm, results: list, max_new: int, stop=None) -> list[list[int]]:
             if keep != live:
                 rows = torch.tensor([live.index(i) for i in keep], device=lm.adapter.device)
                 for layer in cache.layers:
-                    if hasattr(layer, "recurrent_states"):  # a Gated DeltaNet layer's states
+                    if holds_state(layer):
                         layer.reorder_cache(rows)
                     else:
                         layer.batch_select_indices(rows.to(layer.keys.device))
@@ -167,7 +167,7 @@ def decoding_cache(lm, caches: list, room: int):
     updates them in place). The given caches are not modified."""
     cache = DynamicCache(config=lm.model.config)
     for l, layer in enumerate(caches[0].layers):
-        if hasattr(layer, "recurrent_states"):
+        if holds_state(layer):
             cache.layers[l] = _stacked_states([c.layers[l] for c in caches])
             continue
         keys, values = _stack([c.layers[l].keys for c in caches]), _stack([c.layers[l].values for c in caches])

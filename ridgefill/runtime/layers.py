@@ -66,6 +66,11 @@ def final_logits(lm, hidden: torch.Tensor) -> torch.Tensor:
     return logits.float()
 
 
+def holds_state(cache_layer) -> bool:
+    """Whether a transformers cache layer holds a Gated DeltaNet layer's conv / recurrent states (no rows)."""
+    return hasattr(cache_layer, "recurrent_states")
+
+
 def mlp_output(out):
     """The hidden state of an MLP or MoE block's output (MoE blocks may return (hidden, router logits))."""
     return out[0] if isinstance(out, tuple) else out

@@ -65,7 +65,7 @@ import torch
 from ridgefill.errors import BadInput
 from ridgefill.runtime import corrections as fixes
 from ridgefill.runtime.cache import SlotCache
-from ridgefill.runtime.layers import LINEAR, SLIDING, Layers, final_logits
+from ridgefill.runtime.layers import LINEAR, SLIDING, Layers, final_logits, holds_state
 from ridgefill.runtime.maps import maps_on_devices
 
 ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
@@ -381,7 +381,7 @@ def copy_layer(layer):
     import copy
 
     new = copy.copy(layer)
-    if hasattr(layer, "recurrent_states"):
+    if holds_state(layer):
         for name in ("conv_states", "recurrent_states", "is_conv_states_initialized",
                      "is_recurrent_states_initialized", "has_previous_state", "conv_kernel_size"):
             states = getattr(layer, name)
