@@ -168,8 +168,7 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, plac
             gguf_cache_dir(ref, store_root=store.root)
     lm = load_model(ref, store_root=store.root, trust_remote_code=cfg.trust_remote_code, **place.load_args())
     load_s = time.perf_counter() - t0
-    context = int(getattr(lm.model.config.get_text_config(), "max_position_embeddings", 0) or 0) or None
-    max_length = cfg.max_length or context
+    max_length = cfg.max_length or model_context(lm)
     ids = _tokenize(lm.tokenizer, corpus, cfg.chat, max_length)
     units = _units(ids, calib, held, cfg)
     blocks = _blocks(units)
@@ -332,6 +331,11 @@ def _model_info(ref) -> dict:
 
 def _vocab_size(lm) -> int:
     return max(len(lm.tokenizer), int(getattr(lm.model.config, "vocab_size", 0) or 0))
+
+
+def model_context(lm) -> int | None:
+    """The model's context in tokens (its text config's max_position_embeddings), or None when it says none."""
+    return int(getattr(lm.model.config.get_text_config(), "max_position_embeddings", 0) or 0) or None
 
 
 def _tokenize(tok, corpus: Corpus, chat: bool, max_length: int | None) -> dict[str, list]:

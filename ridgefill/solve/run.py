@@ -199,13 +199,12 @@ def solve(
         table, table_facts = protected_table(counts, token_classes(lm.tokenizer, len(counts)))
     offsets = None
     if state_docs:
-        from ridgefill.capture.run import _tokenize
         from ridgefill.capture.corpus import Corpus
+        from ridgefill.capture.run import _tokenize, model_context
         from ridgefill.solve.state import measure_offsets
 
         t = time.perf_counter()
-        context = int(getattr(lm.model.config.get_text_config(), "max_position_embeddings", 0) or 0) or None
-        ids = _tokenize(lm.tokenizer, Corpus(state_docs, 0, 0), False, context)["raw"]
+        ids = _tokenize(lm.tokenizer, Corpus(state_docs, 0, 0), False, model_context(lm))["raw"]  # as capture cuts
         fit = {l: (w[i], b[i]) for i, l in enumerate(layers)}
         offsets, info = measure_offsets(lm, fit, split, ids, state_chunk, out)
         state_report = {"documents": [{"name": d.name, "sha256": d.sha256, "tokens": len(x)}
