@@ -63,7 +63,9 @@ def main() -> None:
     from ridgefill.artifacts import Store
     from ridgefill.capture.corpus import read_corpus
     from ridgefill.capture.forward import document_chunks, exact_float32
-    from ridgefill.capture.run import SKIP_FIRST, CaptureConfig, _tokenize, capture
+    from ridgefill.capture.artifact import tokenize as _tokenize
+    from ridgefill.capture.run import CaptureConfig, capture
+    from ridgefill.capture.units import SKIP_FIRST
     from ridgefill.output import Output
 
     before = machine()
@@ -155,7 +157,7 @@ def profile(lm, docs, layers, L, chunk, np, torch) -> dict:
     the forward stops at), `with_stats` (chunk_moments + merge_into after each chunk, as capture does) and
     `mirror` (the same two on a step-by-step copy of their code, timed per step; its forward is not used)."""
     from ridgefill.capture.forward import chunk_moments, document_chunks, exact_float32
-    from ridgefill.capture.run import SKIP_FIRST
+    from ridgefill.capture.units import SKIP_FIRST
     from ridgefill.capture.stats import Moments, merge_into
 
     split = layers[0]

@@ -185,9 +185,9 @@ def main() -> None:
     # agreement
     import numpy as np
 
-    from ridgefill.artifacts import tensors
+    from ridgefill.formats import safetensors
 
-    arrays, _ = tensors.load(sol_dir / "maps.safetensors")
+    arrays, _ = safetensors.load(sol_dir / "maps.safetensors")
     per_layer = {}
     for l in sinfo["layers"]:
         wn, bn = np.load(maps / f"w{l}.npy"), np.load(maps / f"b{l}.npy")

@@ -33,7 +33,7 @@ def main() -> None:
 
     from ridgefill.artifacts import Store
     from ridgefill.evaluate import texts
-    from ridgefill.evaluate.run import load_source
+    from ridgefill.evaluate.source import load_source
     from ridgefill.runtime import ceiling, prefill
     from ridgefill.models import load_model, resolve_model
 

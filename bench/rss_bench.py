@@ -134,13 +134,14 @@ def child(args) -> None:
     import transformers  # noqa: F401
 
     import ridgefill
+    import ridgefill.capture.artifact as capture_artifact
     import ridgefill.capture.run as run
     import ridgefill.models
     from ridgefill.artifacts import Store
     from ridgefill.output import Output
 
     trace.append(snapshot("imports", ridgefill=str(Path(ridgefill.__file__).parent)))
-    real_load, real_tok, real_units = ridgefill.models.load_model, run._tokenize, run._units
+    real_load, real_tok, real_units = ridgefill.models.load_model, capture_artifact.tokenize, run.make_units
     units: list = []
 
     def load_model(*a, **k):
@@ -166,7 +167,7 @@ def child(args) -> None:
         units.extend(us)
         return us
 
-    ridgefill.models.load_model, run._tokenize, run._units = load_model, tokenize, make_units
+    ridgefill.models.load_model, capture_artifact.tokenize, run.make_units = load_model, tokenize, make_units
     done = 0
     seen: set = set()
     trim = ctypes.CDLL("libc.so.6").malloc_trim if args.malloc_trim else None
@@ -203,7 +204,7 @@ def child_embed(args) -> None:
     """Load the model, look up the embedding of every token of args.data (tokenized as capture does), and report
     how much of the embedding matrix is then mapped into this process; JSON on stdout."""
     from ridgefill.capture.corpus import read_corpus
-    from ridgefill.capture.run import _tokenize
+    from ridgefill.capture.artifact import tokenize as _tokenize
 
     from common import load
 

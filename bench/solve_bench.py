@@ -27,9 +27,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from ridgefill.artifacts import Store
-    from ridgefill.capture.run import load_stats
+    from ridgefill.capture.artifact import load_stats
     from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose, direct_solve, maps_at
-    from ridgefill.solve.run import pick_split
+    from ridgefill.capture.artifact import pick_split
 
     cap = Store(args.store).get(args.capture, stage="capture")
     split = pick_split(cap, args.split)

@@ -37,10 +37,10 @@ def stats_differences(a: Path, b: Path) -> dict:
     """Per array of stats.safetensors: equal, or the largest absolute and relative difference."""
     import numpy as np
 
-    from ridgefill.artifacts import tensors
+    from ridgefill.formats import safetensors
 
-    x, _ = tensors.load(a / "stats.safetensors")
-    y, _ = tensors.load(b / "stats.safetensors")
+    x, _ = safetensors.load(a / "stats.safetensors")
+    y, _ = safetensors.load(b / "stats.safetensors")
     out = {}
     for k in sorted(set(x) | set(y)):
         if k not in x or k not in y or x[k].shape != y[k].shape:

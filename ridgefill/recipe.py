@@ -141,11 +141,12 @@ def load_recipe(path: Path) -> Recipe:
 def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: str | None = None) -> dict:
     """Run every stage; returns the JSON summary (a failed gate: summary["gate"]["passed"] is False, no push)."""
     from ridgefill.capture.run import CaptureConfig, capture
-    from ridgefill.evaluate.gate import check_gate, load_gate
-    from ridgefill.evaluate.run import EvalConfig, evaluate, manifest_summary
+    from ridgefill.evaluate.gate import load_gate
+    from ridgefill.evaluate.run import EvalConfig, evaluate, record
+    from ridgefill.evaluate.summary import manifest_summary
     from ridgefill.export import build
     from ridgefill.export.quantize import quantize
-    from ridgefill.export.release import set_eval, verify_release
+    from ridgefill.formats.release import verify_release
     from ridgefill.solve.run import solve
 
     if push and recipe.push is None:
@@ -208,15 +209,14 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
     if recipe.eval is not None:
         cfg = EvalConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recipe.eval.items()})
         ev = stage("eval", lambda: evaluate(store, recipe.model, str(recipe.out), cfg, out, **place))
-        set_eval(recipe.out, manifest_summary(ev.manifest["summary"], ev.id))
-        verify_release(recipe.out)
+        gate = record(str(recipe.out), ev, rules, out)
         summary["eval"] = {"ceiling_speedup": ev.manifest["summary"]["ceiling_speedup"],
                            "arms": manifest_summary(ev.manifest["summary"], ev.id)["arms"]}
-        if rules:
-            failed = check_gate(ev.manifest["summary"], rules)
-            summary["gate"] = {"file": str(recipe.gate), "passed": not failed, "failed": failed}
+        if gate is not None:
+            failed = gate["failed"]
+            summary["gate"] = {"file": str(recipe.gate), **gate}
     if push and not failed:
-        from ridgefill.export.hub import push as hub_push
+        from ridgefill.hub.releases import push as hub_push
 
         p = recipe.push
         t = time.perf_counter()

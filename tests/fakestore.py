@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ridgefill.artifacts import Store, tensors
-from ridgefill.export import int8
+from ridgefill.artifacts import Store
+from ridgefill.formats import safetensors
+from ridgefill.formats import int8
 
 LAYERS = (2, 12, 13)  # "layer.12" / "blk.12" sort before "layer.2": orders must be numeric
 D_OUT, D_IN = 96, 160  # not square (orientation); d_in = 5 Q8_0 blocks, and a ragged int8 group (128 + 32)
@@ -43,10 +44,11 @@ def calibration_mean(d_in: int = D_IN) -> np.ndarray:
 def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE) -> dict[str, str]:
     """A capture (documents and split-2 statistics), a solve (float maps, report) and a quantize artifact (int8
     maps at `group`, bias-corrected along the calibration mean as `quantize` does); returns their ids."""
-    from ridgefill.capture.run import DOCS, STATS
+    from ridgefill.capture.artifact import DOCS, STATS
     from ridgefill.capture.stats import Moments
-    from ridgefill.export.quantize import QUANT, quantize_map
-    from ridgefill.solve.run import MAPS, REPORT
+    from ridgefill.export.artifact import QUANT
+    from ridgefill.export.quantize import quantize_map
+    from ridgefill.solve.artifact import MAPS, REPORT
 
     st = Store(root)
     docs = [{"name": "a", "role": "calibration", "sha256": "a" * 64, "tokens": 60},
@@ -56,24 +58,24 @@ def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE) -> di
     moments.n, moments.mean_x[:] = 59, mean
     with st.build("capture", {"stage": "capture", "model": FP, "skip_first": 1, "chat": False, "d_in": d_in}) as b:
         (b.path / DOCS).write_text(json.dumps(docs))
-        tensors.save(b.path / STATS, moments.to_arrays("raw.split2"), {"splits": "2", "variants": "raw"})
+        safetensors.save(b.path / STATS, moments.to_arrays("raw.split2"), {"splits": "2", "variants": "raw"})
         cap = b.commit(info={"model": MODEL, "layer_kinds": {str(i): "attention" for i in range(14)}})
     fm = float_maps(d_in=d_in)
     mean_scores = {"k_cosine": 0.9, "v_cosine": 0.8}
     report = {"split": 2, "alpha": 1e-3, "lambda": 0.5, "rows": 59, "metric": "kv", "held_out_rows": 40,
               "fitted": {"mean": mean_scores}, "identity": {"mean": {"k_cosine": 0.7, "v_cosine": 0.5}}}
     with st.build("solve", {"stage": "solve", "capture": cap.id, "chat_share": None, "split": 2}) as b:
-        tensors.save(b.path / MAPS, {f"layer.{l}.{k}": v for l, m in fm.items() for k, v in m.items()})
+        safetensors.save(b.path / MAPS, {f"layer.{l}.{k}": v for l, m in fm.items() for k, v in m.items()})
         (b.path / REPORT).write_text(json.dumps(report))
         sol = b.commit(info={"capture": cap.id, "model": MODEL}, summary={"layers": list(LAYERS), "split": 2})
     arrays = {}
     for l, m in fm.items():
         codes, bits, bias_bits = quantize_map(m["weight"], m["bias"], mean, group)
         arrays[f"layer.{l}.codes"] = codes
-        arrays[f"layer.{l}.scales"] = tensors.BF16(bits)
-        arrays[f"layer.{l}.bias"] = tensors.BF16(bias_bits)
+        arrays[f"layer.{l}.scales"] = safetensors.BF16(bits)
+        arrays[f"layer.{l}.bias"] = safetensors.BF16(bias_bits)
     with st.build("quantize", {"stage": "quantize", "solve": sol.id, "group_size": group}) as b:
-        tensors.save(b.path / QUANT, arrays, {"group_size": str(group)})
+        safetensors.save(b.path / QUANT, arrays, {"group_size": str(group)})
         q = b.commit(info={"solve": sol.id, "capture": cap.id, "model": MODEL},
                      summary={"score_int8": 0.79, "score_float": 0.8, "split": 2})
     return {"capture": cap.id, "solve": sol.id, "quantize": q.id}

@@ -10,9 +10,11 @@ import json
 import numpy as np
 import pytest
 
-from ridgefill.artifacts import Store, tensors
+from ridgefill.artifacts import Store
+from ridgefill.formats import safetensors
 from ridgefill.artifacts.store import recipe_id
-from ridgefill.capture.run import CaptureConfig, capture, load_heldout, load_stats
+from ridgefill.capture.artifact import load_heldout, load_stats
+from ridgefill.capture.run import CaptureConfig, capture
 from ridgefill.capture.stats import moments_of
 from ridgefill.output import Output
 from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose, maps_at, maps_per_layer, search, search_per_layer
@@ -121,7 +123,8 @@ SPLIT = 1  # late layers 1, 2, 3 of the 4-layer tiny llama
 def solved(tmp_path_factory, tiny_llama):
     """A capture of the tiny llama at split 1, solved with --alpha-per-layer through the CLI and with the shared
     alpha through the library, on the default grid."""
-    from ridgefill.solve.run import REPORT, solve
+    from ridgefill.solve.artifact import REPORT
+    from ridgefill.solve.run import solve
 
     tmp = tmp_path_factory.mktemp("apl")
     data = tmp / "data"
@@ -183,7 +186,7 @@ def test_each_layer_gets_the_argmax_of_its_own_brute_force_score(solved, tiny_ll
     # the layers do want different alphas here: the split layer's own input (the identity) wants the least
     assert len(set(p["alpha"].values())) == len(layers) and p["alpha"][str(SPLIT)] < 1e-5
     # the maps written are each layer's at its own alpha
-    arrays, meta = tensors.load(solved["per"].file("maps.safetensors"))
+    arrays, meta = safetensors.load(solved["per"].file("maps.safetensors"))
     for i, l in enumerate(layers):
         wr, br = _layer_solve(m, i, p["alpha"][str(l)])
         np.testing.assert_allclose(arrays[f"layer.{l}.weight"], wr, rtol=1e-4, atol=1e-4 * np.abs(wr).max())
@@ -252,7 +255,7 @@ def test_release_records_the_per_layer_alphas(solved):
     assert man["fit"]["alpha_per_layer"] == p["alpha"] and man["fit"]["lambda_per_layer"] == p["lambda"]
     assert "alpha" not in man["fit"] and "lambda" not in man["fit"]  # no single alpha made these maps
     assert man["heldout"]["fitted"] == {k: round(v, 6) for k, v in rep["fitted"]["mean"].items()}
-    from ridgefill.export.release import load_release
+    from ridgefill.formats.release import load_release
 
     facts, _ = load_release(out["per"])
     assert facts["fit"]["alpha_per_layer"] == p["alpha"]

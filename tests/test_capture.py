@@ -10,8 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from ridgefill.artifacts import Store, tensors
-from ridgefill.capture.run import COUNTS, DOCS, HELDOUT, STATS, CaptureConfig, capture
+from ridgefill.artifacts import Store
+from ridgefill.formats import safetensors
+from ridgefill.capture.artifact import COUNTS, DOCS, HELDOUT, STATS
+from ridgefill.capture.run import CaptureConfig, capture
 from ridgefill.capture.stats import Moments, merge, moments_of
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
@@ -89,7 +91,7 @@ def test_outlier_rows_are_not_fitted(tmp_path, tiny_llama, corpus):
     art, _ = run(store, tiny_llama, corpus, splits=(1, 2), outlier_ratio=1.1)
     base, _ = run(store, tiny_llama, corpus, splits=(1, 2))
     assert art.recipe["outlier_ratio"] == 1.1 and base.recipe["outlier_ratio"] == 20.0 and art.id != base.id
-    arrays, _ = tensors.load(art.file(STATS))
+    arrays, _ = safetensors.load(art.file(STATS))
     calib = [i for i, d in enumerate(json.loads(art.file(DOCS).read_text())) if d["role"] == "calibration"]
     texts = [(corpus / f"doc{i}.txt").read_text() for i in range(len(TEXTS))]
     want = brute_force(tiny_llama, texts, calib, (1, 2), outliers=(1.1, 32))
@@ -112,7 +114,7 @@ def test_stats_match_brute_force(tmp_path, tiny_llama, corpus, product_dtype):
     store = Store(tmp_path / "store")
     art, cached = run(store, tiny_llama, corpus, splits=(1, 2), product_dtype=product_dtype)
     assert not cached
-    arrays, meta = tensors.load(art.file(STATS))
+    arrays, meta = safetensors.load(art.file(STATS))
     docs = json.loads(art.file(DOCS).read_text())
     calib = [i for i, d in enumerate(docs) if d["role"] == "calibration"]
     assert len(calib) == 4 and sum(d["role"] == "held_out" for d in docs) == 2
@@ -124,12 +126,12 @@ def test_stats_match_brute_force(tmp_path, tiny_llama, corpus, product_dtype):
                              1e-5 if product_dtype == "float32" else 1e-6)
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
-    vocab_counts = tensors.load(art.file(COUNTS))[0]["counts"]
+    vocab_counts = safetensors.load(art.file(COUNTS))[0]["counts"]
     ref = np.zeros_like(vocab_counts)
     for i in calib:
         np.add.at(ref, tok(texts[i])["input_ids"][:256], 1)
     np.testing.assert_array_equal(vocab_counts, ref)
-    held, _ = tensors.load_zst(art.file(HELDOUT))
+    held, _ = safetensors.load_zst(art.file(HELDOUT))
     assert held["hidden.1"].shape[0] == held["doc"].shape[0] <= 40 + 2
     assert set(held["doc"].tolist()) == {i for i, d in enumerate(docs) if d["role"] == "held_out"}
     assert (held["pos"] != 0).all()  # never a document's first row
@@ -181,10 +183,10 @@ import os, sys, time
 from pathlib import Path
 
 import ridgefill.capture.forward as forward
-import ridgefill.capture.run as run
+import ridgefill.capture.checkpoint as checkpoint
 
 count, pause_at, paused = Path(os.environ["COUNT_FILE"]), int(os.environ.get("PAUSE_AT", "-1")), os.environ["PAUSED"]
-chunks, save = forward.document_chunks, run._State.save
+chunks, save = forward.document_chunks, checkpoint.State.save
 
 def counted(lm, ids, *a, **k):
     with count.open("a") as f:
@@ -197,7 +199,7 @@ def pausing(self, work, run_id):
         Path(paused).write_text(str(self.next_unit))
         time.sleep(600)
 
-forward.document_chunks, run._State.save = counted, pausing
+forward.document_chunks, checkpoint.State.save = counted, pausing
 from ridgefill.cli import main
 sys.argv = ["ridgefill", *sys.argv[1:]]
 main()
@@ -239,7 +241,7 @@ def test_kill_9_resumes_where_it_stopped_and_is_byte_identical(tmp_path, tiny_ll
         return [int(x) for x in (tmp_path / f"count{i}").read_text().split()]
 
     def checkpointed() -> int:
-        return int(tensors.load(state)[1]["next_unit"])
+        return int(safetensors.load(state)[1]["next_unit"])
 
     def wait_for(p, ready, what):
         deadline = time.time() + 180
@@ -313,10 +315,10 @@ def test_capture_never_runs_the_last_layer_or_the_head(tmp_path, corpus, monkeyp
 
 def test_chat_statistics_kept_apart(tmp_path, tiny_llama, corpus):
     art, _ = run(Store(tmp_path / "s"), tiny_llama, corpus, chat=True)
-    arrays, meta = tensors.load(art.file(STATS))
+    arrays, meta = safetensors.load(art.file(STATS))
     assert meta["variants"] == "raw,chat"
     raw_only, _ = run(Store(tmp_path / "r"), tiny_llama, corpus)
-    np.testing.assert_array_equal(arrays["raw.split2.cxx"], tensors.load(raw_only.file(STATS))[0]["raw.split2.cxx"])
+    np.testing.assert_array_equal(arrays["raw.split2.cxx"], safetensors.load(raw_only.file(STATS))[0]["raw.split2.cxx"])
     assert arrays["chat.split2.n"][0] > arrays["raw.split2.n"][0]  # the template adds tokens
 
 

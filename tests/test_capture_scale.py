@@ -9,8 +9,11 @@ import sys
 import numpy as np
 import pytest
 
-from ridgefill.artifacts import Store, tensors
-from ridgefill.capture.run import COUNTS, DOCS, HELDOUT, STATS, CaptureConfig, Unit, _blocks, capture
+from ridgefill.artifacts import Store
+from ridgefill.formats import safetensors
+from ridgefill.capture.artifact import COUNTS, DOCS, HELDOUT, STATS
+from ridgefill.capture.run import CaptureConfig, capture
+from ridgefill.capture.units import Unit, blocks as _blocks
 from ridgefill.capture.stats import Moments
 from ridgefill.output import Output
 
@@ -41,7 +44,7 @@ def quiet():
 
 
 def stats_of(art, key):
-    arrays, _ = tensors.load(art.file(STATS))
+    arrays, _ = safetensors.load(art.file(STATS))
     return Moments.from_arrays(arrays, key)
 
 
@@ -63,8 +66,8 @@ def test_chunked_equals_one_shot(tmp_path, request, long_corpus, arch):
     assert max(d["tokens"] for d in docs) > 5 * 7
     for s in (1, 2):
         assert rel_err(stats_of(many, f"raw.split{s}"), stats_of(one, f"raw.split{s}")) <= 1e-5
-    a, _ = tensors.load_zst(one.file(HELDOUT))
-    b, _ = tensors.load_zst(many.file(HELDOUT))
+    a, _ = safetensors.load_zst(one.file(HELDOUT))
+    b, _ = safetensors.load_zst(many.file(HELDOUT))
     np.testing.assert_array_equal(a["pos"], b["pos"])
     np.testing.assert_allclose(b["hidden.3"], a["hidden.3"], rtol=1e-4, atol=1e-5)
 

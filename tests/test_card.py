@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ridgefill.export import card as card_mod
-from ridgefill.export import release
+from ridgefill.formats import release
 from ridgefill.models import spec
 
 FP = "ab" * 32

@@ -71,7 +71,7 @@ def test_every_command_takes_quiet():
 
 
 def tiny_release(folder) -> None:
-    from ridgefill.export import int8, release
+    from ridgefill.formats import int8, release
 
     rng = np.random.default_rng(0)
     codes, bits = int8.quantize((rng.standard_normal((32, 32)) * 0.05).astype(np.float32))

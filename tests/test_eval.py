@@ -64,7 +64,8 @@ def test_eval_arms_equal_their_own_prefills(release, tiny_llama):
 
     from ridgefill.evaluate import metrics, texts
     from ridgefill.evaluate.needles import score_answer
-    from ridgefill.evaluate.run import EvalConfig, evaluate, load_source, needle_suite
+    from ridgefill.evaluate.run import EvalConfig, evaluate, needle_suite
+    from ridgefill.evaluate.source import load_source
     from ridgefill.models import load_model, resolve_model
     from ridgefill.runtime import greedy, prefill
 
@@ -121,7 +122,9 @@ def test_eval_selectors_controls_and_corrections(release, tiny_llama):
     import torch
 
     from ridgefill.evaluate import metrics, texts
-    from ridgefill.evaluate.run import EvalConfig, _rows_rng, evaluate, load_source
+    from ridgefill.evaluate.measure import rows_rng as _rows_rng
+    from ridgefill.evaluate.run import EvalConfig, evaluate
+    from ridgefill.evaluate.source import load_source
     from ridgefill.models import load_model, resolve_model
     from ridgefill.runtime import prefill
 
@@ -319,7 +322,8 @@ def test_summary_by_hand():
     interval: against arithmetic done here and an independent bootstrap."""
     from dataclasses import replace
 
-    from ridgefill.evaluate.run import EvalConfig, summarize
+    from ridgefill.evaluate.run import EvalConfig
+    from ridgefill.evaluate.summary import summarize
 
     cfg = EvalConfig(arms=("exact", "ridgefill", "identity"), tail=48, lengths=(600, 700), seed=11, bootstrap=20000)
     s = summarize(HAND, cfg)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ridgefill.artifacts import Store
-from ridgefill.fold import compact as cmp
+from ridgefill.fold import artifact as fold_artifact
 from ridgefill.fold.compact import CompactConfig, compact
 from ridgefill.fold.math import round_to
 from ridgefill.fold.run import FoldConfig, fold
@@ -52,7 +52,7 @@ def test_compact_artifact(folded):
     s = comp["summary"]
     n = s["context_tokens"]
     assert s["kept_per_head"] == int(0.25 * n)
-    cache = cmp.load_cache(art)
+    cache = fold_artifact.load_cache(art)
     full_layers = [0, 1, 2, 3] if arch == "llama" else [1, 3]  # Gemma's sliding layers 0, 2 stay whole
     assert s["compacted_layers"] == full_layers
     for l, layer in cache.items():
@@ -65,8 +65,8 @@ def test_compact_artifact(folded):
             assert set(layer) == {"keys", "values", "positions"} and layer["keys"].shape == (2, n, 16)
     from transformers import AutoTokenizer
 
-    assert cmp.load_context(art).tolist() == AutoTokenizer.from_pretrained(model)(CONTEXT)["input_ids"]
-    report = json.loads(art.file(cmp.REPORT).read_text())
+    assert fold_artifact.load_context(art).tolist() == AutoTokenizer.from_pretrained(model)(CONTEXT)["input_ids"]
+    report = json.loads(art.file(fold_artifact.REPORT).read_text())
     assert all(h["residual"] <= h["start_residual"] + 1e-12 for h in report["heads"])
 
 
@@ -82,7 +82,7 @@ def test_fold_artifact_and_check(folded):
     assert check["arms"]["full"]["answer_matches_full"] is True
     for arm in ("am", "fold", "drop"):
         assert check["arms"][arm]["kl"] >= 0
-    biased, folded_cache = cmp.load_cache(st.get(comp["id"])), cmp.load_cache(art)
+    biased, folded_cache = fold_artifact.load_cache(st.get(comp["id"])), fold_artifact.load_cache(art)
     for l, layer in folded_cache.items():
         if "beta" in biased[l]:
             assert set(layer) == {"keys", "values", "positions", "u"}
@@ -192,17 +192,14 @@ def test_compact_refuses_missing_context_and_non_attention_model(tiny_llama, tmp
 
 
 def test_cache_files_round_trip(folded):
-    """Reading a cache file and writing it back gives the same bytes."""
-    from ridgefill.artifacts import tensors
+    """Reading a cache file (ridgefill.formats.cache) and writing it back gives the same bytes."""
+    from ridgefill.formats import cache, safetensors
 
     _, _, store, comp, fold_ = folded
     for ident in (comp["id"], fold_["id"]):
-        art = Store(store).get(ident)
-        raw, meta = tensors.load(art.file(cmp.CACHE))
-        dtype = meta["dtype"]
-        layers = cmp.load_cache(art)
-        arrays = {f"layer.{l}.{k}": cmp.to_dtype(a, dtype) if k in ("keys", "values") else a
-                  for l, d in layers.items() for k, a in d.items()}  # fmt: skip
+        path = Store(store).get(ident).file(cache.FILE)
+        meta = safetensors.read_header(path)[1]
+        assert meta["format"] == cache.FORMAT == "ridgefill-cache/1"
         out = store / f"{ident}.safetensors"
-        tensors.save(out, arrays, meta)
-        assert out.read_bytes() == art.file(cmp.CACHE).read_bytes()
+        cache.write_cache(out, cache.read_cache(path), meta["dtype"])
+        assert out.read_bytes() == path.read_bytes()

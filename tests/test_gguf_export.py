@@ -16,10 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ridgefill.artifacts import Store, tensors
+from ridgefill.artifacts import Store
+from ridgefill.formats import safetensors
+from ridgefill.artifacts.store import sha256_file
 from ridgefill.errors import BadInput
-from ridgefill.export import gguf as G
-from ridgefill.export import int8, release
+from ridgefill.formats import gguf as G
+from ridgefill.formats import int8, release
 from clirun import cli
 from fakestore import D_IN, D_OUT, FP, LAYERS, calibration_mean, fake_chain, float_maps
 
@@ -155,7 +157,7 @@ def test_load_gguf_returns_the_manifest_facts_and_maps(tmp_path, int8_release):
     G.write_gguf(tmp_path / "m.gguf", manifest_, tensors_, {"source_artifact": "quantize/abc"})
     facts, got = G.load_gguf(tmp_path / "m.gguf")
     assert facts == no_nulls(manifest_)  # every fact of ridgefill.json, incl. files -> sha256 of maps.safetensors
-    assert facts["files"] == {"maps.safetensors": release.sha256_file(int8_release / "maps.safetensors")}
+    assert facts["files"] == {"maps.safetensors": sha256_file(int8_release / "maps.safetensors")}
     assert sorted(got) == list(LAYERS)
     for layer, m in got.items():
         assert m["weight"].shape == (D_OUT, D_IN) and np.array_equal(m["bias"], maps[layer]["bias"])
@@ -319,7 +321,7 @@ def test_store_gguf_is_one_rounding_of_the_float_maps(chain, tmp_path, stage):
     blocks = {t.name: np.asarray(t.data) for t in GGUFReader(out).tensors}
     mean = calibration_mean()
     fm = float_maps()
-    from ridgefill.export.quantize import load_quant
+    from ridgefill.export.artifact import load_quant
 
     int8_maps_ = {l: (int8.dequantize(q["codes"], q["scale_bits"]), q["bias"])  # as the old path decoded them
                   for l, q in load_quant(Store(root).get(ids["quantize"])).items()}

@@ -17,9 +17,9 @@ import pytest
 from clirun import cli
 from hubserver import HubServer, Token
 
-from ridgefill.export import int8, release
+from ridgefill.formats import int8, release
 from ridgefill.export.card import model_card
-from ridgefill.export.release import CARD, MANIFEST, MAPS_FILE
+from ridgefill.formats.release import CARD, MANIFEST, MAPS_FILE
 
 WRITE = "hf_rfWRITE_5e1f0c9a7b3d4e2f8a6c"  # alice, may write to alice/* and acme/*
 READ = "hf_rfREAD_0a9b8c7d6e5f4a3b2c1d"  # alice, read-only
@@ -348,12 +348,13 @@ def test_token_never_leaks(hub, home, tmp_path):
     r = run(hub, home, "pull", "acme/secret", "--out", tmp_path / "c", token=None)  # private: not without a token
     assert r.returncode == 2 and "acme/secret: repository not found" in one_line_error(r)
 
-    # a refused token: exit 1, one line, and the (wrong) token is not echoed
+    # a refused token: bad input (exit 2) as for a model download, one line, and the (wrong) token is not echoed
     bad = "hf_rfWRONG_1d2c3b4a5f6e7d8c9b0a"
     r = run(hub, home, "push", folder, "--repo", "acme/secret", "--token", bad, token=None)
-    assert r.returncode == 1
+    assert r.returncode == 2
     errors = [line for line in r.stderr.strip().splitlines() if not line.startswith("Warning: ")]  # --token warns
-    assert len(errors) == 1 and errors[0].startswith("Error: Hub refused the token"), r.stderr
+    assert len(errors) == 1 and errors[0].startswith(f"Error: acme/secret: the Hub at {hub.url} refused the token "
+                                                     "(401: "), r.stderr
     assert bad not in r.stderr + r.stdout and "Traceback" not in r.stderr
 
 
@@ -362,7 +363,7 @@ def test_push_needs_a_token_with_write_access(hub, home, published, tmp_path):
     r = run(hub, home, "push", folder, "--repo", "acme/nope", token=None)
     assert r.returncode == 1 and "no Hub token" in one_line_error(r)
     r = run(hub, home, "push", folder, "--repo", "acme/readonly", token=READ)
-    assert r.returncode == 1 and "Hub refused the token (403" in one_line_error(r)
+    assert r.returncode == 2 and f"acme/readonly: the Hub at {hub.url} refused access (403: " in one_line_error(r)
     assert READ not in r.stderr
     assert "acme/nope" not in hub.repos and "acme/readonly" not in hub.repos
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ridgefill.artifacts import Store
-from ridgefill.capture.run import load_heldout
+from ridgefill.capture.artifact import load_heldout
 from ridgefill.errors import BadInput
 from ridgefill.models.load import check_architecture
 from ridgefill.runtime import prefill
@@ -91,14 +91,14 @@ def test_solve_scores_gated_deltanet_layers_by_their_projections(chain):
     the predicted and the true input; an attention layer keeps keys and values (brute force, float64)."""
     from transformers import AutoModelForCausalLM
 
-    from ridgefill.artifacts import tensors
+    from ridgefill.formats import safetensors
 
     store = Store(chain["store"])
     sol = store.get(chain["ids"]["solve"], stage="solve")
     rep = json.loads(sol.file("report.json").read_text())
     held = load_heldout(store.get(chain["ids"]["capture"], stage="capture"))
     model = AutoModelForCausalLM.from_pretrained(chain["model"], dtype=torch.float32).requires_grad_(False)
-    maps = tensors.load(sol.file("maps.safetensors"))[0]
+    maps = safetensors.load(sol.file("maps.safetensors"))[0]
     x = held["hidden.2"].astype(np.float64)
     for l, brute in ((2, _gdn_kv_brute), (3, _attn_kv_brute)):
         y = held[f"hidden.{l}"].astype(np.float64)
@@ -133,15 +133,15 @@ def test_release_and_eval(chain):
 def test_state_offsets_by_brute_force(chain, lm_of):
     """The solve's terminal-state offsets: the stock Gated DeltaNet layer run chunk by chunk on the true inputs and
     on the fill's (row 0 exact, the rest from the solved maps), sum(exact - filled) / sum(share) over chunk ends."""
-    from ridgefill.artifacts import tensors
+    from ridgefill.formats import safetensors
     from ridgefill.runtime.corrections import filled_share
     from transformers import AutoTokenizer, DynamicCache
 
     lm = lm_of(chain["arch"])
     store = Store(chain["store"])
     sol = store.get(chain["ids"]["solve"], stage="solve")
-    maps = tensors.load(sol.file("maps.safetensors"))[0]
-    got = tensors.load(sol.file("state.safetensors"))[0]["layer.2.state_offset"]
+    maps = safetensors.load(sol.file("maps.safetensors"))[0]
+    got = safetensors.load(sol.file("state.safetensors"))[0]["layer.2.state_offset"]
     tok = AutoTokenizer.from_pretrained(chain["model"])
     W, b = (torch.tensor(maps[f"layer.2.{k}"]) for k in ("weight", "bias"))
     gdn, norm = lm.adapter.layers[2].linear_attn, lm.adapter.layers[2].input_layernorm
@@ -175,7 +175,7 @@ def test_corrections_refusals(chain, tmp_path):
     exit 2, nothing written (a model without such layers: test_corrections.py, test_solve_chain.py)."""
     if chain["arch"] != "qwen3_next":
         pytest.skip("the refusals do not depend on the architecture: checked on qwen3_next")
-    from ridgefill.export.release import load_release, load_state_offsets, verify_release, write_release
+    from ridgefill.formats.release import load_release, load_state_offsets, verify_release, write_release
 
     rel = chain["release"]
     manifest, maps = load_release(rel)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ridgefill.export.int8 import GROUP_SIZE, bf16_bits_to_f32, dequantize, f32_to_bf16_bits, quantize
+from ridgefill.formats.int8 import GROUP_SIZE, bf16_bits_to_f32, dequantize, f32_to_bf16_bits, quantize
 
 ONE = 0x3F80  # bf16 1.0
 

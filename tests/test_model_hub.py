@@ -417,7 +417,7 @@ def test_download_patterns_take_top_level_config_tokenizer_and_safetensors_only(
     """The patterns as huggingface_hub applies them (fnmatch, where `*` also crosses '/')."""
     from huggingface_hub.utils import filter_repo_objects
 
-    from ridgefill.models.hub import ALLOW_PATTERNS, IGNORE_PATTERNS
+    from ridgefill.hub.snapshot import ALLOW_PATTERNS, IGNORE_PATTERNS
 
     wanted = ["added_tokens.json", "chat_template.jinja", "config.json", "generation_config.json", "merges.txt",
               "model-00001-of-00002.safetensors", "model.safetensors.index.json", "qwen.tiktoken",

@@ -19,6 +19,7 @@ import torch
 
 from ridgefill.errors import BadInput
 from ridgefill.models import adapter_for, load_model, resolve_model
+from ridgefill.models import fingerprint as fingerprint_mod
 from ridgefill.models import spec as spec_mod
 from ridgefill.models.spec import ModelRef, read_gguf_header
 from tiny import ARCHS, HYBRIDS, make_tiny_gguf, make_tiny_model
@@ -215,15 +216,15 @@ def test_gguf_fingerprint_changes_with_a_byte(tmp_path):
 
 @pytest.fixture
 def hashed(monkeypatch):
-    """The names of the files spec.py reads to hash, in order (sha256_file is its only way to hash a file)."""
+    """The names of the files fingerprint.py reads to hash, in order (sha256_file is its only way to hash a file)."""
     calls = []
-    real = spec_mod.sha256_file
+    real = fingerprint_mod.sha256_file
 
     def counting(path):
         calls.append(Path(path).name)
         return real(path)
 
-    monkeypatch.setattr(spec_mod, "sha256_file", counting)
+    monkeypatch.setattr(fingerprint_mod, "sha256_file", counting)
     return calls
 
 

@@ -36,14 +36,15 @@ def small_corpus(tmp_path_factory):
 def broken_release(store: Path, solve_id: str, out: Path) -> Path:
     """A release that verifies but whose maps are broken: the solve's maps with every weight and bias zeroed,
     stored as a solve artifact of its own and exported like any other."""
-    from ridgefill.artifacts import Store, tensors
-    from ridgefill.solve.run import MAPS, REPORT
+    from ridgefill.artifacts import Store
+    from ridgefill.formats import safetensors
+    from ridgefill.solve.artifact import MAPS, REPORT
 
     st = Store(store)
     sol = st.get(solve_id, stage="solve")
-    arrays, meta = tensors.load(sol.file(MAPS))
+    arrays, meta = safetensors.load(sol.file(MAPS))
     with st.build("solve", {**sol.recipe, "broken": "maps zeroed"}) as b:
-        tensors.save(b.path / MAPS, {k: np.zeros_like(v) for k, v in arrays.items()}, meta)
+        safetensors.save(b.path / MAPS, {k: np.zeros_like(v) for k, v in arrays.items()}, meta)
         shutil.copy(sol.file(REPORT), b.path / REPORT)
         bad = b.commit(info=sol.info, summary=sol.manifest["summary"])
     r = cli("export", bad.id, "--out", out, "--store", store)

@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ridgefill.artifacts.store import sha256_file
 from ridgefill.errors import BadInput
 from ridgefill.export import card as card_mod
-from ridgefill.export import int8, release
-from ridgefill.export.release import CARD, FORMAT, MANIFEST, MAPS_FILE
+from ridgefill.formats import int8, release, safetensors
+from ridgefill.formats.release import CARD, FORMAT, MANIFEST, MAPS_FILE
 
 LAYERS = (2, 12, 13)  # "layer.12" sorts before "layer.2": name order is not numeric order
 D = 300  # ragged last group
@@ -134,7 +135,7 @@ def test_tensor_file_is_what_safetensors_itself_writes(rel):
     with safe_open(str(rel / MAPS_FILE), framework="pt") as f:
         assert f.metadata() == metadata
         assert f.get_tensor("layer.12.scales").shape == (D, 3)
-    assert release.read_metadata(rel / MAPS_FILE) == metadata
+    assert safetensors.read_header(rel / MAPS_FILE)[1] == metadata
 
 
 def test_manifest_contents(rel):
@@ -144,7 +145,7 @@ def test_manifest_contents(rel):
     assert m["format"] == FORMAT
     assert m["projector"] == {"dtype": "int8", "group_size": 128, "files": [MAPS_FILE]}
     assert set(m["files"]) == {MAPS_FILE}  # README.md (and the manifest itself) never hashed
-    assert m["files"][MAPS_FILE] == release.sha256_file(rel / MAPS_FILE)
+    assert m["files"][MAPS_FILE] == sha256_file(rel / MAPS_FILE)
     assert m["split"] == 12 and m["fit"]["rows"] == 98304
     assert release.verify_release(rel) == m
     assert (rel / CARD).read_text() == "# card\n"
@@ -180,7 +181,9 @@ def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
     def boom(tmp, out):
         raise OSError("disk full")
 
-    monkeypatch.setattr(release, "move_into_place", boom)
+    from ridgefill.formats.release import folder
+
+    monkeypatch.setattr(folder, "move_into_place", boom)
     with pytest.raises(OSError):
         write(tmp_path / "r")
     assert list(tmp_path.iterdir()) == []
@@ -281,7 +284,7 @@ def test_sha256_mismatch_names_the_file(rel):
     data = bytearray((rel / MAPS_FILE).read_bytes())
     data[-1] ^= 1
     (rel / MAPS_FILE).write_bytes(bytes(data))
-    got = release.sha256_file(rel / MAPS_FILE)
+    got = sha256_file(rel / MAPS_FILE)
     msg = refused(rel, "^maps.safetensors: sha256 mismatch")
     assert msg == f"maps.safetensors: sha256 mismatch (expected {want}, got {got})"
     refused(rel, "sha256 mismatch", fn=release.load_release)
@@ -312,9 +315,15 @@ def test_readme_is_not_hashed(rel):
     release.verify_release(rel)
 
 
+def _encode(tensors: dict, metadata: dict) -> bytes:
+    """{name: (safetensors dtype, array)} as a safetensors file's bytes (bf16 given as uint16 bit patterns)."""
+    return safetensors.encode({n: safetensors.BF16(a) if dt == "BF16" else a for n, (dt, a) in tensors.items()},
+                              metadata)
+
+
 def _replace_maps(rel: Path, data: bytes) -> None:
     (rel / MAPS_FILE).write_bytes(data)
-    edit_manifest(rel, lambda m: m["files"].update({MAPS_FILE: release.sha256_file(rel / MAPS_FILE)}))
+    edit_manifest(rel, lambda m: m["files"].update({MAPS_FILE: sha256_file(rel / MAPS_FILE)}))
 
 
 def _facts(rel: Path, edit=lambda m: None) -> dict:
@@ -336,11 +345,11 @@ def test_verify_refuses_a_file_that_is_not_safetensors(rel, data):
 def test_load_refuses_unexpected_and_missing_tensors(rel):
     tensors = {f"layer.{i}.{k}": v for i, m in quant_maps().items() for k, v in m.items() if k != "scale_bits"}
     st = {n: ("I8" if a.dtype == np.int8 else "F32", a) for n, a in tensors.items()}
-    _replace_maps(rel, release._encode_safetensors(st, _facts(rel)))
+    _replace_maps(rel, _encode(st, _facts(rel)))
     release.verify_release(rel)  # hash and facts hold: only the loader can tell
     refused(rel, r"^maps.safetensors: tensor 'layer.2.scales' is missing", fn=release.load_release)
     st["extra"] = ("F32", np.zeros(3, np.float32))
-    _replace_maps(rel, release._encode_safetensors(st, _facts(rel)))
+    _replace_maps(rel, _encode(st, _facts(rel)))
     refused(rel, "^maps.safetensors: unexpected tensor 'extra'", fn=release.load_release)
 
 
@@ -353,7 +362,7 @@ def test_load_refuses_layers_that_do_not_match_the_tensors(rel):
         st[f"layer.{layer}.codes"] = ("I8", m["codes"])
         st[f"layer.{layer}.scales"] = ("BF16", m["scale_bits"])
         st[f"layer.{layer}.bias"] = ("BF16", int8.f32_to_bf16_bits(m["bias"]))
-    _replace_maps(rel, release._encode_safetensors(st, _facts(rel, more)))
+    _replace_maps(rel, _encode(st, _facts(rel, more)))
     edit_manifest(rel, more)
     release.verify_release(rel)
     refused(rel, r"layers \[2, 12, 13, 14\] do not match the tensors' layers \[2, 12, 13\]", fn=release.load_release)
@@ -405,7 +414,7 @@ def test_eval_and_files_are_the_only_unhashed_fields(rel):
     edit_manifest(rel, lambda m: m.update(eval={"gate": {"passed": True}}))
     assert release.verify_release(rel)["eval"] == {"gate": {"passed": True}}
     release.load_release(rel)
-    m = release.set_eval(rel, {"arms": {"ridgefill": {"kl": 0.1}}})
+    m = release.write_eval(rel, {"arms": {"ridgefill": {"kl": 0.1}}}, card_mod.model_card)
     assert release.verify_release(rel) == m and m["eval"] == {"arms": {"ridgefill": {"kl": 0.1}}}
 
 
@@ -415,10 +424,10 @@ def test_a_release_without_recorded_facts_is_refused(rel):
         tensors[f"layer.{layer}.codes"] = ("I8", m["codes"])
         tensors[f"layer.{layer}.scales"] = ("BF16", m["scale_bits"])
         tensors[f"layer.{layer}.bias"] = ("BF16", int8.f32_to_bf16_bits(m["bias"]))
-    _replace_maps(rel, release._encode_safetensors(tensors, {"format": FORMAT}))  # as releases were written before
+    _replace_maps(rel, _encode(tensors, {"format": FORMAT}))  # as releases were written before
     msg = refused(rel, "^maps.safetensors: records no release facts")
     assert "export the release again" in msg
-    _replace_maps(rel, release._encode_safetensors(tensors, {"format": FORMAT, "ridgefill.facts": "[1]"}))
+    _replace_maps(rel, _encode(tensors, {"format": FORMAT, "ridgefill.facts": "[1]"}))
     refused(rel, "^maps.safetensors: 'ridgefill.facts' metadata is not a JSON object")
 
 
@@ -437,7 +446,7 @@ def test_maps_file_must_be_listed(rel):
 def test_eval_loads_release_facts_only_through_verify(tmp_path):
     """`eval`'s source loader refuses a release whose manifest was edited (it would have trusted the split)."""
     from ridgefill.artifacts import Store
-    from ridgefill.evaluate.run import load_source
+    from ridgefill.evaluate.source import load_source
 
     d = tmp_path / "rel"
     write(d)
@@ -540,9 +549,9 @@ def test_export_takes_the_group_size_of_the_quantize_artifact(tmp_path):
     from fakestore import LAYERS as FL, fake_chain, float_maps as fmaps
 
     from ridgefill.artifacts import Store
-    from ridgefill.evaluate.run import load_source
+    from ridgefill.evaluate.source import load_source
     from ridgefill.export.build import export
-    from ridgefill.export.quantize import load_quant
+    from ridgefill.export.artifact import load_quant
     from ridgefill.output import Output
 
     st = Store(tmp_path / "store")
@@ -564,14 +573,15 @@ def test_export_takes_the_group_size_of_the_quantize_artifact(tmp_path):
 def test_group_size_must_agree_between_recipe_and_file(tmp_path):
     from fakestore import fake_chain
 
-    from ridgefill.artifacts import Store, tensors
+    from ridgefill.artifacts import Store
+    from ridgefill.formats import safetensors
     from ridgefill.errors import RidgefillError
-    from ridgefill.export.quantize import QUANT, group_size
+    from ridgefill.export.artifact import QUANT, group_size
 
     st = Store(tmp_path / "store")
     q = st.get(fake_chain(st.root, group=64)["quantize"])
-    arrays, _ = tensors.load(q.file(QUANT))
-    tensors.save(q.file(QUANT), arrays, {"group_size": "128"})
+    arrays, _ = safetensors.load(q.file(QUANT))
+    safetensors.save(q.file(QUANT), arrays, {"group_size": "128"})
     with pytest.raises(RidgefillError, match="records group size 128, its recipe 64"):
         group_size(q)
 
@@ -610,10 +620,12 @@ def test_export_replaces_an_old_release_atomically(tmp_path, monkeypatch):
     assert sorted(p.name for p in out.parent.iterdir()) == ["rel"]
 
 
-def test_release_module_does_not_import_torch():
-    code = "import sys, ridgefill.export.release, ridgefill.export.card; print('torch' in sys.modules)"
+def test_reading_and_writing_a_release_does_not_import_torch(rel):
+    """The release format is numpy only: a runtime that loads releases needs nothing of the stages or of torch."""
+    code = ("import sys; from ridgefill.formats import release; from ridgefill.export import card; "
+            f"m, maps = release.load_release({str(rel)!r}); print(len(maps), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.split() == [str(len(LAYERS)), "False"]
 
 
 # ----------------------------------------------------------------------------------------------- card

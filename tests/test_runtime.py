@@ -431,7 +431,7 @@ def test_refusals(lm_of):
 def write_tiny_release(lm, folder, maps, split, tail, layers=None):
     """A `ridgefill-maps/1` folder (f32 weights) holding `maps` {l: (W, b)} for the loaded model `lm`, through the
     release writer itself; `layers` (default: the maps' keys) go into the manifest."""
-    from ridgefill.export.release import write_release
+    from ridgefill.formats.release import write_release
 
     ref, ad = lm.ref, lm.adapter
     manifest = {"model": {"name": ref.name, "revision": ref.revision, "architecture": ref.model_type,

@@ -5,8 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from ridgefill.artifacts import Store, tensors
-from ridgefill.capture.run import CaptureConfig, capture, load_heldout, load_stats
+from ridgefill.artifacts import Store
+from ridgefill.formats import safetensors
+from ridgefill.capture.artifact import load_heldout, load_stats
+from ridgefill.capture.run import CaptureConfig, capture
 from ridgefill.output import Output
 from ridgefill.solve.ridge import direct_solve
 from clirun import cli
@@ -77,7 +79,7 @@ def test_solve_maps_and_choice_match_brute_force(chain, tiny_llama):
     for a in scores:
         assert grid[a] == pytest.approx(scores[a], abs=2e-5)
     assert rep["alpha"] == max(scores, key=scores.get)
-    arrays, _ = tensors.load(sol.file("maps.safetensors"))
+    arrays, _ = safetensors.load(sol.file("maps.safetensors"))
     w, b = direct_solve(m, rep["alpha"])
     for i, l in enumerate(range(2, L)):
         np.testing.assert_allclose(arrays[f"layer.{l}.weight"], w[i], rtol=1e-4, atol=1e-6)
@@ -125,11 +127,11 @@ def test_quantize_export_verify(chain):
     r = cli("verify", out)
     assert r.returncode == 0, r.stderr
     # the release decodes to the quantized maps
-    from ridgefill.export.release import load_release
+    from ridgefill.formats.release import load_release
 
     _, maps = load_release(out)
     sol = Store(store).get(chain["solve"]["id"])
-    w = tensors.load(sol.file("maps.safetensors"))[0]["layer.3.weight"]
+    w = safetensors.load(sol.file("maps.safetensors"))[0]["layer.3.weight"]
     assert np.abs(maps[3]["weight"] - w).max() <= np.abs(w).max() / 127
     # re-export into the same folder: identical, nothing to do; a second export is a cache hit
     r = cli("export", q["id"], "--out", out, "--store", store, "--json")
@@ -193,7 +195,7 @@ def _constructed_capture(store: Store, like, seed: int = 0):
     best alpha lies below the default grid: a split state with a spread spectrum (std 1 .. 1e-3 over 64
     directions), layer 3's input a noisy linear function of it in which every direction matters alike, and few
     calibration rows, so that some shrinkage helps and 1e-5 is already too much."""
-    from ridgefill.capture.run import DOCS, HELDOUT, STATS
+    from ridgefill.capture.artifact import DOCS, HELDOUT, STATS
     from ridgefill.capture.stats import moments_of
 
     rng = np.random.default_rng(seed)
@@ -210,9 +212,9 @@ def _constructed_capture(store: Store, like, seed: int = 0):
             "doc": np.zeros(r, np.int32), "pos": np.arange(1, r + 1, dtype=np.int32)}
     recipe = {**like.recipe, "data": f"constructed-{seed}"}
     with store.build("capture", recipe) as b:
-        tensors.save(b.path / STATS, moments_of(x, ys).to_arrays("raw.split2"),
+        safetensors.save(b.path / STATS, moments_of(x, ys).to_arrays("raw.split2"),
                      {"splits": "2", "variants": "raw", "num_layers": "4"})
-        tensors.save_zst(b.path / HELDOUT, held, {"layers": "2,3"})
+        safetensors.save_zst(b.path / HELDOUT, held, {"layers": "2,3"})
         (b.path / DOCS).write_text(json.dumps([]))
         return b.commit(info=like.info, summary=like.manifest.get("summary", {}))
 
@@ -239,7 +241,8 @@ def test_solve_extends_the_grid_below_its_edge(chain, tiny_llama, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ridgefill.solve.run import REPORT, solve
+    from ridgefill.solve.artifact import REPORT
+    from ridgefill.solve.run import solve
 
     store = Store(tmp_path / "store")
     cap = _constructed_capture(store, chain["cap"])
@@ -269,11 +272,11 @@ def test_solve_extends_the_grid_below_its_edge(chain, tiny_llama, tmp_path):
     assert alphas[i - 1] <= max(dense, key=dense.get) <= alphas[i + 1]
     # the maps written are the chosen alpha's
     w, b = direct_solve(m, rep["alpha"])
-    arrays, _ = tensors.load(sol.file("maps.safetensors"))
+    arrays, _ = safetensors.load(sol.file("maps.safetensors"))
     np.testing.assert_allclose(arrays["layer.3.weight"], w[1], rtol=1e-4, atol=1e-4 * np.abs(w[1]).max())
     # what people see: the added rows marked, and one line naming the extension
     from ridgefill.cli.solve import grid_table
-    from ridgefill.solve.run import extension_lines
+    from ridgefill.cli.solve import extension_lines
 
     assert extension_lines(rep) == [f"alpha at the grid's edge: extended to {min(added):g} ({len(added)} steps; "
                                     "the score turned)"]
@@ -314,14 +317,14 @@ def test_protected_token_table(chain, tiny_llama):
     type, rarest first, while the occurrences stay within 25 % of the eligible ones), and the release ships it."""
     from transformers import AutoTokenizer
 
-    from ridgefill.capture.run import COUNTS
-    from ridgefill.export.release import load_protected, verify_release
+    from ridgefill.capture.artifact import COUNTS
+    from ridgefill.formats.release import load_protected, verify_release
     from ridgefill.solve.protected import ELIGIBLE, token_class
 
     st = Store(chain["store"])
     sol = st.get(chain["solve"]["id"], stage="solve")
-    got = tensors.load(sol.file("protected.safetensors"))[0]["token_ids"]
-    counts = tensors.load(chain["cap"].file(COUNTS))[0]["counts"]
+    got = safetensors.load(sol.file("protected.safetensors"))[0]["token_ids"]
+    counts = safetensors.load(chain["cap"].file(COUNTS))[0]["counts"]
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     special = set(tok.all_special_ids)
     eligible = [i for i in range(len(counts)) if i not in special

@@ -91,7 +91,7 @@ def test_tiny_alpha_recovers_exact_linear_map():
 
 
 def test_quantize_bias_correction_cancels_the_error_at_the_mean():
-    from ridgefill.export import int8
+    from ridgefill.formats import int8
     from ridgefill.export.quantize import quantize_map
 
     rng = np.random.default_rng(5)

@@ -49,7 +49,8 @@ def test_sweep_figures_equal_independent_prefills(swept, tiny_llama):
     needle answers by greedy decoding, document ΔNLL; one capture serves every split."""
     from ridgefill.evaluate import metrics, texts
     from ridgefill.evaluate.needles import score_answer
-    from ridgefill.evaluate.sweep import _maps_of, needle_suite
+    from ridgefill.evaluate.sweep import needle_suite
+    from ridgefill.export.artifact import float_maps as _maps_of
     from ridgefill.models import load_model, resolve_model
     from ridgefill.runtime import greedy, prefill
 
@@ -136,7 +137,7 @@ def test_a_stopped_sweep_resumes_at_the_next_prompt(tmp_path, tiny_llama, data, 
 
     from ridgefill.evaluate import sweep as sw
 
-    rt = importlib.import_module("ridgefill.runtime.prefill")  # the module (the package exports the function)
+    rt = importlib.import_module("ridgefill.runtime.api")  # the module the package exports exact_run from
 
     st = Store(tmp_path / "store")
     real_add, calls = sw.Checkpoint.add, []

@@ -3,7 +3,7 @@
 A document longer than `chunk` tokens is fed in pieces with continuing positions, so every row sees its whole
 left context, exactly as in a one-shot forward, while activation memory stays bounded by one chunk (plus the
 document's KV cache). Forward pre-hooks record the input of every wanted layer; the forward is stopped before
-the last decoder layer runs, so neither it nor the LM head costs anything (capture/hooks.py).
+the last decoder layer runs, so neither it nor the LM head costs anything (ridgefill.models.hooks).
 
 Each chunk's statistics are computed where the hidden states are (the GPU, on a GPU machine) and only the
 small results travel to the host: means in float64, centred products `xc^T xc`, `xc^T yc` in `product_dtype`
@@ -46,7 +46,7 @@ def document_chunks(lm, ids: np.ndarray, layers: list[int], chunk: int, device) 
     import torch
     from transformers import DynamicCache
 
-    from ridgefill.capture.hooks import StopForward, layer_inputs
+    from ridgefill.models.hooks import StopForward, layer_inputs
 
     x = torch.from_numpy(np.asarray(ids, dtype=np.int64))  # [N]
     cache = DynamicCache(config=lm.model.config)

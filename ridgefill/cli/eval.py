@@ -35,8 +35,8 @@ def eval_(
 ) -> None:
     """Measure the fill arms against exact (needles, ΔNLL, KL) and gate the release."""
     from ridgefill.errors import GateFailed
-    from ridgefill.evaluate.gate import check_gate, load_gate
-    from ridgefill.evaluate.run import DEFAULT_ARMS, EvalConfig, evaluate, manifest_summary
+    from ridgefill.evaluate.gate import load_gate
+    from ridgefill.evaluate.run import DEFAULT_ARMS, EvalConfig, evaluate, record
 
     out = output(json)
     rules = load_gate(gate) if gate else None
@@ -53,13 +53,9 @@ def eval_(
     if s.get("pairs"):
         for line in pairs_lines(s):
             out.info(line)
-    from ridgefill.export.release import MANIFEST, set_eval
-
-    if (Path(source) / MANIFEST).is_file():  # a release folder: record the figures in it
-        set_eval(Path(source), manifest_summary(s, art.id))
-        out.info(f"eval summary written into {source}/ridgefill.json and README.md")
-    failed = check_gate(s, rules) if rules else []
-    done(out, "eval", art, cached, {"gate": {"passed": not failed, "failed": failed} if rules else None})
+    gate = record(source, art, rules, out)
+    done(out, "eval", art, cached, {"gate": gate})
+    failed = gate["failed"] if gate else []
     if failed:
         raise GateFailed("gate failed: " + "; ".join(failed))
 

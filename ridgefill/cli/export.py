@@ -51,7 +51,7 @@ def verify(
 ) -> None:
     """Check every file of a release folder against its manifest, and the manifest against the facts
     maps.safetensors records (exit 2 naming the bad file or field)."""
-    from ridgefill.export.release import MAPS_FILE, verify_release
+    from ridgefill.formats.release import MAPS_FILE, verify_release
 
     out = output(json)
     manifest = verify_release(folder)

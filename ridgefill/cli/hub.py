@@ -32,7 +32,7 @@ def push(
     debug: DebugOpt = False,
 ) -> None:
     """Upload a release folder to the Hub as one commit (no commit if the branch already holds it)."""
-    from ridgefill.export.hub import push as run
+    from ridgefill.hub.releases import push as run
 
     out = output(json)
     warn_token_flag(out, token)
@@ -51,7 +51,7 @@ def pull(
     debug: DebugOpt = False,
 ) -> None:
     """Download a release from the Hub: ridgefill.json, the files it lists and README.md, verified."""
-    from ridgefill.export.hub import pull as run
+    from ridgefill.hub.releases import pull as run
 
     out = output(json)
     warn_token_flag(out, token)

@@ -25,7 +25,8 @@ def quantize(
 
     from rich.table import Table
 
-    from ridgefill.export.quantize import REPORT, quantize as run
+    from ridgefill.export.artifact import REPORT
+    from ridgefill.export.quantize import quantize as run
 
     out = output(json)
     art, cached = run(store(store_root), maps, out, device=device, dtype=dtype, device_map=device_map,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json as jsonlib
 from typing import Annotated, Optional
 
 import typer
@@ -30,12 +29,13 @@ def solve(
     debug: DebugOpt = False,
 ) -> None:
     """Fit ridge maps for every late layer over the alpha grid; choose alpha on held-out rows."""
-    from ridgefill.solve.run import REPORT, extension_lines, per_layer_lines, solve as run
+    from ridgefill.solve.artifact import load_report
+    from ridgefill.solve.run import solve as run
 
     out = output(json)
     art, cached = run(store(store_root), capture, out, model=model, split=split, alphas=alpha, metric=metric,
                       chat_share=chat_share, alpha_per_layer=alpha_per_layer, state_data=state_data, state_chunk=state_chunk, device=device, dtype=dtype, device_map=device_map, max_memory=max_memory)
-    report = jsonlib.loads(art.file(REPORT).read_text())
+    report = load_report(art)
     out.table(grid_table(report))
     for line in extension_lines(report) + per_layer_lines(report):
         out.info(line)
@@ -77,3 +77,31 @@ def layer_table(report: dict):
         alpha = (f"{per[name]:g}" if name in per else "",) if per else ()
         t.add_row(str(name), *alpha, *(f"{f[k]:.4f} ({i[k]:.4f})" for k in keys))
     return t
+
+
+def per_layer_lines(report: dict) -> list[str]:
+    """For people, when the alphas are per layer: their range and the held-out score against the shared alpha's
+    (one line), and one line per layer whose own search went past the grid's edge."""
+    p = report.get("per_layer")
+    if not p:
+        return []
+    lo, hi = min(p["alpha"].values()), max(p["alpha"].values())
+    d = p["score"] - p["shared_score"]
+    lines = [f"per-layer alphas {lo:g} .. {hi:g} over {len(p['alpha'])} layers: held-out score {p['score']:.4f} "
+             f"vs {p['shared_score']:.4f} with the shared alpha {report['alpha']:g} ({d:+.4f})"]
+    past = sorted({x["layer"] for x in p["extended"]})
+    if p["layer_scorings"]:
+        lines.append(f"layer{'s' * (len(past) != 1)} {', '.join(map(str, past))}: alpha at the grid's edge, "
+                     f"searched on alone ({p['layer_scorings']} single-layer scoring"
+                     f"{'s' * (p['layer_scorings'] != 1)}; report.json per_layer.extended)")
+    return lines
+
+
+def extension_lines(report: dict) -> list[str]:
+    """One line per grid edge that solve extended, for people: how far, and why it stopped."""
+    from ridgefill.solve.ridge import ALPHA_LIMITS
+
+    why = {"turned": "the score turned", "flat": "the score stopped improving",
+           "limit": f"reached the limit {ALPHA_LIMITS[0]:g} .. {ALPHA_LIMITS[1]:g}", "steps": "reached the step limit"}
+    return [f"alpha at the grid's edge: extended to {x['to']:g} ({x['steps']} step{'s' * (x['steps'] != 1)}; "
+            f"{why[x['stopped']]})" for x in report.get("extended", [])]

@@ -18,6 +18,9 @@ from typing import Sequence
 
 import numpy as np
 
+from ridgefill import numerics
+from ridgefill.numerics import paired_bootstrap  # re-exported: eval and sweep summaries use it from here
+
 __all__ = [
     "log_softmax",
     "token_nll",
@@ -42,15 +45,11 @@ def _logits2d(logits, name: str = "logits") -> np.ndarray:
 
 
 def log_softmax(logits) -> np.ndarray:
-    """Row-wise log-softmax in float64, stabilised by the row maximum.
+    """Row-wise log-softmax in float64, stabilised by the row maximum (`numerics.log_softmax`).
 
     logits: [T, V] any real dtype  ->  [T, V] float64.
     """
-    x = _logits2d(logits)  # [T, V] float64
-    m = np.max(x, axis=1, keepdims=True)  # [T, 1]
-    m = np.where(np.isfinite(m), m, 0.0)  # an all -inf row stays -inf (NaN after the subtraction below)
-    z = x - m  # [T, V]
-    return z - np.log(np.sum(np.exp(z), axis=1, keepdims=True))  # [T, V]
+    return numerics.log_softmax(_logits2d(logits))  # [T, V]
 
 
 def token_nll(logits, targets) -> np.ndarray:
@@ -199,76 +198,6 @@ def doc_summary(nll_exact, nll_arm, kl, top1, novel, key) -> dict:
         "kl": _mean_or_none(k),
         "top1": _mean_or_none(masks["top1"].astype(np.float64)),
     }
-
-
-def paired_bootstrap(
-    a,
-    b,
-    *,
-    samples: int = 10000,
-    seed: int = 0,
-    level: float = 0.95,
-    weights=None,
-) -> dict:
-    """Paired bootstrap percentile interval for the mean of ``a - b`` over units (documents, needle samples).
-
-    a, b: [n] float, one value per unit (e.g. per-document mean NLL of an arm and of exact);
-    weights: optional [n] float >= 0 (e.g. token counts), making the statistic ``sum(w (a-b)) / sum(w)``.
-    Units with weight 0 are dropped before resampling (their a, b may then be NaN); every kept value must be
-    finite. Each of ``samples`` resamples draws n kept units with replacement (numpy ``default_rng(seed)``,
-    so the result is a function of the inputs and the seed). The interval is the (1-level)/2 and (1+level)/2
-    quantiles (numpy "linear" method) of the resampled statistic; when a - b is constant (up to round-off)
-    the interval is exactly [mean, mean].
-
-    ->  dict(mean=statistic on the data, low, high, n=units used) (floats / int).
-    Raises ValueError on mismatched shapes, n == 0, non-finite values, negative weights, a bad level or
-    samples < 1.
-    """
-    x = np.asarray(a, dtype=np.float64)
-    y = np.asarray(b, dtype=np.float64)
-    if x.ndim != 1 or x.shape != y.shape:
-        raise ValueError(f"a {x.shape} and b {y.shape} must be 1-D arrays of equal length")
-    samples = int(samples)
-    if samples < 1:
-        raise ValueError(f"samples must be >= 1, got {samples}")
-    level = float(level)
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
-    d = x - y  # [n]
-    w = None
-    if weights is not None:
-        w = np.asarray(weights, dtype=np.float64)
-        if w.shape != d.shape:
-            raise ValueError(f"weights {w.shape} must have the shape of a {d.shape}")
-        if not np.all(np.isfinite(w)) or np.any(w < 0):
-            raise ValueError("weights must be finite and >= 0")
-        keep = w > 0
-        d, w = d[keep], w[keep]
-    n = int(d.shape[0])
-    if n == 0:
-        raise ValueError("paired_bootstrap needs at least one unit (with positive weight)")
-    if not np.all(np.isfinite(d)):
-        raise ValueError("a and b must be finite on every unit used")
-    point = float(np.mean(d)) if w is None else float(np.sum(w * d) / np.sum(w))
-
-    rng = np.random.default_rng(seed)
-    stats = np.empty(samples, dtype=np.float64)  # [samples]
-    chunk = max(1, min(samples, 4_000_000 // n))  # bound memory at ~32 MB of indices
-    for lo in range(0, samples, chunk):
-        m = min(chunk, samples - lo)
-        idx = rng.integers(0, n, size=(m, n))  # [m, n]
-        if w is None:
-            stats[lo : lo + m] = d[idx].mean(axis=1)
-        else:
-            ww = w[idx]  # [m, n]
-            stats[lo : lo + m] = (ww * d[idx]).sum(axis=1) / ww.sum(axis=1)
-    alpha = (1.0 - level) / 2.0
-    low, high = np.quantile(stats, [alpha, 1.0 - alpha])
-    # A difference that is constant up to round-off (e.g. (b + c) - b) resamples to that constant: report a
-    # zero-width interval at the point estimate rather than a few ulps of noise.
-    if np.ptp(d) <= 8 * np.finfo(np.float64).eps * np.max(np.abs(d)):
-        low = high = point
-    return {"mean": point, "low": float(low), "high": float(high), "n": n}
 
 
 _WS = re.compile(r"\s+")

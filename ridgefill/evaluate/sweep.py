@@ -15,7 +15,6 @@ the recommendation and the table / plot are `evaluate.report`'s.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, replace
@@ -24,12 +23,17 @@ import numpy as np
 
 from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts.store import write_json
+from ridgefill.capture.artifact import calibration_hashes
 from ridgefill.errors import BadInput
+from ridgefill.evaluate.arms import Arm
+from ridgefill.evaluate.measure import Checkpoint, eval_documents, fills, measure_documents, measure_needles
+from ridgefill.evaluate.source import load_source
 from ridgefill.output import Output
 
 FORMAT_VERSION = 2  # 2: later sinks (outlier rows) run exactly and are not fitted
 RESULT, PLOT, TABLE = "sweep.json", "sweep.png", "sweep.md"
 ARMS = ("ridgefill", "identity")
+ARM_PLAN = [Arm(a) for a in ARMS]
 DEFAULT_SPLITS = 8  # evenly spaced over the middle half of the layers
 NEEDLE_DEPTHS = 8  # the single-needle samples spread over this many depths of the filled prefix
 DECODE_BATCH = 9  # prefills decoded together (exact + 4 splits x 2 arms): one batched forward per step
@@ -159,14 +163,17 @@ def sweep(
         lm = load_model(ref, store_root=store.root, trust_remote_code=cap.recipe.get("trust_remote_code", False),
                         **place.load_args())
         out.info(f"model on {place.describe()}")
-        maps = {s: maps_on_devices(lm, _maps_of(q or sol), range(s, ref.num_layers)) for s, sol, q in fits}
+        sources = {}
+        for s, sol, q in fits:  # each split's maps as eval loads them, on the model's devices
+            src = load_source(store, (q or sol).id)
+            sources[s] = replace(src, maps=maps_on_devices(lm, src.maps, range(s, ref.num_layers)))
         done = Checkpoint(build.work)
         if done.rows["documents"] or done.rows["needles"]:
             out.info(f"resuming: {len(done.rows['documents'])} documents and {len(done.rows['needles'])} needle "
                      f"prompts measured before")
-        docs = _documents(lm, cfg, maps, _calibration(cap), out, done)
-        needles = _needles(lm, cfg, maps, out, done)
-        timing = _timing(lm, cfg, maps, needles["prompt"], out)
+        docs = _documents(lm, cfg, sources, calibration_hashes(cap), out, done)
+        needles = _needles(lm, cfg, sources, out, done)
+        timing = _timing(lm, cfg, sources, needles["prompt"], out)
         result = _result(model, ref.num_layers, cfg, fits, docs, needles, timing)
         from ridgefill.evaluate.report import plot, recommend, retrieval_edge, write_markdown
 
@@ -181,66 +188,6 @@ def sweep(
                    "maps": recipe["maps"], "exact_needle": result["exact"]["needle"]}
         art = build.commit(info={"model_spec": model, "placement": lm.placement()}, summary=summary)
     return art, False
-
-
-class Checkpoint:
-    """The rows measured so far (documents, needle prompts), in `<work>/rows.json`, rewritten by rename after each
-    prompt: a sweep that is stopped (even killed) resumes at the next prompt, with the same result."""
-
-    def __init__(self, work):
-        from pathlib import Path
-
-        self.path = Path(work) / "rows.json"
-        self.rows = json.loads(self.path.read_text()) if self.path.is_file() else {"documents": [], "needles": []}
-
-    def add(self, kind: str, row: dict) -> None:
-        import os
-
-        self.rows[kind].append(row)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.rows, sort_keys=True))
-        os.replace(tmp, self.path)
-
-
-def _maps_of(art: Artifact) -> dict:
-    if art.stage == "quantize":
-        from ridgefill.export.quantize import decoded_maps
-
-        return decoded_maps(art)
-    from ridgefill.solve.run import load_maps
-
-    return load_maps(art)
-
-
-def _calibration(cap: Artifact) -> set:
-    from ridgefill.capture.run import DOCS
-
-    return {d["sha256"] for d in json.loads(cap.file(DOCS).read_text()) if d["role"] == "calibration"}
-
-
-def _documents(lm, cfg: SweepConfig, maps: dict, calib: set, out: Output, done: Checkpoint) -> list[dict]:
-    """Per document: {"name", "tokens", split: {arm: doc_summary}}."""
-    import torch
-
-    from ridgefill.evaluate.run import DocumentScore, eval_documents
-    from ridgefill.runtime.prefill import prefill_from
-
-    docs = eval_documents(lm, cfg.length, cfg.documents, calib)
-    rows = done.rows["documents"]
-    with out.progress("documents", total=len(docs)) as bar:
-        for i, d in enumerate(docs):
-            if i < len(rows):  # measured before a stop
-                continue
-            doc = DocumentScore(lm, torch.tensor(d.ids[: cfg.length]), cfg.tail, cfg.scored, splits=list(maps))
-            row = {"name": d.name, "tokens": cfg.length}
-            for s, m in maps.items():
-                row[str(s)] = {arm: doc(prefill_from(lm, doc.run, arm, split=s, tail=cfg.tail, logits_rows=doc.keep,
-                                                     maps=m if arm == "ridgefill" else None)) for arm in ARMS}
-            done.add("documents", row)
-            del doc
-            bar.update(i + 1, (i + 1) * cfg.length, f"doc {i + 1}/{len(docs)}")
-    return rows
 
 
 def needle_suite(lm, cfg: SweepConfig) -> list:
@@ -265,58 +212,54 @@ def needle_suite(lm, cfg: SweepConfig) -> list:
     return suite
 
 
-def _needles(lm, cfg: SweepConfig, maps: dict, out: Output, done: Checkpoint) -> dict:
-    """{"rows": [{"depth", "seed", "exact": bool, split: {arm: bool}}], "prompt": the first prompt's ids}."""
-    import torch
+def _documents(lm, cfg: SweepConfig, sources: dict, calib, out: Output, done: Checkpoint) -> list[dict]:
+    """Per document: {"name", "tokens", split: {arm: doc_summary}}."""
+    docs = eval_documents(lm, cfg.length, cfg.documents, calib)
+    row = lambda name, tokens, per: {"name": name, "tokens": tokens, **{str(s): p[0] for s, p in per.items()}}  # noqa: E731
+    return measure_documents(lm, docs, cfg.length, sources, ARM_PLAN, cfg.tail, cfg.scored, out, row=row,
+                             seed=cfg.seed, done=done)
 
-    from ridgefill.evaluate.needles import decode_and_score
-    from ridgefill.runtime.prefill import exact_run, prefill_from
 
+def _needles(lm, cfg: SweepConfig, sources: dict, out: Output, done: Checkpoint) -> dict:
+    """{"rows": [{"depth", "seed", "tokens", "exact": bool, split: {arm: bool}}], "prompt": the first prompt's ids};
+    the prefills decoded DECODE_BATCH at a time."""
     suite = needle_suite(lm, cfg)
-    rows = done.rows["needles"]
-    with out.progress("needles", total=len(suite)) as bar:
-        for i, s in enumerate(suite):
-            if i < len(rows):  # measured before a stop
-                continue
-            run = exact_run(lm, torch.tensor(s.prompt_ids), splits=list(maps))
-            row = {"depth": s.depth, "seed": s.seed, "tokens": len(s.prompt_ids)}
-            jobs = [(None, "exact")] + [(sp, arm) for sp in maps for arm in ARMS]
-            for at in range(0, len(jobs), DECODE_BATCH):  # decoded DECODE_BATCH prefills at a time, in one batch
-                chunk = jobs[at : at + DECODE_BATCH]
-                res = [run.result(cfg.tail) if sp is None else
-                       prefill_from(lm, run, arm, split=sp, tail=cfg.tail, logits_rows=1,
-                                    maps=maps[sp] if arm == "ridgefill" else None) for sp, arm in chunk]  # fmt: skip
-                for (sp, arm), ok in zip(chunk, decode_and_score(lm, s, res)):
-                    if sp is None:
-                        row["exact"] = ok
-                    else:
-                        row.setdefault(str(sp), {})[arm] = ok
-            done.add("needles", row)
-            del run
-            hits = sum(r["exact"] for r in rows)
-            bar.update(i + 1, (i + 1) * len(s.prompt_ids), f"sample {i + 1}/{len(suite)} · exact {hits}/{i + 1}")
+
+    def jobs(run):
+        one = lambda src, arm: fills(lm, run, src, [arm], cfg.tail, logits_rows=1)[0][arm.name]  # noqa: E731
+        todo = [(None, "exact", lambda: run.result(cfg.tail))]
+        todo += [(s, arm.name, lambda src=src, arm=arm: one(src, arm)) for s, src in sources.items() for arm in ARM_PLAN]
+        return todo, None
+
+    def row(s, correct, _):
+        return {"depth": s.depth, "seed": s.seed, "tokens": len(s.prompt_ids), "exact": correct[None]["exact"],
+                **{str(sp): correct[sp] for sp in sources}}
+
+    status = lambda rows: f" · exact {sum(r['exact'] for r in rows)}/{len(rows)}"  # noqa: E731
+    rows = measure_needles(lm, suite, list(sources), jobs, out, row=row, batch=DECODE_BATCH, done=done,
+                           status=status)
     return {"rows": rows, "prompt": suite[0].prompt_ids}
 
 
-def _timing(lm, cfg: SweepConfig, maps: dict, prompt: list[int], out: Output) -> dict:
+def _timing(lm, cfg: SweepConfig, sources: dict, prompt: list[int], out: Output) -> dict:
     """One real, timed prefill of `prompt` per arm and split, the splits in turn; exact is timed before, halfway and
     after them and its median kept, so that a slow spell of a shared machine cannot land on the reference alone."""
     import statistics
 
     import torch
 
-    from ridgefill.runtime import prefill
+    from ridgefill.runtime import ExactRun, prefill
 
     ids = torch.tensor(prompt)
     out.info(f"timing: one prefill of {len(prompt)} tokens per arm and split")
     exact = lambda: prefill(lm, ids, "exact", split=0, tail=cfg.tail).seconds  # noqa: E731
+    run = ExactRun(ids=ids.to(lm.adapter.device), logits=None, cache=None, states={}, seconds=0.0)
     runs, secs = [exact()], {}
-    for i, (s, m) in enumerate(maps.items()):
-        if i == len(maps) // 2:
+    for i, (s, src) in enumerate(sources.items()):
+        if i == len(sources) // 2:
             runs.append(exact())
-        for arm in ARMS:
-            secs[f"{s}/{arm}"] = prefill(lm, ids, arm, split=s, tail=cfg.tail,
-                                         maps=m if arm == "ridgefill" else None).seconds
+        res, _ = fills(lm, run, src, ARM_PLAN, cfg.tail, timed=True)
+        secs |= {f"{s}/{arm}": r.seconds for arm, r in res.items()}
     runs.append(exact())
     return {"length": len(prompt), "seconds": {"exact": statistics.median(runs), **secs}, "exact_runs": runs}
 

@@ -1,4 +1,4 @@
-"""`ridgefill export`: a release folder (format `ridgefill-maps/1`, see ridgefill.export.release) from a quantize
+"""`ridgefill export`: a release folder (format `ridgefill-maps/1`, see ridgefill.formats.release) from a quantize
 or solve artifact.
 
 The release is built inside the store as an export artifact (content-hashed like every stage) and then
@@ -14,10 +14,13 @@ import shutil
 from pathlib import Path
 
 from ridgefill.artifacts import Artifact, Store
+from ridgefill.capture import artifact as captured
 from ridgefill.errors import BadInput
-from ridgefill.export import release
+from ridgefill.export.artifact import load_quant, group_size, release_files
 from ridgefill.export.card import model_card
+from ridgefill.formats import release
 from ridgefill.output import Output
+from ridgefill.solve import artifact as solved
 
 FORMAT_VERSION = 2  # 2: maps.safetensors records the release facts
 RELEASE_DIR = "release"
@@ -26,10 +29,6 @@ DEFAULT_TAIL = 512
 
 def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int = DEFAULT_TAIL,
            force: bool = False) -> tuple[Artifact, bool, Path | None]:
-    import json
-
-    from ridgefill.capture.run import DOCS
-
     if tail < 1:
         raise BadInput("--tail must be >= 1")
     src = store.get(ref)
@@ -44,12 +43,9 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
     cached = art is not None
     if not cached:
         store.verify(src)
-        docs = json.loads(cap.file(DOCS).read_text())
-        rep = json.loads(sol.file("report.json").read_text())
-        manifest = _manifest(src, sol, cap, rep, docs, tail)
+        rep = solved.load_report(sol)
+        manifest = _manifest(src, sol, cap, rep, captured.documents(cap), tail)
         if src.stage == "quantize":
-            from ridgefill.export.quantize import group_size, load_quant
-
             maps, group = load_quant(src), {"group_size": group_size(src)}
         else:
             maps, group = _float_maps(src), {"weight_dtype": "f32"}
@@ -58,15 +54,11 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
             release.write_release(build.path / RELEASE_DIR, maps, manifest, model_card, **group, **extras)
             _flatten(build.path / RELEASE_DIR, build.path)
             art = build.commit(info={"source": src.id, "solve": sol.id, "capture": cap.id},
-                               summary={"split": manifest["split"], "files": sorted(manifest_files(build.path))})
+                               summary={"split": manifest["split"], "files": sorted(release_files(build.path))})
     copied = None
     if out_dir is not None:
         copied = _copy_out(art, out_dir, force)
     return art, cached, copied
-
-
-def manifest_files(path: Path) -> list[str]:
-    return [p.name for p in path.iterdir() if p.name != "artifact.json"]
 
 
 def _flatten(rel: Path, dest: Path) -> None:
@@ -79,9 +71,7 @@ def _flatten(rel: Path, dest: Path) -> None:
 def _extras(sol: Artifact, rep: dict) -> dict:
     """The solve's protected-token table and terminal-state offsets with what they were measured on, as
     write_release takes them ({} for a solve that has neither)."""
-    from ridgefill.solve.run import load_extras
-
-    offsets, table = load_extras(sol)
+    offsets, table = solved.load_extras(sol)
     extras = {}
     if table is not None:
         extras = {"protected": table, "protected_facts": rep["protected_tokens"]}
@@ -94,9 +84,7 @@ def _extras(sol: Artifact, rep: dict) -> dict:
 
 
 def _float_maps(src: Artifact) -> dict:
-    from ridgefill.solve.run import load_maps
-
-    return {l: {"weight": w, "bias": b} for l, (w, b) in load_maps(src).items()}
+    return {l: {"weight": w, "bias": b} for l, (w, b) in solved.load_maps(src).items()}
 
 
 def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list, tail: int) -> dict:
@@ -104,7 +92,7 @@ def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list
     split = rep["split"]
     layers = sol.manifest["summary"]["layers"]
     kinds = cap.info.get("layer_kinds") or {}
-    calib = [d for d in docs if d["role"] == "calibration"]
+    calib = [d for d in docs if d["role"] == captured.CALIBRATION]
 
     def figures(scores: dict) -> dict:
         return {k: round(v, 6) for k, v in scores["mean"].items()}
@@ -147,11 +135,9 @@ def _ridge_setting(rep: dict) -> dict:
 def _copy_out(art: Artifact, out_dir: Path, force: bool) -> Path:
     """Copy the release to out_dir (temporary sibling, then `release.move_into_place`). An identical release
     there is left alone; a different one is only replaced with force."""
-    names = manifest_files(art.path)
+    names = release_files(art.path)
     if out_dir.is_dir() and any(out_dir.iterdir()):
-        same = sorted(p.name for p in out_dir.iterdir()) == sorted(names) and all(
-            (out_dir / n).is_file() and (out_dir / n).read_bytes() == (art.path / n).read_bytes() for n in names)
-        if same:
+        if release.same_files(out_dir, art.path, names):
             return out_dir
         if not force:
             raise BadInput(f"--out {out_dir} holds a different release; pass --force to replace it")

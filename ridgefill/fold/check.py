@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ridgefill.errors import RidgefillError
+from ridgefill.numerics import log_softmax
 from ridgefill.output import Output
 
 
@@ -52,12 +53,6 @@ def _layers(cache: dict, n_layers: int, bias: bool) -> list[dict]:
         out.append({"keys": d["keys"], "values": d["values"], "positions": d["positions"],
                     "bias": d.get("beta") if bias else None})  # fmt: skip
     return out
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
 def _run(make, question: list[int], forced: list[int] | None, max_new: int, eos) -> tuple[list[int], np.ndarray | None]:
@@ -104,7 +99,7 @@ def plain_cache_check(lm, ids, cc, biased: dict, folded: dict, drop: dict, cfg, 
     with out.progress("check", total=len(makers)) as bar:
         for i, (arm, make) in enumerate(makers.items()):
             _, logits = _run(make, question, answer, 0, eos)
-            lp = _log_softmax(logits)
+            lp = log_softmax(logits)
             own = answer if arm == "full" else _run(make, question, None, cfg.answer_tokens, eos)[0]
             row = {"answer": tok.decode(own, skip_special_tokens=True), "answer_ids": own,
                    "answer_matches_full": own == answer}

@@ -26,18 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ridgefill.artifacts import Artifact, Store, tensors
+from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
-from ridgefill.export import int8
+from ridgefill.fold import artifact
+from ridgefill.fold.artifact import MODEL_DTYPE
+from ridgefill.models.kinds import FULL
 from ridgefill.output import Output
 
 FORMAT_VERSION = 1
-CACHE = "cache.safetensors"
-CONTEXT = "context.safetensors"
-REPORT = "report.json"
-MODEL_DTYPE = "model_dtype"  # the recipe's name for the model dtype (`dtype` there is the cache dtype)
-FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -62,23 +59,6 @@ def budget_rows(budget: float, n: int) -> int:
     return r
 
 
-def to_dtype(x: np.ndarray, dtype: str):
-    """A float array as the cache dtype's tensor for safetensors (bfloat16 as its bit patterns)."""
-    from ridgefill.fold.math import round_to
-
-    x32 = round_to(x, dtype)
-    if dtype == "bfloat16":
-        return tensors.BF16(int8.f32_to_bf16_bits(x32))
-    return x32.astype(np.float16 if dtype == "float16" else np.float32)
-
-
-def from_dtype(t) -> np.ndarray:
-    """A cache tensor read back as float32."""
-    if isinstance(t, tensors.BF16):
-        return int8.bf16_bits_to_f32(t.bits).reshape(t.bits.shape)
-    return np.asarray(t, dtype=np.float32)
-
-
 def read_context(path: Path) -> tuple[str, str]:
     """(text, sha256 of the file's bytes), or BadInput."""
     p = Path(path)
@@ -96,8 +76,8 @@ def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Ou
             max_memory=None) -> tuple[Artifact, bool]:  # fmt: skip
     """Run (or find cached) the compaction. `dtype` is the model's (cfg.dtype is the cache's): it and the device
     kind go into the recipe as `model_dtype` / `device` (nothing for cpu / float32)."""
-    from ridgefill.fold.math import CACHE_DTYPES
     from ridgefill.fold.queries import SOURCES
+    from ridgefill.numerics import CACHE_DTYPES
     from ridgefill.models import resolve_model
     from ridgefill.models.device import where
 
@@ -132,18 +112,16 @@ def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Ou
     if FULL not in kinds:
         raise BadInput(f"'{model}' has no full-attention layer to compact (layers: {sorted(set(kinds))})")
     cc, rq = prepare(lm, ids, cfg, out)
-    arrays, heads = {}, []
+    layers, heads = {}, []
     with out.progress("compact", total=len(kinds)) as bar:
         for l, kind in enumerate(kinds):
             if kind == FULL:
-                layer, rows = compact_layer(l, cc, rq, lm.adapter.attention_scaling(l), r, cfg)
+                layers[l], rows = compact_layer(l, cc, rq, lm.adapter.attention_scaling(l), r, cfg)
                 heads += rows
             else:  # sliding-window layers keep their whole cache
                 n = cc.keys[l].shape[1]
-                layer = {"keys": cc.keys[l].cpu().numpy(), "values": cc.values[l].cpu().numpy(),
-                         "positions": np.broadcast_to(np.arange(n, dtype=np.int32), cc.keys[l].shape[:2])}
-            arrays |= {f"layer.{l}.{name}": to_dtype(a, cfg.dtype) if name in ("keys", "values") else
-                       np.ascontiguousarray(a) for name, a in layer.items()}  # fmt: skip
+                layers[l] = {"keys": cc.keys[l].cpu().numpy(), "values": cc.values[l].cpu().numpy(),
+                             "positions": np.broadcast_to(np.arange(n, dtype=np.int32), cc.keys[l].shape[:2])}
             bar.update(l + 1, None, f"layer {l + 1}/{len(kinds)}")
     report = {"kept_per_head": r, "context_tokens": len(ids), "queries": rq.counts(), "heads": heads,
               "median": {k: float(np.median([h[k] for h in heads])) for k in ("am_fit", "am_held", "residual")}}
@@ -151,9 +129,8 @@ def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Ou
                "compacted_layers": sorted({h["layer"] for h in heads}), "am_held_median": report["median"]["am_held"],
                "queries": rq.counts()}
     with store.build("compact", recipe) as build:
-        tensors.save(build.path / CACHE, arrays, {"format": "ridgefill-cache/1", "dtype": cfg.dtype})
-        tensors.save(build.path / CONTEXT, {"ids": ids.numpy().astype(np.int32)})
-        write_json(build.path / REPORT, report)
+        artifact.write(build.path, layers, cfg.dtype, ids.numpy())
+        write_json(build.path / artifact.REPORT, report)
         art = build.commit(info={"model_spec": model, "model": {"name": ref.name, "revision": ref.revision, "fingerprint": ref.fingerprint},
                                  "context": {"path": str(context), "sha256": sha, "tokens": len(ids)},
                                  "placement": lm.placement()},
@@ -193,18 +170,3 @@ def compact_layer(l: int, cc, rq, s: float, r: int, cfg: CompactConfig) -> tuple
     layer = {"keys": np.stack(keys), "values": np.stack(values), "positions": np.stack(positions),
              "beta": np.stack(betas).astype(np.float32)}  # fmt: skip
     return layer, rows
-
-
-def load_cache(art: Artifact) -> dict[int, dict[str, np.ndarray]]:
-    """{layer: {"keys", "values" (float32), "positions" (int32), "beta" / "u" (float32, where present)}}."""
-    arrays, _ = tensors.load(art.file(CACHE))
-    layers: dict[int, dict] = {}
-    for name, t in arrays.items():
-        _, l, field = name.split(".")
-        layers.setdefault(int(l), {})[field] = from_dtype(t) if field in ("keys", "values") else np.asarray(t)
-    return dict(sorted(layers.items()))
-
-
-def load_context(art: Artifact) -> np.ndarray:
-    arrays, _ = tensors.load(art.file(CONTEXT))
-    return arrays["ids"].astype(np.int64)

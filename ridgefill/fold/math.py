@@ -22,9 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ridgefill.export.int8 import bf16_bits_to_f32, f32_to_bf16_bits
-
-CACHE_DTYPES = ("bfloat16", "float16", "float32")
+from ridgefill.numerics import round_to
 
 
 def _f64(x) -> np.ndarray:
@@ -151,23 +149,6 @@ def fold_direction(Q, rho: float = 1e-3) -> np.ndarray:
 def fold_keys(K, beta, u, s: float) -> np.ndarray:
     """Folded keys K' = K + (beta / s) u^T: K [r, hd], beta [r], u [hd] -> [r, hd] float64."""
     return _f64(K) + (_f64(beta) / s)[:, None] * _f64(u)[None, :]
-
-
-def round_to(x, dtype: str) -> np.ndarray:
-    """Round x (float32 or float64) to the cache dtype; returns float32 holding the rounded values, same shape.
-
-    Matches torch's `.to(dtype)` bit for bit. Like torch, a float64 input is first rounded to float32 (so it is
-    rounded twice); bfloat16 then rounds the float32 bit pattern to nearest even (export.int8.f32_to_bf16_bits),
-    float16 is numpy's round-to-nearest-even cast.
-    """
-    x32 = np.asarray(x).astype(np.float32)
-    if dtype == "bfloat16":
-        return bf16_bits_to_f32(f32_to_bf16_bits(x32)).reshape(x32.shape)
-    if dtype == "float16":
-        return x32.astype(np.float16).astype(np.float32)
-    if dtype == "float32":
-        return x32
-    raise ValueError(f"cache dtype must be one of {', '.join(CACHE_DTYPES)}, got {dtype!r}")
 
 
 def relative_error(out, ref) -> float:

@@ -42,7 +42,6 @@ torch is imported inside the functions (and numpy at module level): `import ridg
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 import time
 from collections.abc import Sequence
@@ -52,6 +51,8 @@ from typing import Any
 import numpy as np
 
 from ridgefill.errors import BadInput
+from ridgefill.models.hooks import attention_inputs
+from ridgefill.models.kinds import ATTENTION
 
 SOURCES = ("repeat", "context")
 INSTRUCTION = "Repeat the text above exactly."
@@ -59,7 +60,6 @@ PLAIN_SEPARATOR = "\n\n"  # around the instruction when the tokenizer has no cha
 DEFAULT_HOLDOUT = 0.2
 DEFAULT_CAP = 4096  # query tokens; covers a whole 2K-4K context (the fold paper's §A.1 uses all of it), ~300 MB at most
 _SENTINEL = "\ue000ridgefill-context\ue000"  # a private-use marker no template produces on its own
-_ATTENTION_KINDS = ("full_attention", "sliding_attention")
 
 
 # -- pure helpers ------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def repeat_prompt(tokenizer, ids) -> RepeatPrompt:
 
 def attention_layers(adapter) -> list[int]:
     """Indices of the layers that attend (all of them on the models supported here)."""
-    return [l for l, kind in enumerate(adapter.layer_kinds) if kind in _ATTENTION_KINDS]
+    return [l for l, kind in enumerate(adapter.layer_kinds) if kind in ATTENTION]
 
 
 def _heads(proj, hidden, head_dim: int, norm):
@@ -177,29 +177,6 @@ def _heads(proj, hidden, head_dim: int, norm):
     x = proj(hidden)[0]  # [T, heads * head_dim]
     x = x.view(x.shape[0], -1, head_dim)  # [T, heads, head_dim]
     return norm(x) if norm is not None else x
-
-
-@contextlib.contextmanager
-def _attention_hooks(adapter, layers, on_input):
-    """Forward pre-hooks on `self_attn` of `layers` that pass (l, module, hidden [1,T,d], (cos, sin)) to
-    `on_input`; removed on exit."""
-    handles = []
-
-    def make(l):
-        def pre(module, args, kwargs):
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            rope = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
-            on_input(l, module, hidden, rope)
-
-        return pre
-
-    try:
-        for l in layers:
-            handles.append(adapter.attn(l).register_forward_pre_hook(make(l), with_kwargs=True))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def capture(lm, ids, *, query_rows: Sequence[int] | None = None, keys: bool = False) -> dict[str, dict]:
@@ -234,7 +211,7 @@ def capture(lm, ids, *, query_rows: Sequence[int] | None = None, keys: bool = Fa
             out["keys"][l] = k.transpose(0, 1).float().cpu().contiguous()  # [kv_heads, T, hd]
             out["values"][l] = v.transpose(0, 1).float().cpu().contiguous()
 
-    with torch.inference_mode(), _attention_hooks(ad, attention_layers(ad), on_input):
+    with torch.inference_mode(), attention_inputs(ad, attention_layers(ad), on_input):
         ad.base(input_ids=ids[None].to(ad.device), use_cache=False)
     return out
 
@@ -327,7 +304,7 @@ def reference_queries(
         prefill, template = ids, None
         tokens = np.arange(n)
         to_rows = np.asarray
-    limit = getattr(lm.adapter.config, "max_position_embeddings", None)
+    limit = lm.context_length()
     if limit and prefill.numel() > limit:
         raise BadInput(
             f"the {source} prefill has {prefill.numel()} tokens, more than the model's {limit} positions "

@@ -20,15 +20,15 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ridgefill.artifacts import Artifact, Store, tensors
+from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
+from ridgefill.fold import artifact
 from ridgefill.fold import compact as cmp
+from ridgefill.numerics import paired_bootstrap
 from ridgefill.output import Output
 
 FORMAT_VERSION = 1
-REPORT = "report.json"
-CHECK = "check.json"
 ARMS = ("am", "fold", "drop", "keep")
 
 
@@ -57,7 +57,7 @@ def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: st
     if cfg.answer_tokens < 1:
         raise BadInput(f"--answer-tokens must be at least 1, got {cfg.answer_tokens}")
     recipe = {"stage": "fold", "version": FORMAT_VERSION, "compact": comp.id, **asdict(cfg), **place.recipe()}
-    warn_mixed(out, f"compact {comp.id}", recorded(comp.recipe, cmp.MODEL_DTYPE), place)
+    warn_mixed(out, f"compact {comp.id}", recorded(comp.recipe, artifact.MODEL_DTYPE), place)
     hit = store.cached("fold", recipe)
     if hit is not None:
         return hit, True
@@ -74,9 +74,9 @@ def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: st
                     **place.load_args())
     out.info(f"model on {place.describe()}")
     ccfg = cmp.CompactConfig(**{k: comp.recipe[k] for k in asdict(cmp.CompactConfig())})
-    ids = torch.tensor(cmp.load_context(comp))
+    ids = torch.tensor(artifact.load_context(comp))
     cc, rq = cmp.prepare(lm, ids, ccfg, out)
-    biased = cmp.load_cache(comp)
+    biased = artifact.load_cache(comp)
     folded, drop, heads = {}, {}, []
     with out.progress("fold", total=len(biased)) as bar:
         for i, (l, layer) in enumerate(biased.items()):
@@ -90,16 +90,13 @@ def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: st
     from ridgefill.fold.check import plain_cache_check
 
     check = plain_cache_check(lm, ids, cc, biased, folded, drop, cfg, out)
-    arrays = {f"layer.{l}.{name}": cmp.to_dtype(a, ccfg.dtype) if name in ("keys", "values") else np.ascontiguousarray(a)
-              for l, layer in folded.items() for name, a in layer.items()}  # fmt: skip
     summary = {**report["summary"], "check": {arm: {k: c[k] for k in ("kl", "answer_matches_full") if k in c}
                                               for arm, c in check["arms"].items()},
                "fold_stock_equals_reference": check["fold_stock_equals_reference"]}
     with store.build("fold", recipe) as build:
-        tensors.save(build.path / cmp.CACHE, arrays, {"format": "ridgefill-cache/1", "dtype": ccfg.dtype})
-        tensors.save(build.path / cmp.CONTEXT, {"ids": ids.numpy().astype(np.int32)})
-        write_json(build.path / REPORT, report)
-        write_json(build.path / CHECK, check)
+        artifact.write(build.path, folded, ccfg.dtype, ids.numpy())
+        write_json(build.path / artifact.REPORT, report)
+        write_json(build.path / artifact.CHECK, check)
         art = build.commit(info={"compact": comp.id, "model_spec": spec, "model": comp.info["model"],
                                  "context": comp.info["context"], "placement": lm.placement()},
                            summary=summary)  # fmt: skip
@@ -113,7 +110,6 @@ def _per_query_sq(out, ref) -> np.ndarray:
 
 def fold_layer(l: int, layer: dict, cc, rq, s: float, dtype: str, cfg: FoldConfig):
     """Folded and dropped caches of one compacted layer, and the per-head report rows."""
-    from ridgefill.evaluate.metrics import paired_bootstrap
     from ridgefill.fold.math import (attention_output, fold_direction, fold_keys, refit_values, relative_error,
                                      round_to)  # fmt: skip
 

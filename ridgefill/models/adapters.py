@@ -30,8 +30,8 @@ import itertools
 import torch
 
 from ridgefill.errors import BadInput
+from ridgefill.models.kinds import FULL, LINEAR
 
-FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 
 
 class Adapter:

@@ -49,6 +49,10 @@ class LoadedModel:
     offload_dir: Path | None = None  # accelerate's offload folder, removed on release() / garbage collection / exit
     _cleanup: Any = field(default=None, repr=False)
 
+    def context_length(self) -> int | None:
+        """The model's context in tokens (its text config's max_position_embeddings), or None when it says none."""
+        return int(getattr(self.model.config.get_text_config(), "max_position_embeddings", 0) or 0) or None
+
     def placement(self) -> dict:
         """What an artifact's info records about where this model ran."""
         info: dict = {"device": self.device, "dtype": self.dtype}

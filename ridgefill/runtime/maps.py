@@ -6,7 +6,7 @@
     rel.split, rel.tail, rel.manifest
     rel.state_offsets   # a hybrid's terminal-state offsets {layer: [value heads, key dim, value dim]}, or None
 
-The folder is read only through `ridgefill.export.release.load_release`, which checks every file against the
+The folder is read only through `ridgefill.formats.release.load_release`, which checks every file against the
 manifest's hashes before anything is used; the split, the default tail and the model's identity come from the
 manifest it returns.
 """
@@ -53,7 +53,7 @@ def load_release_maps(lm, folder) -> ReleaseMaps:
     BadInput (one line) when the folder does not verify, when it was made for another model (the manifest's
     model fingerprint differs from `lm.ref.fingerprint`), or when its maps do not cover the late layers
     split..L-1 with d x d weights, or when its terminal-state offsets do not match the model's layers."""
-    from ridgefill.export.release import MANIFEST, load_release, load_state_offsets
+    from ridgefill.formats.release import MANIFEST, load_release, load_state_offsets
     from ridgefill.runtime.corrections import check_state_offsets
 
     folder = Path(folder)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-PROTECTED = "protected.safetensors"  # in a solve artifact: token_ids int32, ascending
 SHARE = 0.25
 ELIGIBLE = ("cap_word_start", "cap_piece", "lower_piece", "mixed")
 

@@ -22,12 +22,7 @@ import numpy as np
 
 from ridgefill.errors import BadInput
 
-STATE = "state.safetensors"  # in a solve artifact: layer.<l>.state_offset, float32 [value heads, key dim, value dim]
 DEFAULT_CHUNK = 2048
-
-
-def offset_name(layer: int) -> str:
-    return f"layer.{layer}.state_offset"
 
 
 def measure_offsets(lm, maps: dict, split: int, documents: list, chunk: int, out=None) -> tuple[dict, dict]:
@@ -38,7 +33,8 @@ def measure_offsets(lm, maps: dict, split: int, documents: list, chunk: int, out
 
     from ridgefill.runtime.corrections import filled_share
     from ridgefill.runtime.layers import Layers
-    from ridgefill.runtime.prefill import exact_run, outlier_rows
+    from ridgefill.runtime import exact_run
+    from ridgefill.runtime.rows import outlier_rows
 
     ad = lm.adapter
     linear = [l for l in range(split, ad.num_layers) if ad.is_linear(l)]

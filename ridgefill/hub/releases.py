@@ -1,6 +1,6 @@
 """Publish a release folder (`ridgefill-maps/1`, docs/format.md) on the Hugging Face Hub, and fetch one back.
 
-`push(folder, repo_id)` verifies the folder with `release.verify_release` (files, hashes and the facts
+`push(folder, repo_id)` verifies the folder with `ridgefill.formats.release.verify_release` (files, hashes and the facts
 maps.safetensors records) before anything leaves the machine,
 creates the repo (and the branch) if missing, and uploads the release as ONE commit: an addition for every
 file of the release (the manifest's files, ridgefill.json, README.md) and a deletion for every remote file the
@@ -18,29 +18,26 @@ a damaged file) and only then renames it to `out`. A folder fetched with `hf dow
 unchanged. A fresh,
 throw-away download cache is used each time, so what is verified is what the Hub serves now.
 
-huggingface_hub is imported inside the functions (`import ridgefill` stays light). Hub failures become
-one-line errors: a refused token exit 1 (the token never appears in a message), a missing repo / revision /
-release on pull exit 2 (BadInput), an unreachable endpoint exit 1 naming the endpoint.
+huggingface_hub is imported inside the functions (`import ridgefill` stays light). Hub failures become one-line
+errors through `ridgefill.hub.client.hub_errors`, the mapping model downloads use too (the token never appears in
+a message).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
 
 from ridgefill.errors import BadInput, RidgefillError
-from ridgefill.export import release
+from ridgefill.formats import release
+from ridgefill.hub import client
+from ridgefill.hub.client import DEFAULT_REVISION, check_repo_id
 
 KEEP_REMOTE = frozenset({release.GITATTRIBUTES})  # never deleted by push, never downloaded by pull
-DEFAULT_REVISION = "main"
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-_COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 
 
 # ------------------------------------------------------------------------------------------------ push
@@ -51,7 +48,7 @@ def push(folder: Path, repo_id: str, *, revision: str = DEFAULT_REVISION, privat
     """Upload a verified release folder as one commit; returns {repo, revision, commit, url, files, unchanged}."""
     folder = Path(folder)
     manifest = release.verify_release(folder)  # BadInput (exit 2) on the first problem; nothing sent yet
-    _check_repo_id(repo_id)
+    check_repo_id(repo_id)
     _check_branch(revision)
     card = [release.CARD] if (folder / release.CARD).is_file() else []  # documentation: optional
     names = sorted([*manifest["files"], release.MANIFEST, *card])
@@ -60,13 +57,13 @@ def push(folder: Path, repo_id: str, *, revision: str = DEFAULT_REVISION, privat
         if local[name]["sha256"] != manifest["files"][name]:
             raise BadInput(f"{name}: changed while preparing the push (sha256 no longer matches {release.MANIFEST})")
 
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, get_token
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
-    token = token or get_token()
+    token = client.token(token)
     if not token:
         raise RidgefillError("no Hub token: pass --token, set HF_TOKEN or run `hf auth login`")
-    api = HfApi(token=token)
-    with _hub_errors(api.endpoint, repo_id, revision, token), _progress_bars(out):
+    api = HfApi(endpoint=client.endpoint(), token=token)
+    with client.hub_errors(repo_id, f"{repo_id}@{revision}", token), client.session(client.offline()):
         api.create_repo(repo_id, repo_type="model", private=True if private else None, exist_ok=True)
         if private and not getattr(api.repo_info(repo_id), "private", True) and out is not None:
             out.warn(f"{repo_id} already exists and is public; --private only applies when the repo is created")
@@ -162,7 +159,7 @@ def parse_spec(spec: str) -> tuple[str, str]:
     repo_id, at, rev = spec.partition("@")
     if at and not rev:
         raise BadInput(f"{spec!r}: empty revision after '@'")
-    _check_repo_id(repo_id)
+    check_repo_id(repo_id)
     return repo_id, rev or DEFAULT_REVISION
 
 
@@ -172,11 +169,11 @@ def pull(spec: str, out_dir: Path, *, token: str | None = None, force: bool = Fa
     out_dir = Path(out_dir)
     release.check_out_dir(out_dir)  # before any network: a mistyped --out fails fast
 
-    from huggingface_hub import HfApi, get_token
+    from huggingface_hub import HfApi
 
-    token = token or get_token()
-    api = HfApi(token=token)
-    with _hub_errors(api.endpoint, repo_id, revision, token), _progress_bars(out):
+    token = client.token(token)
+    api = HfApi(endpoint=client.endpoint(), token=token)
+    with client.hub_errors(repo_id, f"{repo_id}@{revision}", token), client.session(client.offline()):
         sha = api.repo_info(repo_id, revision=revision).sha
         where = f"{repo_id}@{revision}" + ("" if revision == sha else f" (commit {sha[:12]})")
         out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -247,9 +244,7 @@ def _listed(manifest_path: Path, where: str) -> list[str]:
 def _place(stage: Path, out_dir: Path, force: bool) -> bool:
     """Rename the verified stage to out_dir; True if out_dir already held exactly these files (left alone)."""
     if out_dir.is_dir() and any(out_dir.iterdir()):
-        names = sorted(p.name for p in stage.iterdir())
-        if sorted(p.name for p in out_dir.iterdir()) == names and all(
-                (out_dir / n).is_file() and (out_dir / n).read_bytes() == (stage / n).read_bytes() for n in names):
+        if release.same_files(out_dir, stage, [p.name for p in stage.iterdir()]):
             return True
         if not force:
             raise BadInput(f"--out {out_dir} holds a different release; pass --force to replace it")
@@ -257,91 +252,6 @@ def _place(stage: Path, out_dir: Path, force: bool) -> bool:
     return False
 
 
-# ------------------------------------------------------------------------------------------------ errors
-
-
-def _check_repo_id(repo_id: str) -> None:
-    if not _REPO_ID.match(repo_id or "") or ".." in repo_id or "--" in repo_id or repo_id.endswith((".git", ".")):
-        raise BadInput(f"{repo_id!r} is not a Hub repo id (OWNER/NAME)")
-
-
 def _check_branch(revision: str) -> None:
-    if not revision or revision.startswith(("/", "refs/")) or ".." in revision or _COMMIT_SHA.match(revision):
+    if not revision or revision.startswith(("/", "refs/")) or ".." in revision or client.COMMIT_SHA.match(revision):
         raise BadInput(f"--revision {revision!r}: push needs a branch name")
-
-
-@contextlib.contextmanager
-def _progress_bars(out):
-    """huggingface_hub's own transfer bars only on a terminal, like ridgefill's progress (plain in CI logs);
-    an explicit HF_HUB_DISABLE_PROGRESS_BARS wins."""
-    from huggingface_hub import constants
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-
-    toggle = (constants.HF_HUB_DISABLE_PROGRESS_BARS is None and not are_progress_bars_disabled()
-              and (out is None or not out.err.is_terminal))
-    if toggle:
-        disable_progress_bars()
-    try:
-        yield
-    finally:
-        if toggle:
-            enable_progress_bars()
-
-
-def _network_cause(e: BaseException | None) -> BaseException | None:
-    """The transport failure (no connection, timeout, DNS) in an exception's chain, from httpx/httpx2/requests
-    or the standard library; None if there is none."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        names = {c.__name__ for c in type(e).__mro__}
-        if isinstance(e, ConnectionError) or names & {"TransportError", "Timeout", "ConnectTimeout"}:
-            return e
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _one_line(e: BaseException, clean) -> str:
-    text = (getattr(e, "server_message", None) or str(e)).strip()
-    return clean(text.splitlines()[0]) if text else type(e).__name__
-
-
-@contextlib.contextmanager
-def _hub_errors(endpoint: str, repo_id: str, revision: str, token: str | None):
-    """Turn huggingface_hub / transport exceptions into one-line ridgefill errors that never contain the token."""
-    from huggingface_hub.errors import (HfHubHTTPError, HFValidationError, OfflineModeIsEnabled,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
-
-    def clean(msg: str) -> str:
-        return msg.replace(token, "***") if token else msg
-
-    try:
-        yield
-    except RidgefillError as e:
-        raise type(e)(clean(str(e))) from None
-    except RevisionNotFoundError:
-        raise BadInput(f"{repo_id}@{revision}: revision not found on {endpoint}") from None
-    except RepositoryNotFoundError:
-        raise BadInput(f"{repo_id}: repository not found on {endpoint} (or private, and the token has no "
-                       "access to it)") from None
-    except HfHubHTTPError as e:
-        status = e.response.status_code if e.response is not None else None
-        if status in (401, 403):
-            what = "not a valid token" if status == 401 else f"no write access to {repo_id}"
-            raise RidgefillError(f"Hub refused the token ({status}: {what}: {_one_line(e, clean)}); check --token, "
-                                 "HF_TOKEN or `hf auth login`") from None
-        if status == 412:
-            raise RidgefillError(f"{repo_id}@{revision} moved while pushing; run push again") from None
-        raise RidgefillError(f"Hub error {status} at {endpoint}: {_one_line(e, clean)}") from None
-    except OfflineModeIsEnabled:
-        raise RidgefillError(f"HF_HUB_OFFLINE is set; cannot reach the Hub at {endpoint}") from None
-    except HFValidationError as e:
-        raise BadInput(_one_line(e, clean)) from None
-    except Exception as e:
-        cause = _network_cause(e)
-        if cause is not None:
-            raise RidgefillError(f"cannot reach the Hub at {endpoint} ({type(cause).__name__}: "
-                                 f"{_one_line(cause, clean)})") from None
-        if type(e).__module__.startswith("huggingface_hub"):
-            raise RidgefillError(f"Hub client error at {endpoint}: {type(e).__name__}: {_one_line(e, clean)}") from None
-        raise

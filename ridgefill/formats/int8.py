@@ -15,12 +15,10 @@ code per weight. Exactly, for a group `g` of a float32 row:
                                                                w * (1/scale); rint: round half to even)
     decoded w = code * scale                                  (exact in float32: 7 bits times 8 bits)
 
-`bf16(x)` is the float32 -> bfloat16 conversion torch uses (c10 `round_to_nearest_even`): add
-`0x7FFF + ((bits >> 16) & 1)` to the float32 bit pattern and keep the high 16 bits. NaN becomes 0x7FC0
-(torch's scalar path; its vectorised path may give another NaN pattern; quantize refuses NaN anyway).
-bf16 values are carried in numpy as their uint16 bit patterns. Note `scale` is double-rounded (float32, then
-bf16) on purpose: that is what `torch.tensor(absmax / 127, dtype=float32).to(bfloat16)` computes, so a torch
-reference matches bit for bit.
+`bf16(x)` is the float32 -> bfloat16 conversion torch uses (`ridgefill.numerics.f32_to_bf16_bits`: round to
+nearest, ties to even; quantize refuses NaN). bf16 values are carried in numpy as their uint16 bit patterns.
+Note `scale` is double-rounded (float32, then bf16) on purpose: that is what
+`torch.tensor(absmax / 127, dtype=float32).to(bfloat16)` computes, so a torch reference matches bit for bit.
 
 Why the clip almost never fires: RNE moves a normal bf16 scale down by at most half a bf16 ulp, a factor of
 at most 1 + 2**-8 < 127.5/127, so |w| / scale stays below 127.5 and rounds to at most 127. Only groups whose
@@ -32,28 +30,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ridgefill.numerics import bf16_bits_to_f32, f32_to_bf16_bits
+
 GROUP_SIZE = 128
 CODE_MAX = 127  # symmetric: -128 is never written, and a reader refuses it
 _BF16_ONE = np.uint16(0x3F80)
-_BF16_NAN = np.uint16(0x7FC0)
-
-
-def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 array -> uint16 bf16 bit patterns, round to nearest even (bit-identical to torch)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    bits = x.view(np.uint32)
-    rounding_bias = ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
-    # uint32 addition cannot wrap here: the largest non-NaN pattern is 0xFF800000 (-inf)
-    out = ((bits + rounding_bias) >> np.uint32(16)).astype(np.uint16)
-    return np.where(np.isnan(x), _BF16_NAN, out)
-
-
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    """uint16 bf16 bit patterns -> float32 (exact: bf16 is the top half of a float32)."""
-    bits = np.asarray(bits)
-    if bits.dtype != np.uint16:
-        raise ValueError(f"bf16 bits must be uint16, got {bits.dtype}")
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def n_groups(d_in: int, group: int = GROUP_SIZE) -> int:
@@ -127,3 +108,15 @@ def dequantize(codes: np.ndarray, scale_bits: np.ndarray, group: int = GROUP_SIZ
         raise ValueError("scales must be finite and positive")
     scale_cols = np.repeat(scale, group, axis=1)[:, :d_in]  # [d_out, d_in]
     return codes.astype(np.float32) * scale_cols  # exact: |code| < 2**7, scale has 8 significant bits
+
+
+def bias_correction(b: np.ndarray, w: np.ndarray, w_q: np.ndarray, mean_x: np.ndarray) -> np.ndarray:
+    """The bias that carries a quantized map's rounding error along the calibration mean, float32 [d_out]:
+    b_q = b + (W - W_q) mean_x, computed in float64, so that W_q mean_x + b_q = W mean_x + b.
+
+    b [d_out], w and its decoded w_q [d_out, d_in], mean_x [d_in]. Its part along the mean is the same on every
+    row, so the bias can hold it; it matters on models with massive activations (Gemma 3: one split-state
+    dimension reaches 4.5e4 against a median of 50), whose nearly constant huge input multiplies the coarse
+    rounding of that column's small weights. int8 here and Q8_0 (ridgefill.formats.gguf) both use it."""
+    err = np.asarray(w, dtype=np.float64) - w_q  # [d_out, d_in]
+    return (np.asarray(b, dtype=np.float64) + err @ np.asarray(mean_x, dtype=np.float64)).astype(np.float32)

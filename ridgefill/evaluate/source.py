@@ -1,0 +1,50 @@
+"""What eval and sweep measure: maps with the facts they need about them (`MapsSource`), from a release folder or
+a solve / quantize artifact of the store. One loader for both, so a sweep's split is measured exactly as eval
+would measure its release."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ridgefill.artifacts import Store, recipe_id
+from ridgefill.errors import BadInput
+
+
+@dataclass(frozen=True)
+class MapsSource:
+    maps: dict  # {layer: (W float32 [d, d], b float32 [d])}
+    split: int
+    fingerprint: str  # the model the maps were fitted on
+    ident: str  # content identity for the recipe
+    calibration: frozenset  # calibration document sha256s
+    release_dir: Path | None
+    state_offsets: dict | None = None  # a hybrid's terminal-state offsets {layer: float32 array}
+    protected: frozenset | None = None  # the protected-token table: token ids
+
+
+def load_source(store: Store, source: str) -> MapsSource:
+    """A release folder, or a solve / quantize artifact of the store."""
+    from ridgefill.formats import release
+
+    p = Path(source)
+    if (p / release.MANIFEST).is_file():
+        manifest, maps = release.load_release(p)
+        table = release.load_protected(p, manifest)
+        return MapsSource({l: (m["weight"], m["bias"]) for l, m in maps.items()}, int(manifest["split"]),
+                          manifest["model"]["fingerprint"], "release:" + recipe_id(manifest["files"]),
+                          frozenset(manifest.get("fit", {}).get("calibration_sha256", [])), p,
+                          release.load_state_offsets(p, manifest), None if table is None else frozenset(table))
+    art = store.get(source)
+    if art.stage not in ("solve", "quantize"):
+        raise BadInput(f"artifact {art.id} is a {art.stage} artifact; eval takes a release folder, solve or quantize artifact")
+    from ridgefill.capture.artifact import calibration_hashes
+    from ridgefill.export.artifact import float_maps
+    from ridgefill.solve.artifact import load_extras
+
+    maps = float_maps(art)  # int8 decoded with the artifact's own group size
+    calib = calibration_hashes(store.upstream(art, "capture"))
+    split = int(art.manifest["summary"]["split"])
+    offsets, table = load_extras(art if art.stage == "solve" else store.upstream(art, "solve"))
+    return MapsSource(maps, split, art.info["model"]["fingerprint"], f"{art.stage}:{art.id}", calib, None, offsets,
+                      None if table is None else frozenset(table))

@@ -1,0 +1,307 @@
+"""The reference fill runtime: a prefill that skips the late layers for most prompt rows (docs/runtime.md).
+
+    from ridgefill.runtime import prefill
+    res = prefill(lm, input_ids, "ridgefill", split=S, tail=T, maps={l: (W, b), ...})
+    res.logits      # [T, vocab] float32, for the last T rows
+    res.cache       # a transformers DynamicCache: model(next_ids, cache=res.cache) continues at position N
+    res.seconds     # wall time of the prefill
+
+Arms (N rows, L layers, split S, tail T, prefix P = N - T):
+
+- "exact": the stock model's own forward over all N rows.
+- "ridgefill": layers 0..S-1 run every row. In each late layer l >= S the prefix rows (minus the exact rows) only
+  get keys/values, computed from x_hat_l = W_l h_S + b_l through the layer's own input norm, k_proj / v_proj,
+  k_norm and RoPE at their own positions (`Adapter.kv` + `Adapter.apply_rope`); nothing else of that layer runs
+  for them. The tail rows and the exact rows run every layer exactly, attending causally to the filled cache.
+- "identity": the same with x_hat_l = h_S.
+- "nofill": late layers write nothing for the filled rows; the tail attends only to itself (and to exact rows)
+  in late layers, at its original positions. Its cache has holes, which the stock model cannot continue from:
+  `cache` is a `SlotCache`, which `greedy` (and `SlotCache.step`) decode from layer by layer.
+- Exact rows, in every arm but "exact": the first `anchor` prompt rows (default 1) and `exact_rows`, and prefix rows
+  whose split state is an outlier by norm (more than `outliers` x the prefix's median, default 20; 0 turns this
+  off): sinks, which a map's prediction would extrapolate to (rows.py has the rules).
+- "ridgefill+rows": "ridgefill" plus attention-selected exact rows: the `row_share`
+  (default 10 %) of prompt rows that receive the most attention from the `probe` rows (default: the last 64
+  prompt rows), summed over the heads of every layer below the split, run every layer exactly. The selection
+  happens inside the prefill, after the early layers, and its cost is part of the measured time.
+
+Options (`FillOptions`, keyword arguments of `prefill` and `prefill_from`): `split`, `tail`, `maps`, `exact_rows`,
+`row_share`, `probe`, `anchor`, `logits_rows`, `outliers`, `corrections`, `state_offsets`, `correction_rows`.
+
+How it runs (fill.py). The layers are the model's own decoder-layer modules, called one at a time with the model's own
+embeddings, rotary embeddings and final norm / head. Masks are built here from explicit query and key positions
+(causal, plus Gemma's window on sliding layers), so the stock attention code runs unchanged: each layer gets a
+stand-in cache (`layers.Slots`) that holds all N key/value slots in position order, with the filled prefix already in
+place, and writes the rows being run into their own slots when the attention calls `cache.update`. At the end the
+slots become an ordinary `DynamicCache(config=...)` (sliding layers keep their last window - 1 rows, as the stock
+cache does), so decoding continues with the stock model at positions N, N+1, ...
+
+Hybrids (docs/hybrid.md). A Gated DeltaNet layer has a recurrent state instead of key/value slots: early ones run
+every row in order; in a late one the state runs over the prefix with the filled rows' predicted inputs and the
+exact rows' true ones, then over the tail, and only the query rows get the rest of the layer. The states land in
+the final cache beside the attention layers' keys and values.
+
+Corrections (`corrections=`, ridgefill.runtime.corrections): per-request value / key rescales and key-mean shift
+of the filled keys and values, measured on the first tail rows, and the terminal-state correction of a hybrid's
+filled Gated DeltaNet states.
+
+In sliding-window late layers only the prefix rows that some query row (an exact row or the tail) sees are
+filled: a row more than a window behind the next query row gets no keys at all. The final cache keeps only the
+last window - 1 rows, which the tail's queries see.
+
+Devices. The same code runs on a CPU, a GPU, and a model that accelerate spread over several devices and disk
+(`load_model(device_map=...)`): the inputs go to the embeddings' device, each layer's key/value slots are made on
+that layer's device (`Adapter.layer_device`) and everything a layer reads is moved there first. Logits come back
+on the head's device, in float32; `seconds` waits for queued GPU work before it stops the clock.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ridgefill.errors import BadInput
+from ridgefill.models.kinds import FULL, LINEAR, SLIDING
+from ridgefill.runtime import corrections as fixes
+from ridgefill.runtime.cache import SlotCache, cache_copy
+from ridgefill.runtime.fill import fill, late_layers, late_slots
+from ridgefill.runtime.layers import Layers
+from ridgefill.runtime.maps import maps_on_devices
+from ridgefill.runtime.rows import ANCHOR_ROWS, OUTLIER_RATIO, PROBE_ROWS, ROW_SHARE, with_outliers
+
+ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
+
+
+def ceiling(N: int, T: int, S: int, L: int) -> float:
+    """Fraction of the exact prefill's layer-rows the fill still runs: (S*(N-T) + L*T) / (L*N).
+
+    The speed-up ceiling is its inverse (filled rows' K/V projections counted as free)."""
+    if not (L > 0 and N > 0 and 0 <= T <= N and 0 <= S <= L):
+        raise BadInput(f"ceiling needs L > 0, N > 0, 0 <= T <= N, 0 <= S <= L (got N={N}, T={T}, S={S}, L={L})")
+    return (S * (N - T) + L * T) / (L * N)
+
+
+@dataclass
+class PrefillResult:
+    """What `prefill` returns: the last `tail` rows' logits, a cache to decode from, and the measured time."""
+
+    logits: torch.Tensor  # [T, vocab] float32: the last T rows
+    cache: Any  # transformers DynamicCache continuing at position N, or a SlotCache (arm "nofill")
+    seconds: float
+    arm: str = ""
+    split: int = 0
+    tail: int = 0
+    num_rows: int = 0
+    exact_rows: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FillOptions:
+    """How a prefill fills: the keyword arguments of `prefill` and `prefill_from`, with their defaults.
+
+    `row_share` and `probe` (prompt positions; default the last 64) only matter for "ridgefill+rows". `anchor`:
+    how many first prompt rows run every layer in the fill arms (0 fills the sink too, for comparison only).
+    `outliers`: prefix rows whose split state exceeds this many times the prefix's median norm run every layer
+    too (0: none). `logits_rows`: how many last rows get logits (default `tail`; 1 is enough to decode).
+    `corrections`: any of "vscale", "kscale", "kshift" (measured on the first `correction_rows` tail rows) and
+    "state" (with `state_offsets` {layer: [value heads, key dim, value dim]}), for the fill arms
+    (ridgefill.runtime.corrections)."""
+
+    split: int
+    tail: int
+    maps: dict | None = None  # {layer: (W [d, d], b [d])} for the late layers: the "ridgefill" arms
+    exact_rows: Any = None  # prefix positions that run every layer
+    row_share: float = ROW_SHARE
+    probe: Any = None
+    anchor: int = ANCHOR_ROWS
+    logits_rows: int | None = None
+    outliers: float = OUTLIER_RATIO
+    corrections: Any = ()
+    state_offsets: dict | None = None
+    correction_rows: int = fixes.CORRECTION_ROWS
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A prefill's checked options: its exact rows so far (asked for, and the anchor), corrections, logits rows."""
+
+    rows: list[int]
+    fix: fixes.Fix
+    keep: int
+
+
+def _plan(lm, n: int, arm: str, o: FillOptions) -> _Plan:
+    """Check `o` for a prefill of n rows with `arm` (BadInput names the first problem)."""
+    L = lm.adapter.num_layers
+    if not (isinstance(o.anchor, int) and o.anchor >= 0):
+        raise BadInput(f"anchor must be a non-negative number of rows, got {o.anchor!r}")
+    if not (isinstance(o.outliers, (int, float)) and (o.outliers == 0 or o.outliers > 1)):
+        raise BadInput(f"outliers must be 0 (off) or a norm ratio above 1, got {o.outliers!r}")
+    if arm not in ARMS:
+        raise BadInput(f"unknown arm '{arm}' (choose one of: {', '.join(ARMS)})")
+    if n < 1:
+        raise BadInput("prefill needs at least one input row")
+    if not 1 <= o.tail <= n:
+        raise BadInput(f"tail must be in 1..{n} (the number of input rows), got {o.tail}")
+    if not 0 <= o.split <= L:
+        raise BadInput(f"split must be in 0..{L} (the number of layers), got {o.split}")
+    if arm.startswith("ridgefill"):
+        if o.maps is None:
+            raise BadInput(f"arm '{arm}' needs maps {{layer: (W, b)}}")
+        missing = [l for l in range(o.split, L) if l not in o.maps]
+        if missing:
+            raise BadInput(f"maps lack late layers {missing} (split {o.split}, {L} layers)")
+    rows = sorted({int(r) for r in (o.exact_rows if o.exact_rows is not None else [])})
+    prefix = n - o.tail
+    if rows and not (0 <= rows[0] and rows[-1] < prefix):
+        raise BadInput(f"exact_rows must be prefix positions in 0..{prefix - 1}")
+    if getattr(lm.adapter.config, "use_bidirectional_attention", False):
+        raise BadInput("the fill runtime needs causal attention (this model uses bidirectional attention)")
+    kinds = set(lm.adapter.layer_kinds)
+    if not kinds <= {FULL, SLIDING, LINEAR}:
+        raise BadInput(f"the fill runtime supports attention and Gated DeltaNet layers only (this model has "
+                       f"{sorted(kinds)})")
+    fix = fixes.plan(lm.adapter, arm, o.split, o.corrections, o.state_offsets, o.correction_rows)
+    keep = o.tail if o.logits_rows is None else o.logits_rows
+    if o.logits_rows is not None and not (isinstance(keep, int) and 1 <= keep <= o.tail):
+        raise BadInput(f"logits_rows must be in 1..{o.tail} (the tail), got {o.logits_rows!r}")
+    if arm != "exact":
+        rows = sorted(set(rows) | set(range(min(o.anchor, prefix))))
+    return _Plan(rows, fix, keep)
+
+
+def prefill(lm, input_ids: torch.Tensor, arm: str, **options) -> PrefillResult:
+    """Prefill `input_ids` [N] (one sequence) with `arm`; `options` are `FillOptions` (split and tail required).
+    See the module docstring."""
+    o = FillOptions(**options)
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+    n = int(ids.shape[0])
+    plan = _plan(lm, n, arm, o)
+    select = None
+    if arm == "ridgefill+rows":
+        if not 0 < o.row_share < 1:
+            raise BadInput(f"row_share must be in (0, 1), got {o.row_share}")
+        probe = list(range(max(0, n - PROBE_ROWS), n)) if o.probe is None else sorted({int(p) for p in o.probe})
+        if not probe or probe[0] < 0 or probe[-1] >= n:
+            raise BadInput(f"probe rows must be prompt positions in 0..{n - 1}")
+        select = (round(o.row_share * n), probe)
+    ids = ids.to(lm.adapter.device)
+    maps = o.maps
+    if arm.startswith("ridgefill"):
+        maps = maps_on_devices(lm, maps, range(o.split, lm.adapter.num_layers))  # before the clock starts
+    rows = plan.rows
+    _sync()
+    start = time.perf_counter()
+    with torch.no_grad():
+        if arm == "exact":
+            out = lm.model(input_ids=ids[None], use_cache=True, logits_to_keep=plan.keep)
+            logits = out.logits[0, -plan.keep:].float()
+            cache = getattr(out, "cache", None)  # 5.x name; `past_key_values` is a deprecated alias
+        else:
+            logits, cache, rows = fill(lm, ids, arm, o.split, o.tail, maps, rows, select, plan.keep, o.outliers,
+                                       plan.fix)
+    _sync()  # a GPU runs asynchronously: the clock stops when its work is done
+    seconds = time.perf_counter() - start
+    return PrefillResult(logits=logits, cache=cache, seconds=seconds, arm=arm, split=o.split, tail=o.tail,
+                         num_rows=n, exact_rows=rows)  # fmt: skip
+
+
+@dataclass
+class ExactRun:
+    """One exact forward that many fills are built from (`exact_run`, then `prefill_from` per arm and split).
+
+    Every fill arm at split S runs layers 0..S-1 exactly on every row, and the exact forward has run them all: so
+    the exact forward's cache (its early layers) and its hidden state entering layer S are all a fill needs, and
+    only the late layers' work remains per arm. Nothing here is ever modified: `prefill_from` copies what it keeps.
+    """
+
+    ids: torch.Tensor  # [N], on the input device
+    logits: torch.Tensor  # [logits_rows, vocab] float32: exact's last rows
+    cache: Any  # the stock forward's DynamicCache
+    states: dict[int, torch.Tensor]  # {split S: the hidden state entering layer S, [N, d] in the model dtype}
+    seconds: float  # the whole forward, hooks included
+
+    def result(self, tail: int) -> PrefillResult:
+        """The exact arm, as `prefill(..., "exact")` returns it (with its own cache, to decode from)."""
+        n = int(self.ids.shape[0])
+        return PrefillResult(logits=self.logits, cache=cache_copy(self.cache, len(self.cache.layers)),
+                             seconds=self.seconds, arm="exact", tail=tail, num_rows=n)
+
+
+def exact_run(lm, input_ids: torch.Tensor, *, splits=(), logits_rows: int = 1) -> ExactRun:
+    """The stock model's forward over `input_ids` [N], keeping its cache, the last `logits_rows` rows' logits
+    and the hidden state entering each layer of `splits` (memory: len(splits) x N x d)."""
+    from ridgefill.models.hooks import layer_inputs
+
+    ad = lm.adapter
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(ad.device)
+    n, splits = int(ids.shape[0]), sorted({int(s) for s in splits})
+    if not 1 <= logits_rows <= n:
+        raise BadInput(f"logits_rows must be in 1..{n}, got {logits_rows}")
+    bad = [s for s in splits if not 0 <= s <= ad.num_layers]
+    if bad:
+        raise BadInput(f"split(s) {bad} out of range 0..{ad.num_layers}")
+    _sync()
+    start = time.perf_counter()
+    layers = list(ad.layers) + [ad.base.norm]  # S = L: the state after the last layer is the final norm's input
+    with torch.no_grad(), layer_inputs(layers, splits, stop=False) as seen:
+        out = lm.model(input_ids=ids[None], use_cache=True, logits_to_keep=logits_rows)
+    states = {s: seen[s][0] for s in splits}
+    _sync()
+    return ExactRun(ids=ids, logits=out.logits[0].float(), cache=out.cache, states=states,
+                    seconds=time.perf_counter() - start)
+
+
+def prefill_from(lm, run: ExactRun, arm: str, **options) -> PrefillResult:
+    """The fill arm `arm` ("ridgefill", "identity" or "nofill") at `split`, built from an exact run of the same
+    prompt: the same result as `prefill(lm, run.ids, arm, **options)` up to float round-off, for the cost of the
+    late layers alone. `seconds` is the time of that remaining work, not a prefill's: time arms with `prefill`."""
+    o = FillOptions(**options)
+    n = int(run.ids.shape[0])
+    if arm not in ("ridgefill", "identity", "nofill"):
+        raise BadInput(f"prefill_from builds 'ridgefill', 'identity' or 'nofill', not '{arm}' (use prefill)")
+    if o.split not in run.states:
+        raise BadInput(f"the exact run kept no state for split {o.split} (it has {sorted(run.states)})")
+    plan = _plan(lm, n, arm, o)
+    split, tail = o.split, o.tail
+    rows = with_outliers(plan.rows, run.states[split], n - tail, o.outliers)
+    ad = lm.adapter
+    maps = o.maps
+    if arm == "ridgefill":
+        maps = maps_on_devices(lm, maps, range(split, ad.num_layers))
+    _sync()
+    start = time.perf_counter()
+    with torch.no_grad():
+        layers = Layers(lm)
+        h = run.states[split]
+        rope = layers.rope(h[None], torch.arange(n, device=ad.device))
+        # The early layers' cache, copied; the late Gated DeltaNet layers write their states into it as they run.
+        cache = cache_copy(run.cache, split, lm.model.config)
+        logits, late = late_layers(lm, layers, h, rope, arm, split, tail, maps, rows, plan.keep, cache, plan.fix)
+        if arm == "nofill":
+            early = []
+            for l in range(split):
+                if ad.is_linear(l):
+                    early.append(None)
+                    continue
+                k, v = run.cache.layers[l].keys[0], run.cache.layers[l].values[0]  # a sliding layer: its last rows
+                pos = torch.arange(n - k.shape[1], n, device=k.device).expand(ad.num_kv_heads, -1)
+                early.append({"keys": k, "values": v, "positions": pos})
+            all_pos = torch.arange(n, device=ad.device)
+            cache = SlotCache(lm, early + late_slots(ad, late, all_pos), n, states=cache)
+        else:
+            for l, entry in enumerate(late, start=split):
+                if entry is not None:
+                    cache.update(entry[0], entry[1], l)
+    _sync()
+    return PrefillResult(logits=logits, cache=cache, seconds=time.perf_counter() - start, arm=arm, split=split,
+                         tail=tail, num_rows=n, exact_rows=rows)
+
+
+def _sync() -> None:
+    """Wait for queued GPU work (a no-op without CUDA), so that wall time measures the computation."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -1,0 +1,183 @@
+"""The fill itself: the early layers on every row, then the late layers with the filled rows written from the
+split state (api.py says what each arm does, and how the layers are called).
+
+`fill` runs a whole fill arm from the token ids; `late_layers` runs the late layers from a split state, which is
+all `prefill_from` needs on top of an exact run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ridgefill.runtime import corrections as fixes
+from ridgefill.runtime.cache import SlotCache
+from ridgefill.runtime.layers import SLIDING, Layers, final_logits
+from ridgefill.runtime.rows import attention_received, most_attended, with_outliers
+
+
+def fill(lm, ids, arm, split, tail, maps, rows, select, keep, outliers, fix):
+    """A fill arm's prefill of ids [N] on the input device: (last `keep` rows' logits, cache, exact rows).
+
+    `rows`: the exact rows asked for (with the anchor); `select`: "+rows"'s (count, probe rows) or None; `fix`: the
+    corrections (`corrections.Fix`)."""
+    from transformers import DynamicCache
+
+    model, ad = lm.model, lm.adapter
+    layers = Layers(lm)
+    cache = DynamicCache(config=model.config)  # Gated DeltaNet layers update their states here as they run
+    # Positions, masks and row indices live on the input device and move to each layer's device (with a device
+    # map every layer may sit on another one); each layer's key/value slots are made on its own device.
+    device = ad.device
+    n = int(ids.shape[0])
+    prefix = n - tail
+    all_pos = torch.arange(n, device=device)
+    hidden = base_hidden = ad.base.embed_tokens(ids[None].to(device))  # [1, N, d]; Gemma's embedding scales
+    rope = layers.rope(base_hidden, all_pos)  # [1, N, hd] per layer kind
+    received = torch.zeros(n, device=device) if select else None
+
+    early: list[tuple[torch.Tensor, torch.Tensor]] = []
+    # Early layers: every row, exactly.
+    every = torch.ones(n, dtype=torch.bool, device=device)
+    for l in range(split):
+        if ad.is_linear(l):
+            hidden = layers.run_linear(l, hidden, cache)
+            early.append(None)
+            continue
+        keys, values = new_slots(ad, l, n), new_slots(ad, l, n)
+        layer_in = hidden
+        hidden = layers.run(l, hidden, all_pos, rope, keys, values, every, every_row=True)
+        early.append((keys, values))
+        if select:
+            probe = torch.tensor(select[1], device=layer_in.device)
+            received += attention_received(ad, l, layer_in[0, probe], probe, keys, layers.window).to(device)
+    if select:  # "+rows": the most-attended prefix rows become exact rows
+        rows = sorted(set(rows) | set(most_attended(received, prefix, select[0])))
+    rows = with_outliers(rows, hidden[0], prefix, outliers)
+    logits, late = late_layers(lm, layers, hidden[0], rope, arm, split, tail, maps, rows, keep, cache, fix)
+    if arm == "nofill":
+        slots = [None if e is None else {"keys": e[0][0], "values": e[1][0],
+                                         "positions": all_pos.expand(ad.num_kv_heads, n)} for e in early]
+        return logits, SlotCache(lm, slots + late_slots(ad, late, all_pos), n, states=cache), rows
+    for l, entry in enumerate(early + late):
+        if entry is not None:  # sliding layers keep their last window - 1 rows, as in a stock prefill
+            cache.update(entry[0], entry[1], l)
+    return logits, cache, rows
+
+
+def new_slots(ad, l: int, n: int) -> torch.Tensor:
+    """Zeroed key (or value) slots of layer l for n rows, on the layer's device: [1, kv_heads, n, head_dim]."""
+    return torch.zeros((1, ad.num_kv_heads, n, ad.head_dim), dtype=ad.dtype, device=ad.layer_device(l))
+
+
+def late_slots(ad, late, all_pos) -> list[dict]:
+    """SlotCache layers of the late layers (the "nofill" arm's holes are empty slots, position -1; a Gated
+    DeltaNet layer, None, keeps its states in the SlotCache's `states`)."""
+    n = all_pos.shape[0]
+    return [None if e is None else
+            {"keys": e[0][0], "values": e[1][0], "positions": torch.where(e[2], all_pos, -1).expand(ad.num_kv_heads, n)}
+            for e in late]  # fmt: skip
+
+
+def late_layers(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep, states, fix=None):
+    """Late layers from the split state h_split [N, d]: the query rows (exact rows + tail) run every layer; the
+    filled rows only write keys/values (attention) or their state updates (Gated DeltaNet, into `states`, a
+    transformers cache). `fix`: the corrections (`corrections.Fix`). Returns the last `keep` rows' logits and, per late
+    layer, (keys, values, valid slots), or None for a Gated DeltaNet layer."""
+    fix = fix or fixes.Fix()
+    kv_fix = [c for c in fix.which if c in fixes.KV_CORRECTIONS]
+    ad = lm.adapter
+    device, dtype = ad.device, ad.dtype
+    n, L = int(h_split.shape[0]), ad.num_layers
+    prefix = n - tail
+    all_pos = torch.arange(n, device=device)
+    q_pos = torch.tensor(rows + list(range(prefix, n)), dtype=torch.long, device=device)
+    q_rope = {kind: (cos[:, q_pos.to(cos.device)], sin[:, q_pos.to(sin.device)]) for kind, (cos, sin) in rope.items()}
+    is_fill = torch.zeros(n, dtype=torch.bool, device=device)
+    is_fill[:prefix] = True
+    if rows:
+        is_fill[torch.tensor(rows, device=device)] = False
+    fill_pos = all_pos[is_fill] if arm != "nofill" else all_pos[:0]
+    if layers.window:  # sliding layers fill only the rows some query row sees: the next query at or after them
+        nxt = torch.searchsorted(q_pos, fill_pos)  # q_pos is sorted; fill rows are never query rows
+        ahead = torch.cat([q_pos, q_pos.new_tensor([n + layers.window])])[nxt]
+        fill_pos_sliding = fill_pos[ahead - fill_pos < layers.window]
+    hq = h_split[q_pos.to(h_split.device)][None]  # [1, Q, d]
+    x_split = h_split.float()
+    late = []
+    for l in range(split, L):
+        dev = ad.layer_device(l)
+        if ad.is_linear(l):
+            x = _predicted(arm, maps, l, x_split, fill_pos, dev)
+            offset = fix.offsets[l] if "state" in fix.which else None
+            hq = _late_linear(layers, l, hq, x, fill_pos, rows, prefix, states, offset)
+            late.append(None)
+            continue
+        keys, values = new_slots(ad, l, n), new_slots(ad, l, n)
+        kv_valid = torch.zeros(n, dtype=torch.bool, device=device)
+        kv_valid[q_pos] = True
+        kind = ad.layer_kinds[l]
+        pos = fill_pos
+        if kind == SLIDING and layers.window:
+            pos = fill_pos_sliding  # the other rows are outside every query's window
+        if pos.numel():
+            x = _predicted(arm, maps, l, x_split, pos, dev)
+            k, v = ad.kv(l, x)  # [F, kv_heads, head_dim], before RoPE, on the layer's device
+            if kv_fix:  # measured on the first tail rows: from their true input (hq) and from the map's prediction
+                m = min(fix.rows, tail)
+                r = len(rows)
+                k_true, v_true = ad.kv(l, hq[0, r : r + m])
+                k_pred, v_pred = ad.kv(l, _predicted(arm, maps, l, x_split, all_pos[prefix : prefix + m], dev))
+                k, v = fixes.apply_kv(fixes.kv_params(kv_fix, k_true, v_true, k_pred, v_pred), k, v)
+            cos, sin = rope[kind]
+            at = pos.to(cos.device)
+            k = ad.apply_rope(k, cos[0, at], sin[0, at])
+            at = pos.to(dev)
+            keys[0, :, at] = k.transpose(0, 1).to(dev, dtype)
+            values[0, :, at] = v.transpose(0, 1).to(dev, dtype)
+            kv_valid[pos] = True
+        hq = layers.run(l, hq, q_pos, q_rope, keys, values, kv_valid)
+        late.append((keys, values, kv_valid))
+    return final_logits(lm, hq[0, -keep:]), late
+
+
+def _predicted(arm, maps, l, x_split, pos, dev):
+    """The filled rows' input to late layer l: W_l h_S + b_l ("ridgefill"), or h_S ("identity"), for the rows at
+    `pos` of x_split [N, d] float32: [F, d] float32 on `dev`."""
+    x = x_split[pos.to(x_split.device)].to(dev)
+    if arm.startswith("ridgefill"):
+        W, b = maps[l]
+        W = torch.as_tensor(W, dtype=torch.float32, device=dev)  # in place already (maps_on_devices)
+        b = torch.as_tensor(b, dtype=torch.float32, device=dev)
+        x = x @ W.T + b
+    return x
+
+
+def _late_linear(layers, l, hq, x_fill, fill_pos, rows, prefix, states, offset=None):
+    """A late Gated DeltaNet layer. Its state runs over the prefix in order, every row in its own place: a filled
+    row contributes from its predicted input x_fill [F, d] (at fill_pos), an exact row from its true input (hq's
+    first len(rows) rows); in "nofill" (no fill_pos) only the exact rows contribute. The tail then continues from
+    that state. Only the query rows (hq [1, Q, d]: the exact rows, then the tail) get the rest of the layer;
+    returns their output [1, Q, d]. `offset` [value heads, key dim, value dim]: the terminal-state correction,
+    added to the state at the end of the prefix scaled by the filled rows' share of it."""
+    ad = layers.ad
+    dev = ad.layer_device(l)
+    hq = hq.to(dev)
+    r = len(rows)
+    at = torch.tensor(rows, dtype=torch.long, device=dev)
+    if fill_pos.numel():
+        x = hq.new_empty((1, prefix, hq.shape[-1]))
+        x[0, fill_pos.to(dev)] = x_fill.to(hq.dtype)
+        x[0, at] = hq[0, :r]
+    else:
+        x, at = hq[:, :r], torch.arange(r, device=dev)
+    parts = []
+    if x.shape[1]:
+        parts.append(layers.mix(l, x, states)[:, at])
+        if offset is not None and fill_pos.numel():
+            filled = torch.ones(prefix, dtype=torch.bool, device=dev)
+            filled[at] = False
+            share = fixes.filled_share(ad.linear_log_gates(l, x[0]), filled)  # [value heads]
+            state = states.layers[l].recurrent_states[0]  # [1, value heads, key dim, value dim], updated in place
+            state += (share.to(offset.device)[:, None, None] * offset).to(state)[None]
+    parts.append(layers.mix(l, hq[:, r:], states))
+    return layers.finish(l, hq, torch.cat(parts, dim=1))

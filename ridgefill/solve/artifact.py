@@ -1,0 +1,79 @@
+"""The solve artifact (docs/store.md): its file names, how its files are written and read, and the calibration mean
+of its maps. Later stages read a solve only through this module.
+
+    maps.safetensors        `layer.<l>.weight` float32 [d_out, d_in], `layer.<l>.bias` float32 [d_out] for every
+                            late layer; metadata {split, alpha} (or {split, alpha_per_layer: "l:alpha,..."})
+    protected.safetensors   `token_ids` int32, ascending: the protected-token table (solve/protected.py);
+                            metadata {share}
+    state.safetensors       on a hybrid solved with --state-data: `layer.<l>.state_offset` float32 [value heads,
+                            key dim, value dim] (solve/state.py); metadata {split, chunk}
+    report.json             the held-out scores per alpha and per layer, the fitted and identity figures, timings
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ridgefill.artifacts import Artifact, Store
+from ridgefill.formats import safetensors
+
+MAPS = "maps.safetensors"
+REPORT = "report.json"
+PROTECTED = "protected.safetensors"
+STATE = "state.safetensors"
+
+
+def offset_name(layer: int) -> str:
+    return f"layer.{layer}.state_offset"
+
+
+def write_maps(path, layers: list[int], w: np.ndarray, b: np.ndarray, meta: dict[str, str]) -> None:
+    """maps.safetensors from stacked maps w [layers, d_out, d_in], b [layers, d_out] (float64 or float32)."""
+    arrays = {}
+    for i, l in enumerate(layers):
+        arrays[f"layer.{l}.weight"] = w[i].astype(np.float32)  # [d_out, d_in]
+        arrays[f"layer.{l}.bias"] = b[i].astype(np.float32)  # [d_out]
+    safetensors.save(path / MAPS, arrays, meta)
+
+
+def write_protected(path, table: np.ndarray, share: float) -> None:
+    safetensors.save(path / PROTECTED, {"token_ids": table}, {"share": repr(share)})
+
+
+def write_offsets(path, offsets: dict[int, np.ndarray], split: int, chunk: int) -> None:
+    safetensors.save(path / STATE, {offset_name(l): o for l, o in offsets.items()},
+                     {"split": str(split), "chunk": str(chunk)})
+
+
+def load_maps(art: Artifact) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """{layer: (W float32 [d_out, d_in], b float32 [d_out])}."""
+    arrays, _ = safetensors.load(art.file(MAPS))
+    layers = sorted({int(k.split(".")[1]) for k in arrays})
+    return {l: (arrays[f"layer.{l}.weight"], arrays[f"layer.{l}.bias"]) for l in layers}
+
+
+def load_extras(art: Artifact) -> tuple[dict | None, np.ndarray | None]:
+    """A solve artifact's terminal-state offsets {layer: float32 [value heads, key dim, value dim]} and protected-
+    token table (token ids), each None when it has none."""
+    names = art.manifest.get("files") or {}
+    offsets = None
+    if STATE in names:
+        offsets = {int(n.split(".")[1]): a for n, a in safetensors.load(art.file(STATE))[0].items()}
+    table = safetensors.load(art.file(PROTECTED))[0]["token_ids"] if PROTECTED in names else None
+    return offsets, table
+
+
+def load_report(art: Artifact) -> dict:
+    return json.loads(art.file(REPORT).read_text())
+
+
+def calibration_mean(store: Store, sol: Artifact) -> np.ndarray:
+    """mean_x [d_in] float64: the mean split state of the solve's calibration rows (its capture's statistics at its
+    split, raw and chat mixed by its chat_share), the direction a quantizer's bias correction folds the rounding
+    error along (ridgefill.formats.int8.bias_correction)."""
+    from ridgefill.capture.artifact import load_stats
+
+    cap = store.upstream(sol, "capture")
+    return load_stats(cap, sol.recipe["split"], sol.recipe["chat_share"]).mean_x

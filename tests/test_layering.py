@@ -1,0 +1,92 @@
+"""The package's layering, read from the source (nothing is imported): the import graph between ridgefill's
+top-level packages follows one declared order, bottom to top, so it has no cycle; no module reaches into another
+package's `run` module (the stage itself) or imports a private name from another module.
+
+    python tests/test_layering.py        # prints the graph, each package with the packages it imports
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ridgefill"
+# Bottom to top: a package may import only the ones before it. errors, output and numerics hold no ridgefill
+# imports; formats reads and writes files; hub talks to the Hub; models loads them; runtime is the fill; then the
+# stages in pipeline order; recipe runs the chain; cli parses and prints.
+ORDER = ["errors", "output", "numerics", "artifacts", "formats", "hub", "models", "runtime", "capture", "solve",
+         "export", "evaluate", "fold", "engines", "recipe", "cli", "__main__"]
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        yield path, parts, ast.parse(path.read_text(), str(path))
+
+
+def _imports(tree):
+    """(imported module, [names]) for every absolute ridgefill import, at any depth (lazy imports count)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("ridgefill"):
+            yield node.module, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("ridgefill."):
+                    yield a.name, []
+
+
+def _top(parts) -> str:
+    return parts[0] if len(parts) > 1 else parts[0]
+
+
+def graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for _, parts, tree in _modules():
+        if parts == ("__init__",):
+            continue
+        me = _top(parts)
+        for module, _ in _imports(tree):
+            other = module.split(".")[1] if "." in module else None
+            if other and other != me:
+                edges[me].add(other)
+    return edges
+
+
+def test_every_package_has_a_place_in_the_order():
+    tops = {_top(parts) for _, parts, _ in _modules() if parts != ("__init__",)}
+    assert tops <= set(ORDER), f"packages without a place in ORDER: {sorted(tops - set(ORDER))}"
+
+
+def test_imports_only_go_down_the_declared_order():
+    up = [f"{a} -> {b}" for a, bs in sorted(graph().items()) for b in sorted(bs) if ORDER.index(b) >= ORDER.index(a)]
+    assert not up, "imports against the declared order (so a cycle is possible): " + ", ".join(up)
+
+
+def test_no_module_imports_another_packages_run_module_or_a_private_name():
+    bad = []
+    for path, parts, tree in _modules():
+        me = ".".join(("ridgefill",) + parts)
+        for module, names in _imports(tree):
+            pieces = module.split(".")
+            if len(pieces) > 2 and pieces[1] != parts[0] and pieces[-1] == "run":
+                bad.append(f"{me} imports {module}")
+            bad += [f"{me} imports {module}.{n}" for n in names if n.startswith("_") and module != me]
+    assert not bad, "; ".join(bad)
+
+
+def test_the_graph_printed_is_the_one_tested(capsys):
+    main()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(graph()) and all(" -> " in line for line in lines)
+
+
+def main() -> None:
+    edges = graph()
+    for name in sorted(edges, key=ORDER.index):
+        print(f"{name:10} -> {' '.join(sorted(edges[name], key=ORDER.index))}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
