@@ -38,7 +38,7 @@ def main() -> None:
 
     from ridgefill.artifacts import Store
     from ridgefill.evaluate.run import EvalConfig, evaluate
-    from ridgefill.evaluate.sweep import SweepConfig, sweep
+    from ridgefill.sweep.run import SweepConfig, sweep
     from ridgefill.output import Output
 
     model_cache(args.store, args.model)

@@ -70,8 +70,8 @@ def _known(table: dict, allowed: set, where: str) -> dict:
 
 def load_recipe(path: Path) -> Recipe:
     """Parse and check a recipe file; BadInput names the first problem."""
-    from ridgefill.capture.run import CaptureConfig
-    from ridgefill.evaluate.run import EvalConfig
+    from ridgefill.capture import CaptureConfig
+    from ridgefill.evaluate import EvalConfig
 
     path = Path(path)
     try:
@@ -94,7 +94,8 @@ def load_recipe(path: Path) -> Recipe:
     base = path.resolve().parent
     rel = lambda p: (base / p).resolve()  # noqa: E731  (an absolute p stays itself)
     name = doc["model"].removeprefix("builtin:").replace("/", "--")
-    cap = dict(_known(doc.get("capture", {}), {f.name for f in fields(CaptureConfig)} | {"data"}, "capture"))
+    cap = dict(_known(doc.get("capture", {}), {f.name for f in fields(CaptureConfig)} | {"data", *PLACE_KEYS},
+                      "capture"))
     cap.setdefault("data", ["builtin:default"])
     if isinstance(cap["data"], str):
         cap["data"] = [cap["data"]]
@@ -114,7 +115,7 @@ def load_recipe(path: Path) -> Recipe:
         sol["state_data"] = [str(rel(x)) for x in paths]
     sweep = None
     if sol.get("split") == "auto":
-        from ridgefill.evaluate.sweep import SweepConfig
+        from ridgefill.sweep import SweepConfig
 
         # quantize and alpha_per_layer come from [quantize] and [solve], as for the release itself
         keys = {f.name for f in fields(SweepConfig)} - {"quantize", "alpha_per_layer"}
@@ -140,24 +141,23 @@ def load_recipe(path: Path) -> Recipe:
 
 def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: str | None = None) -> dict:
     """Run every stage; returns the JSON summary (a failed gate: summary["gate"]["passed"] is False, no push)."""
-    from ridgefill.capture.run import CaptureConfig, capture
+    from ridgefill.capture import CaptureConfig, capture
     from ridgefill.evaluate.gate import load_gate
-    from ridgefill.evaluate.run import EvalConfig, evaluate, record
+    from ridgefill.evaluate import EvalConfig, evaluate, record
     from ridgefill.evaluate.summary import manifest_summary
-    from ridgefill.export import build
-    from ridgefill.export.quantize import quantize
+    from ridgefill.export import export as export_release
+    from ridgefill.quantize import quantize
     from ridgefill.formats.release import verify_release
-    from ridgefill.solve.run import solve
+    from ridgefill.solve import solve
 
     if push and recipe.push is None:
         raise BadInput(f"--push needs a [push] table with repo = \"OWNER/NAME\" in {recipe.path}")
     rules = load_gate(recipe.gate) if recipe.gate else None  # a bad gate file fails before any work
-    from ridgefill.models.device import where
-
     p = recipe.place
     # Resolved once (a bad device fails before any work), given to every stage that runs the model.
-    w = where(p.get("device", "auto"), p.get("dtype", "auto"), p.get("device_map"), p.get("max_memory"))
-    place = {"device": w.device, "dtype": w.dtype, "device_map": p.get("device_map"), "max_memory": p.get("max_memory")}
+    w = _where(p)
+    # capture runs where the rest does, unless its own table says otherwise
+    cap_place = _where({**p, **{k: recipe.capture[k] for k in PLACE_KEYS if k in recipe.capture}})
     start = time.perf_counter()
     summary: dict = {"recipe": str(recipe.path), "model": recipe.model, "stages": {}}
 
@@ -169,15 +169,12 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
         out.info(f"[bold]{name}[/bold] {art.id} ({'cached' if cached else 'written'})")
         return art
 
-    cap_cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in recipe.capture.items() if k != "data"}
-    capture_fields = {f.name for f in fields(CaptureConfig)}
-    for k in PLACE_KEYS:  # capture runs where the rest does, unless its own table says otherwise
-        if k in capture_fields and k not in cap_cfg and (k in ("device", "dtype") or k in p):
-            cap_cfg[k] = tuple(place[k]) if isinstance(place[k], list) else place[k]
+    cap_cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in recipe.capture.items()
+               if k != "data" and k not in PLACE_KEYS}
     solve_args = dict(recipe.solve)
     if recipe.sweep is not None:  # split = "auto": the sweep's capture and recommendation
         from ridgefill.errors import GateFailed
-        from ridgefill.evaluate.sweep import SweepConfig, sweep
+        from ridgefill.sweep import SweepConfig, sweep
 
         scfg = SweepConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recipe.sweep.items()},
                            quantize=recipe.quantize, alpha_per_layer=solve_args.get("alpha_per_layer", False))
@@ -185,7 +182,7 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
         shared = {k: v for k, v in solve_args.items() if k not in ("split", "alpha_per_layer", "state_data",
                                                                      "state_chunk")}  # fmt: skip
         sw = stage("sweep", lambda: sweep(store, recipe.model, scfg, out, data=recipe.capture["data"],
-                                          capture_args=cap_cfg, solve_args=shared, **place))
+                                          capture_args=cap_cfg, solve_args=shared, place=w, capture_place=cap_place))
         rec = sw.manifest["summary"]
         summary["sweep"] = {"recommended": rec["recommended"], "reason": rec["reason"], "splits": rec["splits"]}
         if rec["recommended"] is None:
@@ -193,13 +190,14 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
         solve_args["split"] = rec["recommended"]
         cap = stage("capture", lambda: (store.get(rec["capture"], stage="capture"), True))
     else:
-        cap = stage("capture", lambda: capture(store, recipe.model, recipe.capture["data"], CaptureConfig(**cap_cfg), out))
-    sol = stage("solve", lambda: solve(store, cap.id, out, **solve_args, **place))
-    src = stage("quantize", lambda: quantize(store, sol.id, out, **place)) if recipe.quantize else sol
+        cap = stage("capture", lambda: capture(store, recipe.model, recipe.capture["data"], CaptureConfig(**cap_cfg), out,
+                                               place=cap_place))
+    sol = stage("solve", lambda: solve(store, cap.id, out, **solve_args, place=w))
+    src = stage("quantize", lambda: quantize(store, sol.id, out, place=w)) if recipe.quantize else sol
     tail = {"tail": recipe.tail} if recipe.tail else {}
 
     def export():
-        art, cached, _ = build.export(store, src.id, recipe.out, out, force=True, **tail)
+        art, cached, _ = export_release(store, src.id, recipe.out, out, force=True, **tail)
         return art, cached
 
     stage("export", export)
@@ -208,7 +206,7 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
     failed: list[str] = []
     if recipe.eval is not None:
         cfg = EvalConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recipe.eval.items()})
-        ev = stage("eval", lambda: evaluate(store, recipe.model, str(recipe.out), cfg, out, **place))
+        ev = stage("eval", lambda: evaluate(store, recipe.model, str(recipe.out), cfg, out, place=w))
         gate = record(str(recipe.out), ev, rules, out)
         summary["eval"] = {"ceiling_speedup": ev.manifest["summary"]["ceiling_speedup"],
                            "arms": manifest_summary(ev.manifest["summary"], ev.id)["arms"]}
@@ -226,3 +224,13 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
         summary["stages"]["push"] = {"seconds": round(time.perf_counter() - t, 2)}
     summary["seconds"] = round(time.perf_counter() - start, 2)
     return summary
+
+
+def _where(keys: dict):
+    """The Where of a recipe's device, dtype, device_map and max_memory keys (BadInput, one line, for a bad one)."""
+    from ridgefill.models.device import where
+
+    memory = keys.get("max_memory")
+    if isinstance(memory, dict):  # a table of DEVICE = SIZE, as the top level writes it
+        memory = [f"{k}={v}" for k, v in memory.items()]
+    return where(keys.get("device", "auto"), keys.get("dtype", "auto"), keys.get("device_map"), memory)

@@ -46,8 +46,8 @@ def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE) -> di
     maps at `group`, bias-corrected along the calibration mean as `quantize` does); returns their ids."""
     from ridgefill.capture.artifact import DOCS, STATS
     from ridgefill.capture.stats import Moments
-    from ridgefill.export.artifact import QUANT
-    from ridgefill.export.quantize import quantize_map
+    from ridgefill.quantize.artifact import QUANT
+    from ridgefill.quantize.run import quantize_map
     from ridgefill.solve.artifact import MAPS, REPORT
 
     st = Store(root)

@@ -13,6 +13,7 @@ from ridgefill.artifacts import Store
 from ridgefill.formats import safetensors
 from ridgefill.capture.artifact import COUNTS, DOCS, HELDOUT, STATS
 from ridgefill.capture.run import CaptureConfig, capture
+from ridgefill.models.device import where
 from ridgefill.capture.units import Unit, blocks as _blocks
 from ridgefill.capture.stats import Moments
 from ridgefill.output import Output
@@ -104,7 +105,7 @@ def test_model_dtype_and_device_kind_are_in_the_id(tmp_path, tiny_llama, long_co
     store = Store(tmp_path / "s")
     f32, _ = capture(store, str(tiny_llama), [str(long_corpus)], CaptureConfig(splits=(2,), chunk=64, held_out=1), quiet())
     bf16, _ = capture(store, str(tiny_llama), [str(long_corpus)],
-                      CaptureConfig(splits=(2,), chunk=64, held_out=1, dtype="bfloat16"), quiet())
+                      CaptureConfig(splits=(2,), chunk=64, held_out=1), quiet(), place=where(dtype="bfloat16"))
     assert f32.recipe["device"] == bf16.recipe["device"] == "cpu"
     assert (f32.recipe["dtype"], bf16.recipe["dtype"]) == ("float32", "bfloat16")
     assert f32.id != bf16.id
@@ -217,12 +218,12 @@ def test_device_map_with_disk_offload_gives_the_same_statistics(tmp_path, tiny_l
     plain, _ = capture(store, str(tiny_llama), [str(long_corpus)], CaptureConfig(**cfg), quiet())
     placement = {"model.embed_tokens": "cpu", "lm_head": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
                  "model.layers.1": "disk", "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "disk"}
-    spread, cached = capture(store, str(tiny_llama), [str(long_corpus)], CaptureConfig(**cfg, device_map=placement),
-                             quiet())
+    spread, cached = capture(store, str(tiny_llama), [str(long_corpus)], CaptureConfig(**cfg), quiet(),
+                             place=where(device_map=placement))
     assert cached  # same id: placement does not change what is computed ...
     store2 = Store(tmp_path / "s2")
-    spread, cached = capture(store2, str(tiny_llama), [str(long_corpus)], CaptureConfig(**cfg, device_map=placement),
-                             quiet())
+    spread, cached = capture(store2, str(tiny_llama), [str(long_corpus)], CaptureConfig(**cfg), quiet(),
+                             place=where(device_map=placement))
     assert not cached
     assert spread.id == plain.id
     assert spread.info["placement"]["device_map"] == {"cpu": 5, "disk": 3}

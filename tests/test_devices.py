@@ -18,6 +18,7 @@ import torch
 from ridgefill.artifacts import Store
 from ridgefill.errors import BadInput
 from ridgefill.models import load_model, resolve_model
+from ridgefill.models.device import where
 from ridgefill.output import Output
 from clirun import cli, cli_here
 
@@ -300,13 +301,13 @@ def test_device_map_in_bfloat16(tiny_llama, tmp_path):
 
 
 def test_compact_and_fold_in_bfloat16_and_with_a_device_map(tiny_llama, context, tmp_path):
-    from ridgefill.fold.compact import CompactConfig, compact
+    from ridgefill.fold.compaction import CompactConfig, compact
     from ridgefill.fold.run import FoldConfig, fold
 
     st = Store(tmp_path / "st")
     cfg = CompactConfig(budget=0.25)
     f32, _ = compact(st, str(tiny_llama), context, cfg, QUIET)
-    bf16, _ = compact(st, str(tiny_llama), context, cfg, QUIET, dtype="bfloat16")
+    bf16, _ = compact(st, str(tiny_llama), context, cfg, QUIET, place=where(dtype="bfloat16"))
     assert f32.id != bf16.id
     assert "device" not in f32.recipe and "model_dtype" not in f32.recipe  # the ids of CPU float32 runs stay
     assert (bf16.recipe["device"], bf16.recipe["model_dtype"], bf16.recipe["dtype"]) == ("cpu", "bfloat16", "bfloat16")
@@ -321,7 +322,7 @@ def test_compact_and_fold_in_bfloat16_and_with_a_device_map(tiny_llama, context,
     assert json.loads(r.stdout)["id"] == bf16.id and json.loads(r.stdout)["cached"] is True
 
     # A fold on another dtype than its compact's says so, in one warning line.
-    folded, _ = fold(st, bf16.id, FoldConfig(question=" Q: what?", answer_tokens=4), QUIET, dtype="bfloat16")
+    folded, _ = fold(st, bf16.id, FoldConfig(question=" Q: what?", answer_tokens=4), QUIET, place=where(dtype="bfloat16"))
     assert folded.manifest["summary"]["fold_stock_equals_reference"] is True
     r = run("fold", bf16.id, "--question", " Q: what?", "--answer-tokens", 4, "--store", st.root)
     assert r.returncode == 0, r.stderr
@@ -390,11 +391,11 @@ def test_solve_scores_in_bfloat16(chain, tiny_llama):
 
 
 def test_quantize_scores_in_bfloat16(chain):
-    from ridgefill.export.quantize import quantize
+    from ridgefill.quantize.run import quantize
 
     _, st, _, sol, _ = chain
     f32, _ = quantize(st, sol.id, QUIET)
-    bf16, _ = quantize(st, sol.id, QUIET, dtype="bfloat16")
+    bf16, _ = quantize(st, sol.id, QUIET, place=where(dtype="bfloat16"))
     assert "device" not in f32.recipe and f32.recipe["dtype"] == "int8"
     assert (bf16.recipe["device"], bf16.recipe["model_dtype"], bf16.recipe["dtype"]) == ("cpu", "bfloat16", "int8")
     assert bf16.id != f32.id
@@ -418,7 +419,7 @@ def test_eval_in_bfloat16_and_with_a_device_map(chain, tiny_llama, tmp_path):
     cfg = EvalConfig(arms=("exact", "ridgefill", "nofill"), tail=48, scored=16, doc_tokens=128, lengths=(600,),
                      documents=2, depths=(0.5,), tasks=("single",))
     plain, _ = evaluate(st, str(tiny_llama), str(rel), cfg, QUIET)
-    bf16, _ = evaluate(st, str(tiny_llama), str(rel), cfg, QUIET, dtype="bfloat16")
+    bf16, _ = evaluate(st, str(tiny_llama), str(rel), cfg, QUIET, place=where(dtype="bfloat16"))
     assert bf16.id != plain.id
     assert (bf16.recipe["device"], bf16.recipe["dtype"]) == ("cpu", "bfloat16") and "device" not in plain.recipe
     p, b = eval_figures(st, plain.id), eval_figures(st, bf16.id)

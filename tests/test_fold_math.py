@@ -370,7 +370,7 @@ def test_compact_refits_values_on_the_rounded_kept_keys(dtype):
     """`compact_layer` (what `ridgefill compact` runs per layer): values refit with beta on round(K[keep])."""
     from types import SimpleNamespace
 
-    from ridgefill.fold.compact import CompactConfig, compact_layer
+    from ridgefill.fold.compaction import CompactConfig, compact_layer
 
     rng = np.random.default_rng(13)
     K, V, Q, Qh = offset_cache(rng, dtype)

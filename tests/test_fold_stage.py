@@ -8,7 +8,7 @@ import torch
 
 from ridgefill.artifacts import Store
 from ridgefill.fold import artifact as fold_artifact
-from ridgefill.fold.compact import CompactConfig, compact
+from ridgefill.fold.compaction import CompactConfig, compact
 from ridgefill.fold.math import round_to
 from ridgefill.fold.run import FoldConfig, fold
 from ridgefill.output import Output

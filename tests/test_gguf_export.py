@@ -321,7 +321,7 @@ def test_store_gguf_is_one_rounding_of_the_float_maps(chain, tmp_path, stage):
     blocks = {t.name: np.asarray(t.data) for t in GGUFReader(out).tensors}
     mean = calibration_mean()
     fm = float_maps()
-    from ridgefill.export.artifact import load_quant
+    from ridgefill.quantize.artifact import load_quant
 
     int8_maps_ = {l: (int8.dequantize(q["codes"], q["scale_bits"]), q["bias"])  # as the old path decoded them
                   for l, q in load_quant(Store(root).get(ids["quantize"])).items()}

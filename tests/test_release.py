@@ -551,7 +551,7 @@ def test_export_takes_the_group_size_of_the_quantize_artifact(tmp_path):
     from ridgefill.artifacts import Store
     from ridgefill.evaluate.source import load_source
     from ridgefill.export.build import export
-    from ridgefill.export.artifact import load_quant
+    from ridgefill.quantize.artifact import load_quant
     from ridgefill.output import Output
 
     st = Store(tmp_path / "store")
@@ -576,7 +576,7 @@ def test_group_size_must_agree_between_recipe_and_file(tmp_path):
     from ridgefill.artifacts import Store
     from ridgefill.formats import safetensors
     from ridgefill.errors import RidgefillError
-    from ridgefill.export.artifact import QUANT, group_size
+    from ridgefill.quantize.artifact import QUANT, group_size
 
     st = Store(tmp_path / "store")
     q = st.get(fake_chain(st.root, group=64)["quantize"])

@@ -92,7 +92,7 @@ def test_tiny_alpha_recovers_exact_linear_map():
 
 def test_quantize_bias_correction_cancels_the_error_at_the_mean():
     from ridgefill.formats import int8
-    from ridgefill.export.quantize import quantize_map
+    from ridgefill.quantize.run import quantize_map
 
     rng = np.random.default_rng(5)
     w = (rng.normal(size=(8, 300)) * 0.05).astype(np.float32)

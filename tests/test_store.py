@@ -194,7 +194,7 @@ class _Spy(Store):
 
 def test_trust_remote_code_enters_capture_and_compact_recipes(tmp_path, tiny_llama):
     from ridgefill.capture.run import CaptureConfig, capture
-    from ridgefill.fold.compact import CompactConfig, compact
+    from ridgefill.fold.compaction import CompactConfig, compact
     from ridgefill.output import Output
 
     (tmp_path / "d.txt").write_text("one two three four five six seven eight nine ten. " * 20)

@@ -8,7 +8,7 @@ import torch
 
 from ridgefill.artifacts import Store
 from ridgefill.capture.run import CaptureConfig, capture
-from ridgefill.evaluate.sweep import SweepConfig, default_splits, parse_splits, sweep
+from ridgefill.sweep.run import SweepConfig, default_splits, parse_splits, sweep
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 from clirun import cli_here
@@ -49,8 +49,8 @@ def test_sweep_figures_equal_independent_prefills(swept, tiny_llama):
     needle answers by greedy decoding, document ΔNLL; one capture serves every split."""
     from ridgefill.evaluate import metrics, texts
     from ridgefill.evaluate.needles import score_answer
-    from ridgefill.evaluate.sweep import needle_suite
-    from ridgefill.export.artifact import float_maps as _maps_of
+    from ridgefill.sweep.run import needle_suite
+    from ridgefill.quantize.artifact import float_maps as _maps_of
     from ridgefill.models import load_model, resolve_model
     from ridgefill.runtime import greedy, prefill
 
@@ -87,7 +87,7 @@ def test_sweep_figures_equal_independent_prefills(swept, tiny_llama):
 
 
 def test_sweep_artifact_recommends_and_plots(swept):
-    from ridgefill.evaluate.report import recommend
+    from ridgefill.sweep.report import recommend
 
     st, art, res = swept
     assert sorted(p.name for p in art.path.iterdir() if p.name != "artifact.json") == ["sweep.json", "sweep.md", "sweep.png"]
@@ -135,7 +135,7 @@ def test_a_stopped_sweep_resumes_at_the_next_prompt(tmp_path, tiny_llama, data, 
     the prompts left and gives the uninterrupted sweep's figures."""
     import importlib
 
-    from ridgefill.evaluate import sweep as sw
+    from ridgefill.sweep import run as sw
 
     rt = importlib.import_module("ridgefill.runtime.api")  # the module the package exports exact_run from
 

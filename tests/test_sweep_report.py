@@ -1,4 +1,4 @@
-"""The sweep's report (ridgefill/evaluate/report.py): recommendation rule, retrieval edge, table, markdown, PNG."""
+"""The sweep's report (ridgefill/sweep/report.py): recommendation rule, retrieval edge, table, markdown, PNG."""
 
 import json
 import os
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ridgefill.errors import BadInput
-from ridgefill.evaluate.report import DPI, FIGSIZE, plot, recommend, retrieval_edge, table, write_markdown
+from ridgefill.sweep.report import DPI, FIGSIZE, plot, recommend, retrieval_edge, table, write_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 EXACT = 42.5
@@ -265,7 +265,7 @@ PLOT_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
 from test_sweep_report import sweep
-from ridgefill.evaluate.report import plot, recommend
+from ridgefill.sweep.report import plot, recommend
 r = sweep()
 plot(r, recommend(r), {path!r})
 """
@@ -321,7 +321,7 @@ def test_plot_refuses_a_missing_folder_and_writes_nothing(tmp_path):
 
 
 def test_importing_ridgefill_and_the_report_does_not_import_matplotlib():
-    code = ("import sys, ridgefill, ridgefill.evaluate.report as rep\n"
+    code = ("import sys, ridgefill, ridgefill.sweep.report as rep\n"
             "sys.path.insert(0, 'tests')\n"
             "from test_sweep_report import sweep\n"
             "r = sweep(); rec = rep.recommend(r); rep.retrieval_edge(r); rep.write_markdown(r, rec)\n"

@@ -20,6 +20,8 @@ from typing import Iterator
 import numpy as np
 
 from ridgefill.capture.stats import Moments
+from ridgefill.capture.units import SKIP_FIRST
+from ridgefill.runtime.rows import outlier_rows
 
 PRODUCT_DTYPES = ("float32", "float64")
 
@@ -124,3 +126,25 @@ def chunk_moments(x, ys: list, product_dtype: str = "float32") -> Moments:
         host(cxy).reshape(dx, k, dy).transpose(1, 0, 2),  # a [k, dx, dy] view: merging reads it in place
         host(yy),
     )
+
+
+def fitted_moments(hs: dict, start: int, splits, num_layers: int, outlier_ratio: float,
+                   product_dtype: str = "float32") -> dict[int, Moments]:
+    """One chunk's statistics per split over the rows the maps are fitted on: {split: Moments}.
+
+    hs: {layer: h_l [rows, d]} for every layer from the lowest split (`document_chunks`), the chunk starting at
+    document position `start`. Left out: a document's first row (an attention sink, `SKIP_FIRST`) and every row
+    whose split state is an outlier by norm (`runtime.rows.outlier_rows` with `outlier_ratio`: a later sink, which
+    the fill runs exactly). {} when the chunk has no row left."""
+    skip = SKIP_FIRST if start == 0 else 0
+    out = {}
+    for s in splits:
+        x = hs[s][skip:]  # [n, d]
+        if x.shape[0] < 1:
+            break
+        ys = [hs[l][skip:] for l in range(s, num_layers)]  # k x [n, d]
+        sinks = outlier_rows(x, outlier_ratio)
+        if sinks.any():
+            x, ys = x[~sinks], [y[~sinks] for y in ys]
+        out[s] = chunk_moments(x, ys, product_dtype)
+    return out

@@ -34,7 +34,7 @@ from ridgefill.capture.stats import Moments, merge_into
 from ridgefill.capture.units import SKIP_FIRST, Unit, blocks as make_blocks, make_units
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
-from ridgefill.runtime.rows import OUTLIER_RATIO, outlier_rows
+from ridgefill.runtime.rows import OUTLIER_RATIO
 
 FORMAT_VERSION = 3  # 2: whole documents through the KV cache (was: independent windows), blocks, float32 products;
 # 3: rows whose split state is an outlier by norm are not fitted
@@ -49,11 +49,7 @@ class CaptureConfig:
     held_out: int = 4
     held_out_rows: int = 2048
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (the recipe records the kind)
-    dtype: str = "auto"  # model dtype: auto | float32 | bfloat16 | float16
     product_dtype: str = "float32"  # the per-chunk centred products (totals are float64 either way)
-    device_map: str | dict | None = None  # "auto" (or from Python a {module: place} dict): accelerate spreads the model
-    max_memory: tuple[str, ...] = ()  # with device_map: DEVICE=SIZE
     trust_remote_code: bool = False
     outlier_ratio: float = OUTLIER_RATIO  # rows whose split state exceeds this x their chunk's median norm: not fitted
 
@@ -66,8 +62,12 @@ def capture(
     out: Output,
     checkpoint_every: float = 30.0,
     after_unit: Callable[[int], None] | None = None,
+    *,
+    place=None,
 ) -> tuple[Artifact | None, bool]:
-    """Run (or find cached) the capture. Returns the artifact and whether it was a cache hit.
+    """Run (or find cached) the capture. Returns the artifact and whether it was a cache hit. `place` (a
+    ridgefill.models.device.Where; default: `where()`, the first GPU or the CPU) is where the model runs; the recipe
+    records its device kind and dtype.
 
     Under torchrun every rank calls this; rank 0 returns the artifact, the others return (None, cached)."""
     from ridgefill.models import resolve_model
@@ -84,10 +84,10 @@ def capture(
         raise BadInput(f"the outlier ratio must be 0 (off) or above 1, got {cfg.outlier_ratio}")
     if cfg.product_dtype not in PRODUCT_DTYPES:
         raise BadInput(f"unknown product dtype '{cfg.product_dtype}' (choose {' or '.join(PRODUCT_DTYPES)})")
-    if cfg.device_map is not None and world.distributed:
+    place = place or where()
+    if place.device_map is not None and world.distributed:
         raise BadInput("--device-map cannot be combined with torchrun: every rank would spread its own copy of the "
                        "model over the same devices (use one process, or --device per rank)")
-    place = where(cfg.device, cfg.dtype, cfg.device_map, list(cfg.max_memory) or None)
     if world.distributed and place.kind == "cuda":
         place = replace(place, device=f"cuda:{world.local_rank}")  # one GPU per local rank
     world.start()
@@ -141,7 +141,7 @@ def capture(
 
 def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, place, world, out, checkpoint_every,
          after_unit):
-    from ridgefill.capture.forward import chunk_moments, document_chunks, exact_float32, release_workspace
+    from ridgefill.capture.forward import document_chunks, exact_float32, fitted_moments, release_workspace
     from ridgefill.models import load_model
 
     t0 = time.perf_counter()
@@ -184,16 +184,9 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, plac
                     held_rows["doc"].append(np.full(len(keep), u.doc, dtype=np.int32))
                     held_rows["pos"].append(np.asarray(keep, dtype=np.int32) + start)
                 continue
-            skip = SKIP_FIRST if start == 0 else 0
-            if rows - skip < 1:
-                continue
-            for s in splits:
-                x = hs[s][skip:]  # [n, d]
-                ys = [hs[l][skip:] for l in range(s, ref.num_layers)]  # k x [n, d]
-                sinks = outlier_rows(x, cfg.outlier_ratio)
-                if sinks.any():
-                    x, ys = x[~sinks], [y[~sinks] for y in ys]
-                part[(u.variant, s)] = merge_into(part[(u.variant, s)], chunk_moments(x, ys, cfg.product_dtype))
+            fitted = fitted_moments(hs, start, splits, ref.num_layers, cfg.outlier_ratio, cfg.product_dtype)
+            for s, m in fitted.items():
+                part[(u.variant, s)] = merge_into(part[(u.variant, s)], m)
         t_fwd += time.perf_counter() - t
         tokens_done += u.tokens
         return part

@@ -1,8 +1,9 @@
 """The `ridgefill` command line: one module per command, registered here; `main()` maps errors to
 one line and an exit code (0 ok, 1 failure, 2 bad input, 3 gate failed).
 
-Here too: `ridgefill --version`, shell completion (`--install-completion`, `--show-completion`), and `-q/--quiet`,
-which `RidgefillGroup` adds to every command (declared once, as `common.QuietOpt`).
+Here too: `ridgefill --version`, shell completion (`--install-completion`, `--show-completion`), and the options
+of every command (`--store`, `--json`, `--debug`, `-q/--quiet`), which `RidgefillGroup` adds to each one (declared
+once, in common.py).
 """
 
 from __future__ import annotations
@@ -15,41 +16,41 @@ from typing import Annotated
 import typer
 from typer.core import TyperGroup
 
-from ridgefill.cli import artifacts, capture, eval, export, fold, quantize, release, solve, sweep
-from ridgefill.cli import hub
-from ridgefill.cli.common import QuietOpt
+from ridgefill.cli import (
+    artifacts,
+    capture,
+    eval,
+    export,
+    fold,
+    hub,
+    quantize,
+    release,
+    solve,
+    sweep,
+)
+from ridgefill.cli.common import shared_options
 
 PROG = "ridgefill"
 
 
-def _quiet_option():
-    """The click option typer makes from `QuietOpt` (so it is parsed, completed and shown like any other)."""
-    probe = typer.Typer(add_completion=False)
-
-    @probe.command()
-    def _probe(quiet: QuietOpt = False) -> None:  # pragma: no cover - never run
-        pass
-
-    return typer.main.get_command(probe).params[0]
-
-
-def _add_quiet(group) -> None:
+def _add_shared(group, shared) -> None:
     for command in group.commands.values():
         if hasattr(command, "commands"):
-            _add_quiet(command)
-        elif not any("--quiet" in getattr(p, "opts", ()) for p in command.params):
-            command.params.append(copy.copy(_QUIET))
+            _add_shared(command, shared)
+        else:
+            have = {opt for p in command.params for opt in getattr(p, "opts", ())}
+            command.params += [copy.copy(o) for o in shared if not set(o.opts) & have]
 
 
 class RidgefillGroup(TyperGroup):
-    """The root group: every command (also `artifacts ls` and the like) gets -q/--quiet."""
+    """The root group: every command (also `artifacts ls` and the like) gets the shared options."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        _add_quiet(self)
+        _add_shared(self, _SHARED)
 
 
-_QUIET = _quiet_option()
+_SHARED = shared_options()
 
 app = typer.Typer(
     name=PROG,
@@ -93,12 +94,10 @@ app.add_typer(artifacts.app, name="artifacts")
 
 
 def main() -> None:
+    from ridgefill.cli import common
     from ridgefill.errors import RidgefillError
 
-    from ridgefill.output import set_quiet
-
-    debug = "--debug" in sys.argv[1:] or bool(os.environ.get("RIDGEFILL_DEBUG"))
-    set_quiet(False)
+    common.reset()
     try:
         code = app(standalone_mode=False, prog_name=PROG)
     except typer.Exit as e:
@@ -109,12 +108,12 @@ def main() -> None:
         print("Interrupted.", file=sys.stderr)
         code = 130
     except RidgefillError as e:
-        if debug:
+        if _debug():
             raise
         print(f"Error: {e}", file=sys.stderr)
         code = e.exit_code
     except Exception as e:
-        if debug:
+        if _debug():
             raise
         if hasattr(e, "show") and hasattr(e, "exit_code"):  # click's usage errors (typer vendors click)
             e.show()
@@ -127,3 +126,10 @@ def main() -> None:
 
         release_all()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _debug() -> bool:
+    """--debug (or RIDGEFILL_DEBUG): show the traceback of an error instead of its one line."""
+    from ridgefill.cli import common
+
+    return common.SESSION.debug or bool(os.environ.get("RIDGEFILL_DEBUG"))

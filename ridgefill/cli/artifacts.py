@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, StoreOpt, output, store
+from ridgefill.cli.common import output, store
 
 app = typer.Typer(help="Inspect and clean the artifact store.", no_args_is_help=True)
 
@@ -20,12 +20,12 @@ def figure(v) -> str:
 
 
 @app.command("ls")
-def ls(store_root: StoreOpt = DEFAULT_STORE, json: JsonOpt = False, debug: DebugOpt = False) -> None:
+def ls() -> None:
     """List artifacts (figures rounded; --json: exact)."""
     from rich.table import Table
 
-    out = output(json)
-    st = store(store_root)
+    out = output()
+    st = store()
     arts = st.all()
     t = Table()
     for c in ("stage", "id", "from", "summary"):
@@ -43,14 +43,14 @@ def ls(store_root: StoreOpt = DEFAULT_STORE, json: JsonOpt = False, debug: Debug
 
 
 @app.command("show")
-def show(artifact: str, store_root: StoreOpt = DEFAULT_STORE, json: JsonOpt = False, debug: DebugOpt = False) -> None:
+def show(artifact: str) -> None:
     """Print an artifact's manifest."""
-    out = output(json)
-    st = store(store_root)
+    out = output()
+    st = store()
     art = st.get(artifact, check=False)  # a damaged manifest is still shown, after a warning
     for p in st.manifest_problems(art):
         out.warn(f"artifact {art.stage}/{art.id} is damaged: {p}")
-    if json:
+    if out.json_mode:
         out.result(art.manifest)
     else:
         print(jsonlib.dumps(art.manifest, indent=2, sort_keys=True))
@@ -59,16 +59,13 @@ def show(artifact: str, store_root: StoreOpt = DEFAULT_STORE, json: JsonOpt = Fa
 @app.command("verify")
 def verify(
     artifact: Annotated[Optional[str], typer.Argument(help="Artifact id; all artifacts when omitted.")] = None,
-    store_root: StoreOpt = DEFAULT_STORE,
-    json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Check each artifact's manifest (its recipe must hash to its id) and files (their sha256); exit 1 if any is
     damaged."""
     from ridgefill.errors import RidgefillError
 
-    out = output(json)
-    st = store(store_root)
+    out = output()
+    st = store()
     arts = [st.get(artifact, check=False)] if artifact else st.all()
     bad = {f"{a.stage}/{a.id}": st.problems(a) for a in arts}
     bad = {k: v for k, v in bad.items() if v}
@@ -84,17 +81,14 @@ def verify(
 def gc(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would be removed.")] = False,
     work: Annotated[bool, typer.Option("--work", help="Also remove resumable work of unfinished runs.")] = False,
-    store_root: StoreOpt = DEFAULT_STORE,
-    json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Remove what killed runs left (.tmp-*, stale .lock-*), damaged artifacts and (with --work) unfinished
     work; never what a running build holds."""
     from ridgefill.artifacts import lock
 
-    out = output(json)
+    out = output()
     kept: list = []
-    removed = store(store_root).gc(dry_run=dry_run, include_work=work, kept=kept)
+    removed = store().gc(dry_run=dry_run, include_work=work, kept=kept)
     for p in removed:
         out.info(f"{'would remove' if dry_run else 'removed'} {p}")
     for p, holder in kept:

@@ -6,10 +6,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import (DEFAULT_STORE, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, JsonOpt, MaxMemoryOpt,
-                                  ModelArg, StoreOpt, done, output, store)
+from ridgefill.cli.common import ModelArg, done, output, placed, store
 
 
+@placed
 def capture(
     model: ModelArg,
     data: Annotated[Optional[list[str]], typer.Option("--data", help="Text file, directory of .txt/.jsonl, .jsonl with a 'text' field, or builtin:default (the default). Repeatable.")] = None,
@@ -20,26 +20,20 @@ def capture(
     held_out: Annotated[int, typer.Option("--held-out", help="Documents kept out of the statistics for scoring.")] = 4,
     held_out_rows: Annotated[int, typer.Option("--held-out-rows", help="Rows sampled from the held-out documents.")] = 2048,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out choice.")] = 0,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
     product_dtype: Annotated[str, typer.Option("--product-dtype", help="Per-chunk products on the device: float32 (TF32 off) or float64. Totals are float64 either way.")] = "float32",
-    device_map: DeviceMapOpt = None,
-    max_memory: MaxMemoryOpt = None,
+    place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own Python code (off unless given).")] = False,
     checkpoint_every: Annotated[float, typer.Option("--checkpoint-every", help="Seconds between resumable checkpoints (0: after every document).")] = 30.0,
-    store_root: StoreOpt = DEFAULT_STORE,
-    json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Run MODEL over calibration text and accumulate the ridge statistics (resumable; torchrun shards it)."""
-    from ridgefill.capture.run import CaptureConfig, capture as run
+    from ridgefill.capture import CaptureConfig
+    from ridgefill.capture import capture as run
 
-    out = output(json)
+    out = output()
     cfg = CaptureConfig(splits=tuple(split or ()), chat=chat, chunk=chunk, max_length=max_length, held_out=held_out,
-                        held_out_rows=held_out_rows, seed=seed, device=device, dtype=dtype,
-                        product_dtype=product_dtype, device_map=device_map, max_memory=tuple(max_memory or ()),
+                        held_out_rows=held_out_rows, seed=seed, product_dtype=product_dtype,
                         trust_remote_code=trust_remote_code)
-    art, cached = run(store(store_root), model, list(data or ["builtin:default"]), cfg, out, checkpoint_every)
+    art, cached = run(store(), model, list(data or ["builtin:default"]), cfg, out, checkpoint_every, place=place)
     if art is None:  # a torchrun rank other than 0: rank 0 reports
         return
     s = art.manifest["summary"]

@@ -7,10 +7,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import (DEFAULT_STORE, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, JsonOpt, MaxMemoryOpt,
-                                  ModelArg, StoreOpt, done, output, store)
+from ridgefill.cli.common import ModelArg, done, output, placed, store
 
 
+@placed
 def eval_(
     model: ModelArg,
     source: Annotated[str, typer.Argument(help="Release folder, or a solve / quantize artifact id.")],
@@ -25,28 +25,21 @@ def eval_(
     scored: Annotated[int, typer.Option("--scored", help="Scored stretch: the last tokens of each document.")] = 256,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     gate: Annotated[Optional[Path], typer.Option("--gate", help="TOML thresholds; exit 3 when one fails.")] = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    device_map: DeviceMapOpt = None,
-    max_memory: MaxMemoryOpt = None,
-    store_root: StoreOpt = DEFAULT_STORE,
-    json: JsonOpt = False,
-    debug: DebugOpt = False,
+    place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
 ) -> None:
     """Measure the fill arms against exact (needles, ΔNLL, KL) and gate the release."""
     from ridgefill.errors import GateFailed
+    from ridgefill.evaluate import DEFAULT_ARMS, EvalConfig, evaluate, record
     from ridgefill.evaluate.gate import load_gate
-    from ridgefill.evaluate.run import DEFAULT_ARMS, EvalConfig, evaluate, record
 
-    out = output(json)
+    out = output()
     rules = load_gate(gate) if gate else None
     default = EvalConfig()
     cfg = EvalConfig(arms=tuple(arms or DEFAULT_ARMS), tail=tail, lengths=tuple(lengths or default.lengths),
                      depths=tuple(depths or default.depths), tasks=tuple(tasks or default.tasks), samples=samples,
                      documents=documents, doc_tokens=doc_tokens, scored=scored, seed=seed)
-    st = store(store_root)
-    art, cached = evaluate(st, model, source, cfg, out, device=device, dtype=dtype, device_map=device_map,
-                           max_memory=max_memory)
+    st = store()
+    art, cached = evaluate(st, model, source, cfg, out, place=place)
     s = art.manifest["summary"]
     out.table(quality_table(art.id, s))
     out.table(speed_table(s))

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, StoreOpt, done, output, store
+from ridgefill.cli.common import done, output, store
 
 FORMATS = ("release", "gguf")
 
@@ -22,9 +22,6 @@ def export(
         "facts as metadata).")] = "release",
     tail: Annotated[int, typer.Option("--tail", help="Default exact tail recorded in the manifest.")] = 512,
     force: Annotated[bool, typer.Option("--force", help="Replace a different release or GGUF file in --out.")] = False,
-    store_root: StoreOpt = DEFAULT_STORE,
-    json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Write a release folder (ridgefill.json, maps.safetensors, model card) or, with --format gguf, one .gguf file."""
     from ridgefill.errors import BadInput
@@ -32,12 +29,12 @@ def export(
     if fmt not in FORMATS:
         raise BadInput(f"--format {fmt!r} is not one of: {', '.join(FORMATS)}")
     if fmt == "gguf":
-        from ridgefill.export.gguf import export_gguf as run
+        from ridgefill.export import export_gguf as run
     else:
-        from ridgefill.export.build import export as run
+        from ridgefill.export import export as run
 
-    out = output(json)
-    art, cached, copied = run(store(store_root), artifact, out_dir, out, tail=tail, force=force)
+    out = output()
+    art, cached, copied = run(store(), artifact, out_dir, out, tail=tail, force=force)
     if copied is not None:
         out.info(f"{'GGUF file' if fmt == 'gguf' else 'release folder'}: {copied}")
     done(out, "export", art, cached, {"out": str(copied) if copied else None, "format": fmt})
@@ -45,15 +42,12 @@ def export(
 
 def verify(
     folder: Annotated[Path, typer.Argument(help="Release folder.")],
-    store_root: StoreOpt = DEFAULT_STORE,  # accepted like every command's; verify reads only the folder
-    json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Check every file of a release folder against its manifest, and the manifest against the facts
     maps.safetensors records (exit 2 naming the bad file or field)."""
     from ridgefill.formats.release import MAPS_FILE, verify_release
 
-    out = output(json)
+    out = output()
     manifest = verify_release(folder)
     files = sorted(manifest["files"])
     out.info(f"[green]ok[/green] {folder}: {len(files)} file(s) match ridgefill.json ({', '.join(files)}), and its "

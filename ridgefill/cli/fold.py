@@ -7,10 +7,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import (DEFAULT_STORE, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, JsonOpt, MaxMemoryOpt,
-                                  ModelArg, StoreOpt, done, output, store)
+from ridgefill.cli.common import ModelArg, done, output, placed, store
 
 
+@placed
 def compact(
     model: ModelArg,
     context: Annotated[Path, typer.Option("--context", help="Text file: the context whose cache is compacted.")],
@@ -21,50 +21,39 @@ def compact(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     cache_dtype: Annotated[str, typer.Option("--cache-dtype", help="Cache dtype: bfloat16, float16 or float32.")] = "bfloat16",
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own code.")] = False,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    device_map: DeviceMapOpt = None,
-    max_memory: MaxMemoryOpt = None,
-    store_root: StoreOpt = DEFAULT_STORE,
-    json: JsonOpt = False,
-    debug: DebugOpt = False,
+    place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
 ) -> None:
     """Compact a context's KV cache Attention-Matching style: top keys, fitted logit biases, refit values."""
-    from ridgefill.fold.compact import CompactConfig, compact as run
+    from ridgefill.fold import CompactConfig
+    from ridgefill.fold import compact as run
 
-    out = output(json)
+    out = output()
     cfg = CompactConfig(budget=budget, source=source, holdout=holdout, cap=cap, seed=seed, dtype=cache_dtype)
-    art, cached = run(store(store_root), model, context, cfg, out, trust_remote_code=trust_remote_code, device=device,
-                      dtype=dtype, device_map=device_map, max_memory=max_memory)
+    art, cached = run(store(), model, context, cfg, out, trust_remote_code=trust_remote_code, place=place)
     s = art.manifest["summary"]
     out.info(f"{s['context_tokens']} context tokens, {s['kept_per_head']} keys kept per head in layers "
              f"{s['compacted_layers']}; median held-out output error of the biased cache {s['am_held_median']:.4f}")
     done(out, "compact", art, cached)
 
 
+@placed
 def fold(
     compact_id: Annotated[str, typer.Argument(help="Compact artifact id (or unique prefix).")],
     rho: Annotated[float, typer.Option("--rho", help="Ridge on the query covariance (times trace/d).")] = 1e-3,
     question: Annotated[Optional[str], typer.Option("--question", help="Text after the context for the plain-cache check.")] = None,
     answer_tokens: Annotated[int, typer.Option("--answer-tokens", help="Greedy answer length of the check.")] = 24,
     model: Annotated[Optional[str], typer.Option("--model", help="The compact's model from another place (same fingerprint).")] = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    device_map: DeviceMapOpt = None,
-    max_memory: MaxMemoryOpt = None,
-    store_root: StoreOpt = DEFAULT_STORE,
-    json: JsonOpt = False,
-    debug: DebugOpt = False,
+    place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
 ) -> None:
     """Fold the biases of a compacted cache into its keys: a plain cache that stock attention runs."""
     from rich.table import Table
 
-    from ridgefill.fold.run import ARMS, FoldConfig, fold as run
+    from ridgefill.fold import ARMS, FoldConfig
+    from ridgefill.fold import fold as run
 
-    out = output(json)
+    out = output()
     cfg = FoldConfig(rho=rho, answer_tokens=answer_tokens, **({"question": question} if question is not None else {}))
-    art, cached = run(store(store_root), compact_id, cfg, out, model=model, device=device, dtype=dtype,
-                      device_map=device_map, max_memory=max_memory)
+    art, cached = run(store(), compact_id, cfg, out, model=model, place=place)
     s = art.manifest["summary"]
     t = Table(title=f"fold {art.id}: median output error vs the full cache ({s['heads']} heads); answer KL")
     for c in ("arm", "fit", "held-out", "worst (layer/head)", "KL", "answer = full"):

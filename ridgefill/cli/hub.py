@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import DEFAULT_STORE, DebugOpt, JsonOpt, StoreOpt, output, warn_token_flag
+from ridgefill.cli.common import output, warn_token_flag
 
 TokenOpt = Annotated[
     Optional[str],
@@ -27,14 +27,11 @@ def push(
     private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
     commit_message: Annotated[Optional[str], typer.Option("--commit-message", help="Commit title.")] = None,
     token: TokenOpt = None,
-    store_root: StoreOpt = DEFAULT_STORE,  # accepted like every command's; push reads only the folder
-    json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Upload a release folder to the Hub as one commit (no commit if the branch already holds it)."""
     from ridgefill.hub.releases import push as run
 
-    out = output(json)
+    out = output()
     warn_token_flag(out, token)
     res = run(folder, repo, revision=revision, private=private, commit_message=commit_message, token=token, out=out)
     out.result(res, primary=res["commit"])
@@ -46,14 +43,11 @@ def pull(
     out_dir: Annotated[Path, typer.Option("--out", help="Folder to write (created; verified before it appears).")],
     force: Annotated[bool, typer.Option("--force", help="Replace a different release in --out.")] = False,
     token: TokenOpt = None,
-    store_root: StoreOpt = DEFAULT_STORE,  # accepted like every command's; pull writes only --out
-    json: JsonOpt = False,
-    debug: DebugOpt = False,
 ) -> None:
     """Download a release from the Hub: ridgefill.json, the files it lists and README.md, verified."""
     from ridgefill.hub.releases import pull as run
 
-    out = output(json)
+    out = output()
     warn_token_flag(out, token)
     res = run(spec, out_dir, token=token, force=force, out=out)
     out.result(res, primary=res["commit"])

@@ -6,31 +6,24 @@ from typing import Annotated
 
 import typer
 
-from ridgefill.cli.common import (DEFAULT_STORE, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, JsonOpt, MaxMemoryOpt,
-                                  StoreOpt, done, output, store)
+from ridgefill.cli.common import done, output, placed, store
 
 
+@placed
 def quantize(
     maps: Annotated[str, typer.Argument(help="Solve artifact id (or unique prefix).")],
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    device_map: DeviceMapOpt = None,
-    max_memory: MaxMemoryOpt = None,
-    store_root: StoreOpt = DEFAULT_STORE,
-    json: JsonOpt = False,
-    debug: DebugOpt = False,
+    place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
 ) -> None:
     """Quantize maps to int8 (one bf16 scale per 128 weights of a row) and re-score them held out."""
     import json as jsonlib
 
     from rich.table import Table
 
-    from ridgefill.export.artifact import REPORT
-    from ridgefill.export.quantize import quantize as run
+    from ridgefill.quantize import quantize as run
+    from ridgefill.quantize.artifact import REPORT
 
-    out = output(json)
-    art, cached = run(store(store_root), maps, out, device=device, dtype=dtype, device_map=device_map,
-                      max_memory=max_memory)
+    out = output()
+    art, cached = run(store(), maps, out, place=place)
     report = jsonlib.loads(art.file(REPORT).read_text())
     t = Table(title="int8 error / max|w|")
     t.add_column("layer", justify="right")

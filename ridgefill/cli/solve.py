@@ -6,10 +6,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import (DEFAULT_STORE, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, JsonOpt, MaxMemoryOpt,
-                                  StoreOpt, done, output, store)
+from ridgefill.cli.common import done, output, placed, store
 
 
+@placed
 def solve(
     capture: Annotated[str, typer.Argument(help="Capture artifact id (or unique prefix).")],
     model: Annotated[Optional[str], typer.Option("--model", help="Model to score with (default: the captured one; must match it).")] = None,
@@ -20,21 +20,16 @@ def solve(
     alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Give every late layer the alpha best for its own held-out score (default: one alpha shared by all).")] = False,
     state_data: Annotated[Optional[list[str]], typer.Option("--state-data", help="Hybrids: text kept apart from the capture's (file, directory or .jsonl; repeatable) on which to measure the terminal-state correction of the filled Gated DeltaNet layers.")] = None,
     state_chunk: Annotated[int, typer.Option("--state-chunk", help="Measure the states every this many tokens.")] = 2048,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    device_map: DeviceMapOpt = None,
-    max_memory: MaxMemoryOpt = None,
-    store_root: StoreOpt = DEFAULT_STORE,
-    json: JsonOpt = False,
-    debug: DebugOpt = False,
+    place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
 ) -> None:
     """Fit ridge maps for every late layer over the alpha grid; choose alpha on held-out rows."""
+    from ridgefill.solve import solve as run
     from ridgefill.solve.artifact import load_report
-    from ridgefill.solve.run import solve as run
 
-    out = output(json)
-    art, cached = run(store(store_root), capture, out, model=model, split=split, alphas=alpha, metric=metric,
-                      chat_share=chat_share, alpha_per_layer=alpha_per_layer, state_data=state_data, state_chunk=state_chunk, device=device, dtype=dtype, device_map=device_map, max_memory=max_memory)
+    out = output()
+    art, cached = run(store(), capture, out, model=model, split=split, alphas=alpha, metric=metric,
+                      chat_share=chat_share, alpha_per_layer=alpha_per_layer, state_data=state_data,
+                      state_chunk=state_chunk, place=place)
     report = load_report(art)
     out.table(grid_table(report))
     for line in extension_lines(report) + per_layer_lines(report):

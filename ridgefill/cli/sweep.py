@@ -6,10 +6,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import (DEFAULT_STORE, DebugOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, JsonOpt, MaxMemoryOpt,
-                                  ModelArg, StoreOpt, done, output, store)
+from ridgefill.cli.common import ModelArg, done, output, placed, store
 
 
+@placed
 def sweep(
     model: ModelArg,
     splits: Annotated[Optional[str], typer.Option("--splits", help="Splits to measure: 8-24, 8-24:2, 8,12,16 (default: 8 evenly spaced over the middle half of the layers).")] = None,
@@ -25,27 +25,20 @@ def sweep(
     quantize: Annotated[bool, typer.Option("--quantize/--float", help="Measure the int8 maps a release ships, or the float maps.")] = True,
     alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Solve each layer at its own best alpha.")] = False,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    device_map: DeviceMapOpt = None,
-    max_memory: MaxMemoryOpt = None,
-    store_root: StoreOpt = DEFAULT_STORE,
-    json: JsonOpt = False,
-    debug: DebugOpt = False,
+    place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
 ) -> None:
     """Measure several splits (needles, key-token ΔNLL, speed-up) and recommend the shallowest within budget."""
-    from ridgefill.evaluate.report import table
-    from ridgefill.evaluate.sweep import PLOT, RESULT, SweepConfig, parse_splits, sweep as run
+    from ridgefill.sweep import SweepConfig, parse_splits
+    from ridgefill.sweep import sweep as run
+    from ridgefill.sweep.artifact import PLOT, load_result
+    from ridgefill.sweep.report import table
 
-    out = output(json)
+    out = output()
     cfg = SweepConfig(splits=parse_splits(splits) if splits is not None else (), length=length, tail=tail,
                       samples=samples, documents=documents, scored=scored, max_needle_drop=max_needle_drop,
                       max_key_dnll=max_key_dnll, quantize=quantize, alpha_per_layer=alpha_per_layer, seed=seed)
-    art, cached = run(store(store_root), model, cfg, out, data=data, capture_ref=capture_ref, device=device,
-                      dtype=dtype, device_map=device_map, max_memory=max_memory)
-    import json as _json
-
-    result = _json.loads(art.file(RESULT).read_text())
+    art, cached = run(store(), model, cfg, out, data=data, capture_ref=capture_ref, place=place)
+    result = load_result(art)
     out.table(table(result, result["recommended"]))
     out.info(result["retrieval"]["line"])
     out.info(f"[bold]recommended:[/bold] {result['recommended']['reason']}")

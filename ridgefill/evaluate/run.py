@@ -19,6 +19,7 @@ from pathlib import Path
 from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
+from ridgefill.evaluate.artifact import RESULTS
 from ridgefill.evaluate.measure import eval_documents, measure_documents, measure_needles, time_prefills
 from ridgefill.evaluate.source import MapsSource, load_source
 from ridgefill.evaluate.summary import manifest_summary, summarize
@@ -28,7 +29,6 @@ FORMAT_VERSION = 7  # 2: single needles in noise filler; 3: nofill needles, "rid
 # 5: arms built from one exact run per prompt, speed from one timed prefill per arm and length ("timing");
 # 6: prefix rows whose split state is an outlier by norm (later sinks) run exactly; 7: corrections, selectors and
 # their controls (evaluate/arms.py), paired comparisons ("pairs")
-RESULTS = "results.json"
 DEFAULT_ARMS = ("exact", "ridgefill", "identity", "nofill")  # the rest are asked for by name (evaluate/arms.py)
 
 
@@ -67,14 +67,14 @@ def check(cfg: EvalConfig) -> tuple:
     return arms
 
 
-def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output, *, device: str = "auto",
-             dtype: str = "auto", device_map=None, max_memory=None) -> tuple[Artifact, bool]:
-    """Run (or find cached) the eval. device / dtype / device_map / max_memory: see ridgefill.models.device; the
-    device kind and model dtype are part of the recipe (nothing is added for cpu / float32)."""
+def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output, *,
+             place=None) -> tuple[Artifact, bool]:
+    """Run (or find cached) the eval. `place` (a ridgefill.models.device.Where; default `where()`) is where the model
+    runs; its device kind and dtype are part of the recipe (nothing is added for cpu / float32)."""
     from ridgefill.models import resolve_model
     from ridgefill.models.device import where
 
-    place = where(device, dtype, device_map, max_memory)
+    place = place or where()
     arms = check(cfg)
     cfg = replace(cfg, arms=tuple(a.name for a in arms))
     src = load_source(store, source)

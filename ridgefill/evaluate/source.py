@@ -39,7 +39,7 @@ def load_source(store: Store, source: str) -> MapsSource:
     if art.stage not in ("solve", "quantize"):
         raise BadInput(f"artifact {art.id} is a {art.stage} artifact; eval takes a release folder, solve or quantize artifact")
     from ridgefill.capture.artifact import calibration_hashes
-    from ridgefill.export.artifact import float_maps
+    from ridgefill.quantize.artifact import float_maps
     from ridgefill.solve.artifact import load_extras
 
     maps = float_maps(art)  # int8 decoded with the artifact's own group size

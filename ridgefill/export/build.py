@@ -16,7 +16,8 @@ from pathlib import Path
 from ridgefill.artifacts import Artifact, Store
 from ridgefill.capture import artifact as captured
 from ridgefill.errors import BadInput
-from ridgefill.export.artifact import load_quant, group_size, release_files
+from ridgefill.export.artifact import release_files
+from ridgefill.quantize.artifact import group_size, load_quant
 from ridgefill.export.card import model_card
 from ridgefill.formats import release
 from ridgefill.output import Output

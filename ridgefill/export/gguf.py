@@ -29,7 +29,8 @@ import numpy as np
 from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts.store import canonical_json, sha256_file
 from ridgefill.errors import BadInput
-from ridgefill.export.artifact import GGUF_FILE, load_quant, release_files
+from ridgefill.export.artifact import GGUF_FILE, release_files
+from ridgefill.quantize.artifact import load_quant
 from ridgefill.formats import release
 from ridgefill.formats.gguf import MAGIC, check_row_length, encode_tensors, extra_tensors, write_gguf
 from ridgefill.output import Output

@@ -24,7 +24,7 @@ from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
 from ridgefill.fold import artifact
-from ridgefill.fold import compact as cmp
+from ridgefill.fold import compaction as cmp
 from ridgefill.numerics import paired_bootstrap
 from ridgefill.output import Output
 
@@ -42,7 +42,7 @@ class FoldConfig:
 
 
 def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: str | None = None, *,
-         device: str = "auto", dtype: str = "auto", device_map=None, max_memory=None) -> tuple[Artifact, bool]:
+         place=None) -> tuple[Artifact, bool]:
     """Run (or find cached) the fold. The model recomputes the compact's reference queries: a warning says so when
     it runs on another device kind or dtype than the compact did. Device kind and model dtype go into the recipe
     (nothing for cpu / float32)."""
@@ -50,7 +50,7 @@ def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: st
     from ridgefill.models.spec import pinned_spec
     from ridgefill.models.device import recorded, warn_mixed, where
 
-    place = where(device, dtype, device_map, max_memory)
+    place = place or where()
     comp = store.get(compact_ref, stage="compact")
     if not cfg.rho > 0 or cfg.ridge < 0:
         raise BadInput(f"--rho must be > 0 and --ridge >= 0 (got {cfg.rho}, {cfg.ridge})")

@@ -9,17 +9,11 @@ Importing this package does not import torch or transformers: spec.py and load.p
 functions, and `adapter_for` / `Adapter` (adapters.py needs torch at import) are loaded on first access.
 """
 
+from ridgefill.lazy import exports
 from ridgefill.models.load import LoadedModel, load_model
 from ridgefill.models.spec import BUILTINS, SUPPORTED_ARCHS, ModelRef, resolve_model
 
+# `from ridgefill.models import adapter_for` works, but only then pulls in torch (adapters.py needs it at import).
+__getattr__, _ = exports(__name__, {"Adapter": "adapters", "adapter_for": "adapters"})
 __all__ = ["BUILTINS", "SUPPORTED_ARCHS", "Adapter", "LoadedModel", "ModelRef", "adapter_for", "load_model",
            "resolve_model"]  # fmt: skip
-
-
-def __getattr__(name: str):
-    # PEP 562: `from ridgefill.models import adapter_for` works, but only then pulls in torch.
-    if name in ("Adapter", "adapter_for"):
-        from ridgefill.models import adapters
-
-        return getattr(adapters, name)
-    raise AttributeError(f"module 'ridgefill.models' has no attribute {name!r}")

@@ -18,19 +18,12 @@ Names are loaded on first use (PEP 562): `import ridgefill.runtime` is cheap, an
 name that needs it (`ridgefill.runtime.rows` never does).
 """
 
-from importlib import import_module
+from ridgefill.lazy import exports
 
-_WHERE = {
+__getattr__, __all__ = exports(__name__, {
     "ARMS": "api", "ExactRun": "api", "FillOptions": "api", "PrefillResult": "api", "ceiling": "api",
     "exact_run": "api", "prefill": "api", "prefill_from": "api",
     "OUTLIER_RATIO": "rows", "outlier_rows": "rows",
     "SlotCache": "cache", "greedy": "cache", "greedy_batch": "cache",
     "ReleaseMaps": "maps", "load_release_maps": "maps", "maps_on_devices": "maps",
-}  # fmt: skip
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name in _WHERE:
-        return getattr(import_module(f"ridgefill.runtime.{_WHERE[name]}"), name)
-    raise AttributeError(f"module 'ridgefill.runtime' has no attribute {name!r}")
+})  # fmt: skip

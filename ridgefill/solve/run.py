@@ -52,13 +52,10 @@ def solve(
     *,
     state_data: list[str] | None = None,
     state_chunk: int = 2048,
-    device: str = "auto",
-    dtype: str = "auto",
-    device_map=None,
-    max_memory=None,
+    place=None,
 ) -> tuple[Artifact, bool]:
-    """Run (or find cached) the solve. device / dtype / device_map / max_memory place the model that scores the
-    held-out rows (ridgefill.models.device); its device kind and dtype go into the recipe (nothing for cpu /
+    """Run (or find cached) the solve. `place` (a ridgefill.models.device.Where; default `where()`) is where the
+    model that scores the held-out rows runs; its device kind and dtype go into the recipe (nothing for cpu /
     float32), and a warning says so when they differ from the capture's. alpha_per_layer: every late layer gets
     the alpha best for its own held-out score (ridge.search_per_layer), instead of one shared by all; the recipe
     records it only when on, so the default's id is what it always was. state_data: documents (capture's --data
@@ -66,7 +63,7 @@ def solve(
     layers are measured with the solved maps, every `state_chunk` tokens (ridgefill.solve.state)."""
     from ridgefill.models.device import where
 
-    place = where(device, dtype, device_map, max_memory)
+    place = place or where()
     alphas = sorted(set(alphas or DEFAULT_ALPHAS))
     for a in alphas:
         if not a > 0 or not np.isfinite(a):

@@ -10,7 +10,7 @@ would be, then measured against the exact model on text never used for calibrati
   arm and split, interleaved.
 Every prompt gets one exact forward that keeps the hidden state entering every split; each (split, arm) only runs
 its late layers on top of it (`runtime.prefill_from`). The figures per split are eval's (`evaluate.run.summarize`),
-the recommendation and the table / plot are `evaluate.report`'s.
+the recommendation and the table / plot are `sweep.report`'s.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from ridgefill.evaluate.arms import Arm
 from ridgefill.evaluate.measure import Checkpoint, eval_documents, fills, measure_documents, measure_needles
 from ridgefill.evaluate.source import load_source
 from ridgefill.output import Output
+from ridgefill.sweep.artifact import PLOT, RESULT, TABLE
 
 FORMAT_VERSION = 2  # 2: later sinks (outlier rows) run exactly and are not fitted
-RESULT, PLOT, TABLE = "sweep.json", "sweep.png", "sweep.md"
 ARMS = ("ridgefill", "identity")
 ARM_PLAN = [Arm(a) for a in ARMS]
 DEFAULT_SPLITS = 8  # evenly spaced over the middle half of the layers
@@ -108,21 +108,21 @@ def sweep(
     capture_ref: str | None = None,
     capture_args: dict | None = None,
     solve_args: dict | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    device_map=None,
-    max_memory=None,
+    place=None,
+    capture_place=None,
 ) -> tuple[Artifact, bool]:
     """Run (or find cached) the sweep. `capture_ref`: a capture artifact that has every split (else one capture of
     `data` with these splits, `capture_args` being further CaptureConfig fields). `solve_args`: further `solve`
-    arguments (alphas, metric, chat_share) for every split. Returns (artifact, cached)."""
-    from ridgefill.capture.run import CaptureConfig, capture
-    from ridgefill.export.quantize import quantize
+    arguments (alphas, metric, chat_share) for every split. `place` (a ridgefill.models.device.Where; default
+    `where()`) is where every stage runs the model, `capture_place` where the capture does if elsewhere. Returns
+    (artifact, cached)."""
+    from ridgefill.capture import CaptureConfig, capture
+    from ridgefill.quantize import quantize
     from ridgefill.models import resolve_model
     from ridgefill.models.device import where
-    from ridgefill.solve.run import solve
+    from ridgefill.solve import solve
 
-    place = where(device, dtype, device_map, max_memory)
+    place = place or where()
     ref = resolve_model(model, store_root=store.root)
     splits = check_config(cfg, ref.num_layers)
     cfg = replace(cfg, splits=splits)
@@ -138,16 +138,14 @@ def sweep(
                            f"{', '.join(map(str, cap.recipe['splits']))}): capture them with `ridgefill capture "
                            f"{model} {flags}`, or sweep its own splits")
     else:
-        cap_cfg = CaptureConfig(**{"device": device, "dtype": dtype, "device_map": device_map,
-                                   "max_memory": tuple(max_memory or ()), **(capture_args or {}), "splits": splits})
-        cap, _ = capture(store, model, list(data or ["builtin:default"]), cap_cfg, out)
+        cap_cfg = CaptureConfig(**{**(capture_args or {}), "splits": splits})
+        cap, _ = capture(store, model, list(data or ["builtin:default"]), cap_cfg, out, place=capture_place or place)
     fits = []
     for s in splits:
         out.info(f"[bold]split {s}[/bold]: solve{' + quantize' if cfg.quantize else ''}")
         sol, _ = solve(store, cap.id, out, **(solve_args or {}), split=s, alpha_per_layer=cfg.alpha_per_layer,
-                       device=device, dtype=dtype, device_map=device_map, max_memory=max_memory)
-        q = quantize(store, sol.id, out, device=device, dtype=dtype, device_map=device_map,
-                     max_memory=max_memory)[0] if cfg.quantize else None
+                       place=place)
+        q = quantize(store, sol.id, out, place=place)[0] if cfg.quantize else None
         fits.append((s, sol, q))
     recipe = {"stage": "sweep", "version": FORMAT_VERSION, "model": ref.fingerprint, "capture": cap.id,
               "maps": {str(s): (q or sol).id for s, sol, q in fits},
@@ -175,7 +173,7 @@ def sweep(
         needles = _needles(lm, cfg, sources, out, done)
         timing = _timing(lm, cfg, sources, needles["prompt"], out)
         result = _result(model, ref.num_layers, cfg, fits, docs, needles, timing)
-        from ridgefill.evaluate.report import plot, recommend, retrieval_edge, write_markdown
+        from ridgefill.sweep.report import plot, recommend, retrieval_edge, write_markdown
 
         rec = recommend(result)
         result["recommended"] = rec
@@ -265,8 +263,9 @@ def _timing(lm, cfg: SweepConfig, sources: dict, prompt: list[int], out: Output)
 
 
 def _result(model: str, num_layers: int, cfg: SweepConfig, fits, docs, needles, timing) -> dict:
-    """The sweep's result (evaluate.report documents its shape); each split's figures are eval's summary."""
-    from ridgefill.evaluate.run import EvalConfig, summarize
+    """The sweep's result (sweep/report.py documents its shape); each split's figures are eval's summary."""
+    from ridgefill.evaluate import EvalConfig
+    from ridgefill.evaluate.summary import summarize
 
     ecfg = EvalConfig(arms=("exact", *ARMS), tail=cfg.tail, lengths=(timing["length"],), seed=cfg.seed,
                       bootstrap=cfg.bootstrap)

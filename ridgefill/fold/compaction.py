@@ -72,16 +72,16 @@ def read_context(path: Path) -> tuple[str, str]:
 
 
 def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Output,
-            trust_remote_code: bool = False, *, device: str = "auto", dtype: str = "auto", device_map=None,
-            max_memory=None) -> tuple[Artifact, bool]:  # fmt: skip
-    """Run (or find cached) the compaction. `dtype` is the model's (cfg.dtype is the cache's): it and the device
-    kind go into the recipe as `model_dtype` / `device` (nothing for cpu / float32)."""
+            trust_remote_code: bool = False, *, place=None) -> tuple[Artifact, bool]:
+    """Run (or find cached) the compaction. `place` (a ridgefill.models.device.Where; default `where()`) is where the
+    model runs; its dtype (cfg.dtype is the cache's) and device kind go into the recipe as `model_dtype` / `device`
+    (nothing for cpu / float32)."""
     from ridgefill.fold.queries import SOURCES
     from ridgefill.numerics import CACHE_DTYPES
     from ridgefill.models import resolve_model
     from ridgefill.models.device import where
 
-    place = where(device, dtype, device_map, max_memory)
+    place = place or where()
     if cfg.source not in SOURCES:
         raise BadInput(f"unknown query source '{cfg.source}' (choose one of: {', '.join(SOURCES)})")
     if cfg.dtype not in CACHE_DTYPES:

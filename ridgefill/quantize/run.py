@@ -15,7 +15,7 @@ import numpy as np
 from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts.store import write_json
 from ridgefill.capture import artifact as captured
-from ridgefill.export.artifact import QUANT, REPORT
+from ridgefill.quantize.artifact import QUANT, REPORT
 from ridgefill.formats import int8, safetensors
 from ridgefill.formats.release import BIAS, CODES, SCALES, tensor_name
 from ridgefill.numerics import bf16_bits_to_f32, f32_to_bf16_bits
@@ -25,14 +25,14 @@ from ridgefill.solve import artifact as solved
 FORMAT_VERSION = 1
 
 
-def quantize(store: Store, maps_ref: str, out: Output, group: int = int8.GROUP_SIZE, *, device: str = "auto",
-             dtype: str = "auto", device_map=None, max_memory=None) -> tuple[Artifact, bool]:
-    """Run (or find cached) the quantization. device / dtype / device_map / max_memory place the model that
-    re-scores the maps; its device kind and dtype go into the recipe as `device` / `model_dtype` (`dtype` there
-    is int8; nothing is added for cpu / float32)."""
+def quantize(store: Store, maps_ref: str, out: Output, group: int = int8.GROUP_SIZE, *,
+             place=None) -> tuple[Artifact, bool]:
+    """Run (or find cached) the quantization. `place` (a ridgefill.models.device.Where; default `where()`) is where
+    the model that re-scores the maps runs; its device kind and dtype go into the recipe as `device` /
+    `model_dtype` (`dtype` there is int8; nothing is added for cpu / float32)."""
     from ridgefill.models.device import where
 
-    place = where(device, dtype, device_map, max_memory)
+    place = place or where()
     sol = store.get(maps_ref, stage="solve")
     recipe = {"stage": "quantize", "version": FORMAT_VERSION, "solve": sol.id, "dtype": "int8", "group_size": group,
               "bias_correction": True, **place.recipe("model_dtype")}

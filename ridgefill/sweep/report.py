@@ -1,12 +1,12 @@
 """The sweep's report: which split to ship, where needle retrieval stops, and the figures as a table and a plot.
 
-    from ridgefill.evaluate.report import plot, recommend, retrieval_edge, table, write_markdown
+    from ridgefill.sweep.report import plot, recommend, retrieval_edge, table, write_markdown
     rec = recommend(result)              # {"split": 12, "reason": "...", "qualifying": [12, 16], "checks": [...]}
     out.table(table(result, rec))        # rich, readable at 120 columns
     plot(result, rec, Path("sweep.png")) # two panels: needle % and key-token ΔNLL against measured speed-up
     md = write_markdown(result, rec)     # the same table as GitHub markdown
 
-Everything here is a pure function of the sweep's result dict (see `ridgefill.evaluate.sweep`): one entry per
+Everything here is a pure function of the sweep's result dict (see `ridgefill.sweep.run`): one entry per
 split S with a fitted arm ("ridgefill": ridge maps) and the identity fill ("identity": x_hat = h_S), each measured
 against the exact model. Figures may be None where they were not measured. Importing this module imports neither
 rich nor matplotlib; `table` and `plot` import them when called.
