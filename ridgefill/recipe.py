@@ -7,7 +7,8 @@
     device_map = "auto"                     # optional: spread a model too big for one device (accelerate)
     max_memory = { 0 = "20GiB", cpu = "64GiB" }   # optional, with device_map
 
-    [capture]                               # CaptureConfig fields; data defaults to ["builtin:default"]
+    [capture]                               # CaptureConfig fields; data defaults to ["builtin:default"]; device,
+                                            # dtype, device_map, max_memory to capture elsewhere than the rest
     data = ["builtin:default"]
     [solve]                                 # alphas, metric, split, chat_share, alpha_per_layer, and on a hybrid
                                             # state_data (paths, as capture's data) and state_chunk
@@ -22,11 +23,11 @@
 capture -> solve -> quantize -> export -> eval (gate) -> push (only with `--push`). With `split = "auto"` a sweep
 comes first: it captures every split it measures in one pass, solves and quantizes each, and the release is its
 recommended split (a cache hit for capture, solve and quantize); no split within the budget stops the run (exit 3).
-Every stage is the same function
-the single commands call, so each is a cache hit when its recipe did not change: a re-run with nothing changed
-loads no model; changing the alpha grid re-runs solve and the stages after it, not capture. The gate failing
-stops the run before push (exit 3). The top-level device / dtype / device_map / max_memory are resolved once and
-given to solve, quantize and eval, and to capture unless its own table sets them.
+Every stage is the same function the single commands call, so each is a cache hit when its recipe did not change: a
+re-run with nothing changed loads no model; changing the alpha grid re-runs solve and the stages after it, not
+capture. The gate failing stops the run before push (exit 3). The top-level device / dtype / device_map /
+max_memory are resolved once into one placement, given to solve, quantize and eval, and to capture unless its own
+table sets them (then its own).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ package's `run` module (the stage itself) or imports a private name from another
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -76,6 +77,20 @@ def test_no_module_imports_another_packages_run_module_or_a_private_name():
             bad += [f"{me} imports {module}.{n}" for n in names
                     if n.startswith("_") and not n.endswith("__") and module != me]
     assert not bad, "; ".join(bad)
+
+
+# Modules that other code reads without running a model: importing them must not import torch or transformers.
+LIGHT = ["ridgefill.formats.release", "ridgefill.formats.safetensors", "ridgefill.formats.cache",
+         "ridgefill.formats.gguf", "ridgefill.numerics", "ridgefill.hub.releases", "ridgefill.runtime",
+         "ridgefill.runtime.rows", "ridgefill.capture", "ridgefill.capture.artifact", "ridgefill.solve.artifact",
+         "ridgefill.quantize.artifact", "ridgefill.evaluate.run", "ridgefill.sweep.run", "ridgefill.recipe"]
+
+
+def test_readers_and_configurations_stay_light():
+    code = (f"import importlib, sys\nfor m in {LIGHT!r}: importlib.import_module(m)\n"
+            "print([m for m in ('torch', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_the_graph_printed_is_the_one_tested(capsys):

@@ -78,18 +78,13 @@ def _root(
     pass
 
 
-app.command("capture")(capture.capture)
-app.command("solve")(solve.solve)
-app.command("quantize")(quantize.quantize)
-app.command("export")(export.export)
-app.command("verify")(export.verify)
-app.command("push")(hub.push)
-app.command("pull")(hub.pull)
-app.command("eval")(eval.eval_)
-app.command("sweep")(sweep.sweep)
-app.command("release")(release.release)
-app.command("compact")(fold.compact)
-app.command("fold")(fold.fold)
+COMMANDS = {  # in pipeline order, as `ridgefill --help` lists them
+    "capture": capture.capture, "solve": solve.solve, "quantize": quantize.quantize, "export": export.export,
+    "verify": export.verify, "push": hub.push, "pull": hub.pull, "eval": eval.eval_, "sweep": sweep.sweep,
+    "release": release.release, "compact": fold.compact, "fold": fold.fold,
+}
+for _name, _command in COMMANDS.items():
+    app.command(_name)(_command)
 app.add_typer(artifacts.app, name="artifacts")
 
 

@@ -162,20 +162,9 @@ def load_model(
             weakref.finalize(model, cleanup)
     model.eval()
     model.requires_grad_(False)
-    return LoadedModel(
-        ref=ref,
-        model=model,
-        tokenizer=tokenizer,
-        adapter=adapter_for(model),
-        source=Path(source),
-        seconds=time.perf_counter() - start,
-        built_cache=built,
-        device=device,
-        dtype=dtype,
-        device_map=placement,
-        offload_dir=offload,
-        _cleanup=cleanup,
-    )
+    return LoadedModel(ref=ref, model=model, tokenizer=tokenizer, adapter=adapter_for(model), source=Path(source),
+                       seconds=time.perf_counter() - start, built_cache=built, device=device, dtype=dtype,
+                       device_map=placement, offload_dir=offload, _cleanup=cleanup)
 
 
 def _check_type(config, ref: ModelRef, source) -> None:

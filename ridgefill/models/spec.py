@@ -172,18 +172,9 @@ def _resolve_local(spec: str, path: Path, hashes: FileHashCache | None, *, kind:
         model_type, num_layers, hidden = _read_config(config_path)
         fingerprint = hub_fingerprint(path, hashes) if kind == "hub" else dir_fingerprint(path, hashes)
         name = name or path.name
-    return ModelRef(
-        spec=spec,
-        kind=kind,
-        path=path,
-        name=name,
-        revision=revision,
-        model_type=model_type,
-        num_layers=num_layers,
-        hidden_size=hidden,
-        has_qk_norm=SUPPORTED_ARCHS[model_type],
-        fingerprint=fingerprint,
-    )
+    return ModelRef(spec=spec, kind=kind, path=path, name=name, revision=revision, model_type=model_type,
+                    num_layers=num_layers, hidden_size=hidden, has_qk_norm=SUPPORTED_ARCHS[model_type],
+                    fingerprint=fingerprint)
 
 
 def _resolve_hub(spec: str, hashes: FileHashCache | None = None) -> ModelRef:

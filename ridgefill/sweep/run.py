@@ -8,9 +8,10 @@ would be, then measured against the exact model on text never used for calibrati
   filled prefix (the same prompts at every split, so the differences are paired), by greedy decoding;
 - the compute ceiling at `length` and `tail`, and the prefill speed-up measured at `length`: one timed prefill per
   arm and split, interleaved.
-Every prompt gets one exact forward that keeps the hidden state entering every split; each (split, arm) only runs
-its late layers on top of it (`runtime.prefill_from`). The figures per split are eval's (`evaluate.run.summarize`),
-the recommendation and the table / plot are `sweep.report`'s.
+Each split's maps are loaded as eval loads a source (`evaluate.source.load_source`) and measured with eval's code
+(`evaluate.measure`): every prompt gets one exact forward that keeps the hidden state entering every split, and
+each (split, arm) only runs its late layers on top of it. The figures per split are eval's
+(`evaluate.summary.summarize`), the recommendation and the table / plot are `sweep.report`'s.
 """
 
 from __future__ import annotations
