@@ -1,0 +1,119 @@
+"""Every name of the release format `ridgefill-maps/1` (docs/format.md): files, tensors, manifest keys, metadata
+keys, and the facts that maps.safetensors records. The writer, the verifier and the loader import them from here;
+nothing else in the package repeats these literals.
+
+A release folder holds exactly:
+
+    ridgefill.json      the manifest (JSON object, keys sorted, indent 2): `format` ("ridgefill-maps/1"), the
+                        facts the exporter gives (`model` {name, revision, architecture, num_layers, hidden_size,
+                        fingerprint}, `split`, `tail_default`, `layers` [{index, kind}], `fit`, `heldout`, and
+                        any other field), `projector` {dtype: int8|bf16|f32, group_size: int (int8) or null,
+                        files: ["maps.safetensors"]}, `files` {name: sha256 hex} and, once `ridgefill eval` has
+                        run on the folder, `eval` (its summary)
+    maps.safetensors    tensors `layer.<l>.codes` I8 [d_out, d_in], `layer.<l>.scales` BF16
+                        [d_out, ceil(d_in/group_size)], `layer.<l>.bias` BF16 [d_out]; or, unquantized,
+                        `layer.<l>.weight` BF16|F32 [d_out, d_in] and `layer.<l>.bias` (same dtype);
+                        `__metadata__` {"format": "ridgefill-maps/1", "ridgefill.facts": <facts JSON>}
+    corrections.safetensors   only in a release of a hybrid fitted with terminal-state offsets (`solve
+                        --state-data`): `layer.<l>.state_offset` F32 [value heads, key dim, value dim] for every
+                        `linear_attention` layer of `layers`; the manifest's `corrections` {"state": {file, layers,
+                        chunk, states_per_layer, data_sha256}} describes it (a fact, like every other field)
+    protected.safetensors   the protected-token table (`protected_token_ids` I32, ascending), when the solve
+                        made one; the manifest's `protected_tokens` {file, share, types, eligible_types, ...}
+                        describes it
+    README.md           model card; optional, never hashed, because the Hub may rewrite it
+
+What is protected, and how. `files` holds the sha256 of maps.safetensors, and maps.safetensors records the
+facts: `ridgefill.facts` is the manifest without `files` and `eval`, as compact JSON (keys sorted, separators
+"," and ":", ASCII only). So the one hash in `files` covers every field a runtime or `eval` relies on (model and
+its fingerprint, split, tail_default, layers with their kinds, projector dtype and group_size) and the fit and
+held-out figures too. Only `files` (it cannot hash the file that holds it) and `eval` (added after the release is
+written) are outside the hash; README.md is regenerated from the manifest and never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+FORMAT = "ridgefill-maps/1"
+MANIFEST = "ridgefill.json"
+CARD = "README.md"
+MAPS_FILE = "maps.safetensors"
+CORRECTIONS_FILE = "corrections.safetensors"
+PROTECTED_FILE = "protected.safetensors"
+PROTECTED_IDS = "protected_token_ids"
+STATE_OFFSET = "state_offset"
+OFFSET_RE = re.compile(r"^layer\.(0|[1-9][0-9]*)\.state_offset$")
+DOC_FILES = frozenset({CARD})  # documentation: present in the folder, never hashed
+UNHASHED = frozenset({CARD, MANIFEST})  # the manifest cannot list itself
+GITATTRIBUTES, DOWNLOAD_CACHE, HF_DIR = ".gitattributes", ".cache", "huggingface"  # left by `hf download`
+HUB_LEFTOVERS = frozenset({GITATTRIBUTES, DOWNLOAD_CACHE})
+META_FORMAT, META_FACTS = "format", "ridgefill.facts"  # maps.safetensors `__metadata__` keys
+NOT_FACTS = frozenset({"files", "eval"})  # the manifest fields outside the hash (see the module docstring)
+
+LINEAR_KIND = "linear_attention"  # `layers[].kind` of a Gated DeltaNet layer (transformers' layer type name)
+
+CODES, SCALES, BIAS, WEIGHT = "codes", "scales", "bias", "weight"
+PROJECTOR_DTYPES = ("int8", "bf16", "f32")
+_TENSOR_RE = re.compile(r"^layer\.(0|[1-9][0-9]*)\.(codes|scales|bias|weight)$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def tensor_name(layer: int, kind: str) -> str:
+    """`layer.<l>.<kind>` for kind in codes|scales|bias|weight."""
+    if kind not in (CODES, SCALES, BIAS, WEIGHT):
+        raise ValueError(f"unknown tensor kind {kind!r}")
+    return f"layer.{int(layer)}.{kind}"
+
+
+def parse_tensor_name(name: str) -> tuple[int, str] | None:
+    """`layer.<l>.<kind>` -> (l, kind), or None for any other name."""
+    m = _TENSOR_RE.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def offset_name(layer: int) -> str:
+    """`layer.<l>.state_offset`: a terminal-state offset in corrections.safetensors."""
+    return f"layer.{int(layer)}.{STATE_OFFSET}"
+
+
+def is_bare_name(name: object) -> bool:
+    """True for a plain file name that stays inside the folder: no separators, not '.', '..' or empty."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\:\0")
+        and name == name.strip()
+    )
+
+
+def facts_of(manifest: dict) -> dict:
+    """The manifest's facts: every field but `files` and `eval`, as maps.safetensors records them."""
+    return {k: v for k, v in manifest.items() if k not in NOT_FACTS}
+
+
+def facts_json(manifest: dict) -> str:
+    """The `ridgefill.facts` metadata value: the facts as compact JSON, keys sorted, ASCII only.
+    ValueError for anything that is not plain JSON (NaN, inf, objects)."""
+    try:
+        return json.dumps(facts_of(manifest), sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                          allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"manifest is not plain JSON: {e}") from None
+
+
+def manifest_text(manifest: dict, what: str = "manifest") -> str:
+    """ridgefill.json's text: keys sorted, indent 2, a final newline; ValueError for what is not plain JSON."""
+    try:
+        return json.dumps(manifest, sort_keys=True, indent=2, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} is not plain JSON: {e}") from None
+
+
+def layer_indices(manifest: dict) -> set[int] | None:
+    """The indices of the manifest's `layers` [{index, ...}], or None when it has no such list."""
+    layers = manifest.get("layers")
+    if isinstance(layers, list) and all(isinstance(x, dict) and "index" in x for x in layers):
+        return {x["index"] for x in layers}
+    return None
