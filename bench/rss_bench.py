@@ -1,13 +1,13 @@
-"""Peak RSS of `ridgefill capture` at 5x the tokens against 1x (figure 2), and where capture's memory goes.
+"""Peak RSS of `ridgefill capture` at 5x the tokens against 1x (figure "rss"), and where capture's memory goes.
 
     .venv/bin/python bench/rss_bench.py --model builtin:gemma3-270m --tokens 8192 [--factor 5] \
-        [--doc-tokens 2048] [--chunk 1024] [--long-doc-tokens 8192] [--out bench/out/rss-gemma3-270m.json]
+        [--doc-tokens 2048] [--chunk 1024] [--long-doc-tokens 8192] [--store DIR] [--out FILE]
 
 1. The figure: `ridgefill capture MODEL --data CORPUS --held-out 0 --held-out-rows 0` as a child process with a
    fresh store (the dequantized model cache linked in), peak RSS from os.wait4's ru_maxrss, on two corpora of
    equal-length documents (`--doc-tokens`), `--tokens` and `--factor` x that (the small corpus' documents are the
-   first of the large one's). Ratio large / small; target <= 1.05. Runs alternate (small, large, then large,
-   small with --repeat 2); medians.
+   first of the large one's). Ratio large / small (its target: bench/harness.py's FIGURES). Runs alternate
+   (small, large, then large, small with --repeat 2); medians.
 2. Diagnosis (unless --no-diagnose): the same capture in an instrumented child (`--child`, below) that records
    VmRSS / VmHWM / RssAnon / RssFile and glibc's mallinfo2 (heap bytes in use, free bytes kept in the heap,
    mmapped bytes) after imports, after the model load, after tokenizing and after every document; on both
@@ -15,18 +15,19 @@
    the growth per document tell what grows with tokens (token ids, held-out rows, the heap) and what grows with
    the length of the longest document (its KV cache, which capture keeps until the document ends, and the
    attention of each chunk over it); the KV-cache bytes per token of the layers that run are computed from the
-   model's config for comparison. Also the embedding probe (`--child-embed`): in a fresh process per corpus,
-   only the embedding lookups of every token, and how much of the embedding matrix is then mapped in
-   (/proc/self/pagemap): the model's weights are mmapped from the dequantized cache's safetensors, so RSS counts
-   the pages a run touches, and a larger corpus touches more embedding rows (more distinct token ids, each
-   mapping the 64 KiB around it). `--old-tokens N` adds the pre-rewrite bench's corpora (N and 5N tokens).
+   loaded model's adapter (heads, head size, layer kinds) for comparison. Also the embedding probe
+   (`--child-embed`): in a fresh process per corpus, only the embedding lookups of every token, and how much of
+   the embedding matrix is then mapped in (/proc/self/pagemap): the model's weights are mmapped from the
+   dequantized cache's safetensors, so RSS counts the pages a run touches, and a larger corpus touches more
+   embedding rows (more distinct token ids, each mapping the 64 KiB around it). `--old-tokens N` adds the
+   pre-rewrite bench's corpora (N and 5N tokens).
 3. With --malloc-probe BYTES, both sizes once more with glibc's mmap threshold fixed at BYTES
    (MALLOC_MMAP_THRESHOLD_), to tell heap retention apart from memory capture holds; with --trim-probe, the
    instrumented capture on both sizes calling malloc_trim(0) after every document.
 
-`--child` runs one instrumented capture in this process and writes its trace as JSON (used by part 2; it can
-also run another checkout's ridgefill with --code-root DIR and --config '{"max_tokens": 1024}' to trace the
-capture from before the rewrite).
+`--child` runs one instrumented capture in this process, in the store `--store` (a fresh one from the parent), and
+writes its trace as JSON (used by part 2; it can also run another checkout's ridgefill with --code-root DIR and
+--config '{"max_tokens": 1024}' to trace the capture from before the rewrite).
 """
 
 from __future__ import annotations
@@ -36,14 +37,22 @@ import ctypes
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (DEFAULT_STORE, OUT, corpus_for, env_threads, exe, fresh_store, machine, med,  # noqa: E402
-                    model_cache, run_measured, set_threads, short, status_kib, write_json)
+from harness import (OUT, Bench, corpus_for, count, env_threads, exe, load, med, parser, positive,  # noqa: E402
+                     run_measured, set_threads, short, tokenizer)
+
+
+def status_kib(field: str = "VmRSS") -> int:
+    """This process's /proc/self/status field (VmRSS, VmHWM, RssAnon, RssFile) in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -149,7 +158,12 @@ def child(args) -> None:
         w = lm.model.get_input_embeddings().weight
         EMB.update(ptr=w.data_ptr(), bytes=w.numel() * w.element_size(), rows=w.shape[0],
                    row_bytes=w.shape[1] * w.element_size())
-        trace.append(snapshot("model loaded", embedding_mib=round(EMB["bytes"] / 2**20, 1), vocab_rows=w.shape[0]))
+        ad = lm.adapter
+        attention = {"kv_heads": ad.num_kv_heads, "head_dim": ad.head_dim, "attention_heads": ad.num_heads,
+                     "layer_kinds": list(ad.layer_kinds), "dtype_bytes": ad.dtype.itemsize,
+                     "sliding_window": getattr(ad.config, "sliding_window", None)}
+        trace.append(snapshot("model loaded", embedding_mib=round(EMB["bytes"] / 2**20, 1), vocab_rows=w.shape[0],
+                              attention=attention))
         return lm
 
     token_ids: dict = {}
@@ -188,7 +202,7 @@ def child(args) -> None:
         trace.append(snapshot("unit", unit=i, doc=u.doc, unit_tokens=int(n), tokens_done=done,
                               distinct_ids=len(seen)))
 
-    store = Store(fresh_store(Path(tempfile.mkdtemp(prefix="rf-rss-")) / "store", args.store))
+    store = Store(args.store)
     cfg = run.CaptureConfig(held_out=0, held_out_rows=0, **json.loads(args.config))
     anon = AnonPeak()
     art, _ = run.capture(store, args.model, [str(args.data)], cfg, Output(quiet=True), after_unit=after_unit)
@@ -196,29 +210,27 @@ def child(args) -> None:
 
     trace.append(snapshot("end", ru_maxrss=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                           anon_peak=anon.stop(), distinct_ids=len(seen)))
-    write_json(Path(args.trace), {"trace": trace, "summary": art.manifest["summary"], "config": cfg.__dict__
-                                  if hasattr(cfg, "__dict__") else str(cfg), "model": args.model})
+    Path(args.trace).write_text(json.dumps({"trace": trace, "summary": art.manifest["summary"], "model": args.model,
+                                            "config": cfg.__dict__ if hasattr(cfg, "__dict__") else str(cfg)}))
 
 
 def child_embed(args) -> None:
     """Load the model, look up the embedding of every token of args.data (tokenized as capture does), and report
     how much of the embedding matrix is then mapped into this process; JSON on stdout."""
-    from ridgefill.capture.corpus import read_corpus
-    from ridgefill.capture.artifact import tokenize as _tokenize
-
-    from common import load
-
     import torch
 
-    ref, lm = load(args.model, args.store)
+    from ridgefill.capture.artifact import tokenize
+    from ridgefill.capture.corpus import read_corpus
+
+    _, lm = load(args.model, args.store)
     w = lm.model.get_input_embeddings().weight
     ptr, nbytes = w.data_ptr(), w.numel() * w.element_size()
     before = resident_bytes(ptr, nbytes)
-    ids = _tokenize(lm.tokenizer, read_corpus([str(args.data)]), False, None)["raw"]
+    ids = tokenize(lm.tokenizer, read_corpus([str(args.data)]), False, lm.context_length())["raw"]
     with torch.inference_mode():
         for x in ids:
             lm.model.get_input_embeddings()(torch.from_numpy(x.astype("int64")))
-    distinct = len(set(int(t) for x in ids for t in x))
+    distinct = len({int(t) for x in ids for t in x})
     print(json.dumps({"tokens": int(sum(len(x) for x in ids)), "documents": len(ids), "distinct_ids": distinct,
                       "longest_document": int(max(len(x) for x in ids)), "embedding_mib": round(nbytes / 2**20, 1),
                       "row_bytes": int(w.shape[1] * w.element_size()),
@@ -252,19 +264,16 @@ def old_bench_corpus(tok, tokens_wanted: int, dest: Path) -> Path:
     return dest
 
 
-def kv_bytes_per_token(model_dir: Path, num_layers: int) -> dict:
-    """KV-cache float32 bytes per token of the layers capture runs (0..L-2), full-attention and sliding apart."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    kv, hd = cfg.get("num_key_value_heads") or cfg["num_attention_heads"], cfg.get("head_dim") or (
-        cfg["hidden_size"] // cfg["num_attention_heads"])
-    types = cfg.get("layer_types") or ["full_attention"] * num_layers
-    run = types[: num_layers - 1]
-    per = 2 * kv * hd * 4
-    return {"per_layer_per_token": per, "full_layers_run": run.count("full_attention"),
-            "sliding_layers_run": len(run) - run.count("full_attention"), "sliding_window": cfg.get("sliding_window"),
-            "full_bytes_per_token": per * run.count("full_attention"), "kv_heads": kv, "head_dim": hd,
-            "attention_heads": cfg["num_attention_heads"]}
+def kv_bytes_per_token(attention: dict) -> dict:
+    """KV-cache bytes per token of the layers capture runs (0..L-2), full-attention and sliding apart, from what
+    the instrumented child read off the loaded model's adapter."""
+    from ridgefill.models.kinds import FULL
+
+    run = attention["layer_kinds"][:-1]
+    per = 2 * attention["kv_heads"] * attention["head_dim"] * attention["dtype_bytes"]
+    return {"per_layer_per_token": per, "full_layers_run": run.count(FULL),
+            "sliding_layers_run": len(run) - run.count(FULL), "full_bytes_per_token": per * run.count(FULL),
+            **{k: attention[k] for k in ("kv_heads", "head_dim", "attention_heads", "sliding_window")}}
 
 
 def summarize(trace: dict) -> dict:
@@ -297,151 +306,137 @@ def summarize(trace: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", default="builtin:smollm2-135m")
-    ap.add_argument("--tokens", type=int, default=8192, help="small corpus (1x) in tokens")
-    ap.add_argument("--factor", type=int, default=5, help="the large corpus is this many times the small one")
-    ap.add_argument("--doc-tokens", type=int, default=2048, help="tokens per document, both corpora")
-    ap.add_argument("--long-doc-tokens", type=int, default=8192, help="document length of the diagnosis' long-document corpus (0: skip)")
-    ap.add_argument("--chunk", type=int, default=1024)
-    ap.add_argument("--repeat", type=int, default=1, help="CLI runs per size (alternating)")
-    ap.add_argument("--threads", type=int, default=1, help="compute threads (0: torch's default)")
+    ap.add_argument("--tokens", type=positive, default=8192, help="small corpus (1x) in tokens")
+    ap.add_argument("--factor", type=positive, default=5, help="the large corpus is this many times the small one")
+    ap.add_argument("--doc-tokens", type=positive, default=2048, help="tokens per document, both corpora")
+    ap.add_argument("--long-doc-tokens", type=count, default=8192,
+                    help="document length of the diagnosis' long-document corpus (0: skip)")
+    ap.add_argument("--chunk", type=positive, default=1024)
+    ap.add_argument("--repeat", type=positive, default=1, help="CLI runs per size (alternating)")
     ap.add_argument("--no-diagnose", action="store_true")
     ap.add_argument("--trim-probe", action="store_true",
                     help="also run the instrumented capture on both sizes calling glibc's malloc_trim(0) after every "
                          "document (what a fix inside capture could do)")
     ap.add_argument("--malloc-trim", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--malloc-probe", type=int, default=0, metavar="BYTES",
+    ap.add_argument("--malloc-probe", type=count, default=0, metavar="BYTES",
                     help="also run both sizes with MALLOC_MMAP_THRESHOLD_=BYTES (glibc: a fixed mmap threshold, so "
                          "large temporaries are unmapped when freed instead of fragmenting the heap)")
-    ap.add_argument("--store", type=Path, default=DEFAULT_STORE)
-    ap.add_argument("--out", type=Path, default=None, help="default bench/out/rss-<model>.json")
-    # --child: one instrumented capture (used by the diagnosis)
+    ap.add_argument("--old-tokens", type=count, default=20000,
+                    help="embedding probe: the pre-rewrite bench's small corpus size (its large one is 5x; 0: skip)")
+    # --child: one instrumented capture (used by the diagnosis); --child-embed: the embedding probe
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--config", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--code-root", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-embed", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--old-tokens", type=int, default=20000,
-                    help="embedding probe: the pre-rewrite bench's small corpus size (its large one is 5x; 0: skip)")
     args = ap.parse_args()
-    set_threads(args.threads)
-    if args.child:
-        return child(args)
-    if args.child_embed:
-        return child_embed(args)
-    out_path = args.out or OUT / f"rss-{short(args.model)}.json"
+    if args.child or args.child_embed:
+        set_threads(args.threads)
+        return child(args) if args.child else child_embed(args)
 
-    before = machine()
-    ref = model_cache(args.store, args.model)
-    from ridgefill.models.load import gguf_cache_dir
+    with Bench("rss", args, args.model) as bench:
+        sizes = {"small": args.tokens, "large": args.factor * args.tokens}
+        corpora = {k: corpus_for(args.model, v, args.doc_tokens) for k, v in sizes.items()}
+        env = env_threads(args.threads)
 
-    model_dir = gguf_cache_dir(ref, store_root=args.store)[0] if ref.is_gguf else ref.path
-    sizes = {"small": args.tokens, "large": args.factor * args.tokens}
-    corpora = {k: corpus_for(args.model, v, args.doc_tokens, OUT / "corpora") for k, v in sizes.items()}
-    tmp = Path(tempfile.mkdtemp(prefix="rf-rssbench-"))
-    env = env_threads(args.threads)
-    runs: dict[str, list] = {"small": [], "large": []}
-    for r in range(args.repeat):
-        for k in (("small", "large") if r % 2 == 0 else ("large", "small")):
-            st = fresh_store(tmp / f"store-{k}-{r}", args.store)
-            res = run_measured([exe(), "capture", args.model, "--data", str(corpora[k]), "--held-out", "0",
-                                "--held-out-rows", "0", "--chunk", str(args.chunk), "--store", str(st), "--json"],
-                               env=env)
-            summary = json.loads(res["stdout"])["summary"]
-            runs[k].append({"peak_rss_mib": round(res["peak_rss_mib"], 1), "wall_s": round(res["wall_s"], 1),
-                            "tokens": summary["calibration_tokens"], "longest_document": summary["longest_document"],
-                            "documents": summary["calibration_documents"]})
-            print(f"{k}: {runs[k][-1]}", flush=True)
-    peak = {k: med([x["peak_rss_mib"] for x in v]) for k, v in runs.items()}
-    probe_runs = {}
-    for k in (("small", "large") if args.malloc_probe else ()):  # the same runs with glibc's mmap threshold fixed
-        st = fresh_store(tmp / f"store-{k}-malloc", args.store)
-        res = run_measured([exe(), "capture", args.model, "--data", str(corpora[k]), "--held-out", "0",
-                            "--held-out-rows", "0", "--chunk", str(args.chunk), "--store", str(st), "--json"],
-                           env=env | {"MALLOC_MMAP_THRESHOLD_": str(args.malloc_probe)})
-        probe_runs[k] = {"peak_rss_mib": round(res["peak_rss_mib"], 1), "wall_s": round(res["wall_s"], 1)}
-        print(f"{k} with MALLOC_MMAP_THRESHOLD_={args.malloc_probe}: {probe_runs[k]}", flush=True)
-    result = {
-        "figure": "peak RSS of `ridgefill capture`, large corpus / small corpus (equal document lengths)",
-        "model": args.model, "factor": args.factor, "doc_tokens": args.doc_tokens, "chunk": args.chunk,
-        "runs": runs, "peak_rss_mib": {k: round(v, 1) for k, v in peak.items()},
-        "large_over_small": round(peak["large"] / peak["small"], 4), "target": "<= 1.05",
-        "threads": args.threads or None, "machine_before": before,
-        "kv_cache": kv_bytes_per_token(model_dir, ref.num_layers),
+        def cli_capture(k: str, store: Path, extra_env: dict | None = None) -> dict:
+            return run_measured([exe(), "capture", args.model, "--data", str(corpora[k]), "--held-out", "0",
+                                 "--held-out-rows", "0", "--chunk", str(args.chunk), "--store", str(store), "--json"],
+                                env=env | (extra_env or {}))
+
+        def instrumented(k: str, data: Path, *extra: str) -> tuple[dict, dict]:
+            """The capture of `data` in an instrumented child (a fresh store): its measurement and its trace."""
+            name = f"trace-{k}{'-trim' if extra else ''}"
+            trace_path = bench.scratch / f"{name}.json"
+            res = run_measured([sys.executable, __file__, "--child", *extra, "--model", args.model, "--data",
+                                str(data), "--trace", str(trace_path), "--config", json.dumps({"chunk": args.chunk}),
+                                "--store", str(bench.fresh_store(name)), "--threads", str(args.threads)], env=env)
+            return res, json.loads(trace_path.read_text())
+
+        runs: dict[str, list] = {"small": [], "large": []}
+        for r in range(args.repeat):
+            for k in (("small", "large") if r % 2 == 0 else ("large", "small")):
+                res = cli_capture(k, bench.fresh_store(f"store-{k}-{r}"))
+                summary = json.loads(res["stdout"])["summary"]
+                runs[k].append({"peak_rss_mib": round(res["peak_rss_mib"], 1), "wall_s": round(res["wall_s"], 1),
+                                "tokens": summary["calibration_tokens"], "documents": summary["calibration_documents"],
+                                "longest_document": summary["longest_document"]})
+                print(f"{k}: {runs[k][-1]}", flush=True)
+        peak = {k: med([x["peak_rss_mib"] for x in v]) for k, v in runs.items()}
+        details = {"factor": args.factor, "doc_tokens": args.doc_tokens, "chunk": args.chunk, "runs": runs,
+                   "peak_rss_mib": {k: round(v, 1) for k, v in peak.items()}, "threads": args.threads or None}
+        if args.malloc_probe:  # the same runs with glibc's mmap threshold fixed
+            probe_runs = {}
+            for k in ("small", "large"):
+                res = cli_capture(k, bench.fresh_store(f"store-{k}-malloc"),
+                                  {"MALLOC_MMAP_THRESHOLD_": str(args.malloc_probe)})
+                probe_runs[k] = {"peak_rss_mib": round(res["peak_rss_mib"], 1), "wall_s": round(res["wall_s"], 1)}
+                print(f"{k} with MALLOC_MMAP_THRESHOLD_={args.malloc_probe}: {probe_runs[k]}", flush=True)
+            details["malloc_probe"] = {"MALLOC_MMAP_THRESHOLD_": args.malloc_probe, "runs": probe_runs,
+                                       "large_over_small": round(probe_runs["large"]["peak_rss_mib"]
+                                                                 / probe_runs["small"]["peak_rss_mib"], 4)}
+        if args.trim_probe:
+            trimmed = {}
+            for k in ("small", "large"):
+                res, trace = instrumented(k, corpora[k], "--malloc-trim")
+                tr = summarize(trace)
+                trimmed[k] = {"peak_rss_mib": round(res["peak_rss_mib"], 1), "wall_s": round(res["wall_s"], 1),
+                              "anon_peak": tr["anon_peak"], "embedding_resident_end": tr["embedding_resident_end"]}
+                print(f"{k} with malloc_trim(0) after every document: {trimmed[k]}", flush=True)
+            details["trim_probe"] = {"runs": trimmed, "large_over_small": round(
+                trimmed["large"]["peak_rss_mib"] / trimmed["small"]["peak_rss_mib"], 4)}
+        if not args.no_diagnose:
+            details |= diagnose(args, bench, corpora, instrumented, env)
+        bench.finish(round(peak["large"] / peak["small"], 4), details=details)
+
+
+def diagnose(args, bench, corpora: dict, instrumented, env) -> dict:
+    """Part 2 of the docstring: the instrumented captures, their notes, the embedding probe."""
+    diag = {}
+    cases = {"small": corpora["small"], "large": corpora["large"]}
+    if args.long_doc_tokens:
+        cases["small_long_documents"] = corpus_for(args.model, args.tokens, args.long_doc_tokens)
+    for k, data in cases.items():
+        res, trace = instrumented(k, data)
+        diag[k] = {"summary": summarize(trace) | {"child_peak_rss_mib": round(res["peak_rss_mib"], 1)},
+                   "trace": trace["trace"]}
+        print(f"diagnose {k}: {diag[k]['summary']}", flush=True)
+    loaded = next(s for s in diag["small"]["trace"] if s["at"] == "model loaded")
+    kvb = kv_bytes_per_token(loaded["attention"])
+    sm, lg = diag["small"]["summary"], diag["large"]["summary"]
+    notes = {
+        "child_peak_large_over_small": round(lg["child_peak_rss_mib"] / sm["child_peak_rss_mib"], 4),
+        "hwm_large_minus_small": round(lg["hwm_end"] - sm["hwm_end"], 1),
+        "embedding_resident_large_minus_small": round(lg["embedding_resident_end"] - sm["embedding_resident_end"], 1),
+        "anon_peak_large_over_small": round(lg["anon_peak"] / sm["anon_peak"], 4),
+        "hwm_minus_embedding_resident_large_over_small": round(
+            (lg["hwm_end"] - lg["embedding_resident_end"]) / (sm["hwm_end"] - sm["embedding_resident_end"]), 4),
+        "kv_cache_full_layers_mib_at_doc_tokens": round(kvb["full_bytes_per_token"] * args.doc_tokens / 2**20, 1),
     }
-    if probe_runs:
-        result["malloc_probe"] = {"MALLOC_MMAP_THRESHOLD_": args.malloc_probe, "runs": probe_runs,
-                                  "large_over_small": round(probe_runs["large"]["peak_rss_mib"]
-                                                            / probe_runs["small"]["peak_rss_mib"], 4)}
-    if args.trim_probe:
-        trimmed = {}
-        for k in ("small", "large"):
-            trace_path = tmp / f"trace-{k}-trim.json"
-            res = run_measured([sys.executable, __file__, "--child", "--malloc-trim", "--model", args.model, "--data",
-                                str(corpora[k]), "--trace", str(trace_path), "--config",
-                                json.dumps({"chunk": args.chunk}), "--store", str(args.store), "--threads",
-                                str(args.threads)], env=env)
-            tr = summarize(json.loads(trace_path.read_text()))
-            trimmed[k] = {"peak_rss_mib": round(res["peak_rss_mib"], 1), "wall_s": round(res["wall_s"], 1),
-                          "anon_peak": tr["anon_peak"], "embedding_resident_end": tr["embedding_resident_end"]}
-            print(f"{k} with malloc_trim(0) after every document: {trimmed[k]}", flush=True)
-        result["trim_probe"] = {"runs": trimmed, "large_over_small": round(
-            trimmed["large"]["peak_rss_mib"] / trimmed["small"]["peak_rss_mib"], 4)}
-    if not args.no_diagnose:
-        diag = {}
-        cases = {"small": corpora["small"], "large": corpora["large"]}
-        if args.long_doc_tokens:
-            cases["small_long_documents"] = corpus_for(args.model, args.tokens, args.long_doc_tokens, OUT / "corpora")
-        for k, data in cases.items():
-            trace_path = tmp / f"trace-{k}.json"
-            res = run_measured([sys.executable, __file__, "--child", "--model", args.model, "--data", str(data),
-                                "--trace", str(trace_path), "--config", json.dumps({"chunk": args.chunk}),
-                                "--store", str(args.store), "--threads", str(args.threads)], env=env)
-            tr = json.loads(trace_path.read_text())
-            diag[k] = {"summary": summarize(tr) | {"child_peak_rss_mib": round(res["peak_rss_mib"], 1)},
-                       "trace": tr["trace"]}
-            print(f"diagnose {k}: {diag[k]['summary']}", flush=True)
-        result["diagnosis"] = diag
-        kvb = result["kv_cache"]
-        sm, lg = diag["small"]["summary"], diag["large"]["summary"]
-        notes = {
-            "child_peak_large_over_small": round(lg["child_peak_rss_mib"] / sm["child_peak_rss_mib"], 4),
-            "hwm_large_minus_small": round(lg["hwm_end"] - sm["hwm_end"], 1),
-            "embedding_resident_large_minus_small": round(lg["embedding_resident_end"] - sm["embedding_resident_end"], 1),
-            "anon_peak_large_over_small": round(lg["anon_peak"] / sm["anon_peak"], 4),
-            "hwm_minus_embedding_resident_large_over_small": round(
-                (lg["hwm_end"] - lg["embedding_resident_end"]) / (sm["hwm_end"] - sm["embedding_resident_end"]), 4),
-            "kv_cache_full_layers_mib_at_doc_tokens": round(kvb["full_bytes_per_token"] * args.doc_tokens / 2**20, 1),
+    if "small_long_documents" in diag:
+        lo = diag["small_long_documents"]["summary"]
+        notes |= {
+            "kv_cache_full_layers_mib_at_long_doc_tokens": round(kvb["full_bytes_per_token"] * args.long_doc_tokens
+                                                                 / 2**20, 1),
+            "hwm_long_documents_minus_small": round(lo["hwm_end"] - sm["hwm_end"], 1),
+            "anon_peak_long_documents_minus_small": round(lo["anon_peak"] - sm["anon_peak"], 1),
         }
-        if "small_long_documents" in diag:
-            lo = diag["small_long_documents"]["summary"]
-            notes |= {
-                "kv_cache_full_layers_mib_at_long_doc_tokens": round(kvb["full_bytes_per_token"] * args.long_doc_tokens / 2**20, 1),
-                "hwm_long_documents_minus_small": round(lo["hwm_end"] - sm["hwm_end"], 1),
-                "anon_peak_long_documents_minus_small": round(lo["anon_peak"] - sm["anon_peak"], 1),
-            }
-        result["diagnosis_notes"] = notes
-        # the embedding alone: how much of it a corpus' token ids map in, in a fresh process each
-        probe_cases = {"small": corpora["small"], "large": corpora["large"]}
-        if args.old_tokens:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-            for k, n in (("old_bench_small", args.old_tokens), ("old_bench_large", 5 * args.old_tokens)):
-                probe_cases[k] = old_bench_corpus(tok, n, OUT / "corpora" / f"oldbench-{short(args.model)}-{n}")
-        probe = {}
-        for k, data in probe_cases.items():
-            res = run_measured([sys.executable, __file__, "--child-embed", "--model", args.model, "--data", str(data),
-                                "--store", str(args.store), "--threads", str(args.threads)], env=env)
-            probe[k] = json.loads(res["stdout"].strip().splitlines()[-1])
-            print(f"embedding probe {k}: {probe[k]}", flush=True)
-        result["embedding_probe"] = probe
-    result["machine_after"] = machine()
-    write_json(out_path, result)
-    print(f"{args.model}: peak RSS {peak['small']:.0f} -> {peak['large']:.0f} MiB, x{result['large_over_small']}; "
-          f"{out_path}")
+    # the embedding alone: how much of it a corpus' token ids map in, in a fresh process each
+    probe_cases = {"small": corpora["small"], "large": corpora["large"]}
+    if args.old_tokens:
+        tok = tokenizer(args.model)
+        for k, n in (("old_bench_small", args.old_tokens), ("old_bench_large", 5 * args.old_tokens)):
+            probe_cases[k] = old_bench_corpus(tok, n, OUT / "corpora" / f"oldbench-{short(args.model)}-{n}")
+    probe = {}
+    for k, data in probe_cases.items():
+        res = run_measured([sys.executable, __file__, "--child-embed", "--model", args.model, "--data", str(data),
+                            "--store", str(bench.store), "--threads", str(args.threads)], env=env)
+        probe[k] = json.loads(res["stdout"].strip().splitlines()[-1])
+        print(f"embedding probe {k}: {probe[k]}", flush=True)
+    return {"kv_cache": kvb, "diagnosis": diag, "diagnosis_notes": notes, "embedding_probe": probe}
 
 
 if __name__ == "__main__":

@@ -1,204 +1,219 @@
-"""The whole bench suite in one command: every figure for both built-in models, a summary JSON, a markdown table.
+"""The whole bench suite in one command: every figure for both built-in models, bench/out/summary.json and a
+markdown table on stdout.
 
-    .venv/bin/python bench/run_all.py                      # about 25 minutes on 2 shared CPU cores
-    .venv/bin/python bench/run_all.py --quick              # tiny sizes: checks that everything runs (~10 min)
+    .venv/bin/python bench/run_all.py                      # the default figures (below)
+    .venv/bin/python bench/run_all.py --quick              # tiny sizes: checks that everything runs
     .venv/bin/python bench/run_all.py --models builtin:smollm2-135m --only capture rss
+    .venv/bin/python bench/run_all.py --only anchor eval sweep        # the long ones, only when asked for
+    .venv/bin/python bench/run_all.py --table-only         # summary.json and the table from bench/out as it is
 
-Runs, each as its own process (so one model's memory never meets another's), writing bench/out/<figure>-<model>.json:
+Every figure of bench/harness.py's FIGURES (which holds their targets) is one script, run here as its own process
+(so one model's memory never meets another's) writing bench/out/<figure>-<model>.json in the one schema:
 
-    capture_bench.py   capture tok/s / decoder-stack forward tok/s, same chunks (+ a profile)    target >= 0.90
-    rss_bench.py       peak RSS of capture at 5x the tokens / 1x (+ where the memory goes)     target <= 1.05
-    torchrun_bench.py  torchrun 2 processes / 1 process wall, one thread each; byte-identity  target <= 0.60
-    naive_bench.py     dump-everything + lstsq peer vs capture + solve; maps' agreement        target <= 1e-4
-    cli_bench.py       `ridgefill --help` wall; an unchanged recipe re-run (once, SmolLM2)      target <= 0.3 s
+    capture   capture_bench.py   capture tok/s / decoder-stack forward tok/s, same chunks (+ a profile)
+    rss       rss_bench.py       peak RSS of capture at 5x the tokens / 1x (+ where the memory goes)
+    torchrun  torchrun_bench.py  torchrun 2 processes / 1 process wall, one thread each; byte-identity
+    naive     naive_bench.py     dump-everything + lstsq peer vs capture + solve; the maps' agreement
+    cli       cli_bench.py       `ridgefill --help` wall; an unchanged recipe re-run (once, the first model)
+    chunk     chunk_check.py     one long document in chunks vs one forward: the statistics' error
+    solve     solve_bench.py     whole alpha grid vs one direct solve
+    prefill   prefill_bench.py   prefill speed-up per fill arm, and the ceiling
+    anchor    anchor_check.py    the sink row filled vs run exactly                  (only with --only)
+    eval      eval_bench.py      default eval / exact-only eval                      (only with --only)
+    sweep     sweep_bench.py     default sweep / one default eval                    (only with --only)
 
-then bench/out/summary.json (figures, targets, pass/fail, each script's wall, the load average before and after)
-and the markdown table on stdout. Sizes (defaults): 8192 tokens in documents of 2048 tokens, chunk 1024, the RSS
-figure at 8192 vs 40960 tokens, the torchrun figure at 16384 tokens; every ratio is measured side by side in one run, one compute thread per process
-(a 2-core machine shared with other work: two OpenMP threads are slower than one under load, see common.py).
-The dequantized model caches are built first into bench/out/store (outside every timing).
+solve, prefill, anchor, eval and sweep need a capture or a release: for each model one is built first with the CLI
+(`ridgefill capture` of the bench corpus with one held-out document, then solve, quantize, export) in a temporary
+store, outside every timing; with sweep the capture also has the splits it sweeps. Their quality figures (anchor)
+are those of that small release: measure a real release with the script itself. Sizes (defaults): 8192 tokens in
+documents of 2048 tokens, chunk 1024, the RSS figure at 8192 vs 40960 tokens, the torchrun figure at 16384 tokens,
+the chunk figure at 16384 tokens (cut to the model's context); one compute thread per process unless --threads
+(see bench/harness.py's set_threads). The dequantized model caches are built first into bench/out/store. --keep
+keeps the temporary folder with the fixtures.
+
+Exit code 1 when a script failed, or (without --quick, whose sizes measure nothing) when a figure missed its target.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH, DEFAULT_STORE, MODELS, OUT, machine, model_cache, short, write_json  # noqa: E402
+from harness import (BENCH, FIGURES, MODEL_CACHE, MODELS, OUT, Parser, command, corpus_for, env_threads,  # noqa: E402
+                     exe, fmt, fresh_store, machine, model_cache, positive, run_measured, short)
 
-FIGURES = ("capture", "rss", "torchrun", "naive", "cli")
+DEFAULT = ("capture", "rss", "torchrun", "naive", "cli", "chunk", "solve", "prefill")
 NAMES = {"builtin:smollm2-135m": "SmolLM2-135M", "builtin:gemma3-270m": "Gemma-3-270M"}
+NEEDS_CAPTURE, NEEDS_RELEASE = {"solve", "sweep"}, {"prefill", "anchor", "eval", "sweep"}
 
 
-def plan(args) -> list[tuple[str, str | None, list[str]]]:
-    """(figure, model, command) in run order."""
+def arguments(fig: str, model: str, args, fix: dict) -> list[str]:
+    """The script's arguments for `fig` on `model` (`fix`: the model's capture and release, when it needs them)."""
     q = args.quick
-    size = ["--tokens", str(args.tokens), "--doc-tokens", str(args.doc_tokens), "--chunk", str(args.chunk)]
-    if q:
-        size = ["--tokens", "1024", "--doc-tokens", "512", "--chunk", "256"]
-    py = [sys.executable]
-    steps = []
-    for m in args.models:
-        out = lambda fig: ["--out", str(OUT / f"{fig}-{short(m)}.json")]  # noqa: E731
-        per = {
-            "capture": [str(BENCH / "capture_bench.py"), "--model", m, *size, "--repeat", "1" if q else str(args.repeat),
-                        "--profile-docs", "1" if q else "2", *out("capture")],
-            "rss": [str(BENCH / "rss_bench.py"), "--model", m, *size, "--factor", "2" if q else "5",
-                    "--long-doc-tokens", "1024" if q else str(4 * args.doc_tokens),
-                    "--old-tokens", "0" if q else "20000", *out("rss")],
-            "torchrun": [str(BENCH / "torchrun_bench.py"), "--model", m, *size, *out("torchrun"),
-                         *([] if q else ["--tokens", str(args.torchrun_tokens)])],
-            "naive": [str(BENCH / "naive_bench.py"), "--model", m, *size, "--alpha", str(args.alpha), *out("naive")],
-        }
-        steps += [(fig, m, py + cmd) for fig, cmd in per.items() if fig in args.only]
-    if "cli" in args.only:
-        steps.append(("cli", None, py + [str(BENCH / "cli_bench.py"), "--out", str(OUT / "cli.json")]
-                      + (["--repeat", "3", "--rerun", "1"] if q else [])))
-    return steps
+    size = ["--tokens", "1024", "--doc-tokens", "512", "--chunk", "256"] if q else [
+        "--tokens", str(args.tokens), "--doc-tokens", str(args.doc_tokens), "--chunk", str(args.chunk)]
+    release = [model, fix.get("release", ""), "--store", fix.get("store", "")]
+    return {
+        "capture": ["--model", model, *size, "--repeat", "1" if q else str(args.repeat),
+                    "--profile-docs", "1" if q else "2"],
+        "rss": ["--model", model, *size, "--factor", "2" if q else "5",
+                "--long-doc-tokens", "1024" if q else str(4 * args.doc_tokens), "--old-tokens", "0" if q else "20000"],
+        "torchrun": ["--model", model, *size, *([] if q else ["--tokens", str(args.torchrun_tokens)])],
+        "naive": ["--model", model, *size, "--alpha", str(args.alpha)],
+        "cli": ["--model", model, *(["--repeat", "3", "--rerun", "1"] if q else [])],
+        "chunk": ["--model", model, "--tokens", "2048" if q else "16384", "--chunk", "512" if q else str(args.chunk)],
+        "solve": [fix.get("capture", ""), "--store", fix.get("store", ""), *(["--repeat", "1"] if q else [])],
+        "prefill": [*release, *(["--lengths", "1024", "--tail", "256", "--repeat", "1"] if q else [])],
+        "anchor": [*release, *(["--documents", "1", "--doc-tokens", "1024", "--needles", "1", "--length", "1024"]
+                               if q else [])],
+        "eval": [*release, *(["--quick"] if q else [])],
+        "sweep": [*release, "--capture", fix.get("capture", ""), "--splits", ",".join(map(str, fix.get("sweep", []))),
+                  *(["--quick"] if q else [])],
+    }[fig]
 
 
-def read(fig: str, model: str | None) -> dict | None:
-    p = OUT / ("cli.json" if fig == "cli" else f"{fig}-{short(model)}.json")
-    return json.loads(p.read_text()) if p.is_file() else None
+def sweep_splits(model: str, quick: bool) -> list[int]:
+    """The splits the sweep figure sweeps: the sweep's own default ones (two of them with --quick)."""
+    from ridgefill.sweep.run import default_splits
+
+    splits = list(default_splits(model_cache(MODEL_CACHE, model).num_layers))
+    return splits[:2] if quick else splits
 
 
-def figures(models: list[str]) -> dict:
-    """The headline numbers of every JSON there is, per model."""
-    out: dict = {}
-    for m in models:
-        f: dict = {}
-        c = read("capture", m)
-        if c:
-            f["capture_over_stack"] = {"value": c["capture_over_stack"], "capture_tok_s": c["capture_tok_s"],
-                                       "stack_tok_s": c["stack_tok_s"], "paired": c["capture_over_stack_paired_median"],
-                                       "end_to_end": c["capture_end_to_end_over_stack"],
-                                       "profile_stats_share": c.get("profile", {}).get("stats_share"),
-                                       "passed": c["capture_over_stack"] >= 0.90}
-        r = read("rss", m)
-        if r:
-            d = r.get("diagnosis_notes", {})
-            f["rss_large_over_small"] = {"value": r["large_over_small"], "factor": r["factor"], "small_mib": r["peak_rss_mib"]["small"],
-                                         "large_mib": r["peak_rss_mib"]["large"],
-                                         "tokens": [r["runs"]["small"][0]["tokens"], r["runs"]["large"][0]["tokens"]],
-                                         "anon_peak_large_over_small": d.get("anon_peak_large_over_small"),
-                                         "embedding_resident_growth_mib": d.get("embedding_resident_large_minus_small"),
-                                         "passed": r["large_over_small"] <= 1.05}
-        t = read("torchrun", m)
-        if t:
-            f["torchrun_ratio"] = {"value": t["ratio"], "walls_s": t["median_wall_s"],
-                                   "identical": t["artifacts_identical"],
-                                   "passed": t["ratio"] <= 0.60 and t["artifacts_identical"]}
-        n = read("naive", m)
-        if n:
-            f["naive"] = {"wall": n["naive_over_ridgefill"]["wall"], "peak_rss": n["naive_over_ridgefill"]["peak_rss"],
-                          "disk": n["naive_over_ridgefill"]["disk"], "ridgefill": n["ridgefill"],
-                          "naive_wall_s": n["naive"]["wall_s"], "naive_peak_rss_mib": n["naive"]["peak_rss_mib"],
-                          "naive_disk_bytes": n["naive"]["disk_bytes"], "rows_equal": n["rows"]["equal"],
-                          "max_w_rel_fro": n["agreement"]["max_w_rel_fro"], "alpha": n["alpha"],
-                          "passed": n["agreement"]["passed"] and n["rows"]["equal"]}
-        out[m] = f
-    c = read("cli", None)
-    if c:
-        out["cli"] = {"help_median_s": c["help"]["median_s"], "rerun_median_s": c["recipe"]["rerun_median_s"],
-                      "first_run_s": c["recipe"]["first_wall_s"], "all_cached": c["recipe"]["all_cached"],
-                      "passed": c["help"]["median_s"] <= 0.3 and c["recipe"]["all_cached"]}
-    return out
+def build_fixture(model: str, root: Path, args, with_sweep: bool) -> dict:
+    """A capture, its solve at the default split, the quantized maps and their release folder, through the CLI, in
+    a fresh store under `root`: {"store", "capture", "release", "sweep"}, or {"error": ...}."""
+    ref = model_cache(MODEL_CACHE, model)
+    tokens, doc_tokens = (1024, 512) if args.quick else (args.tokens, args.doc_tokens)
+    store = fresh_store(root / f"fixture-{short(model)}")
+    sweep = sweep_splits(model, args.quick) if with_sweep else []
+    splits = sorted({ref.default_split, *sweep})
+    env = env_threads(args.threads)
+    common = ["--store", str(store), "--json", "--quiet"]
+    steps = [("capture", [model, "--data", str(corpus_for(model, tokens, doc_tokens)), "--held-out", "1",
+                          "--chunk", str(256 if args.quick else args.chunk),
+                          *[a for s in splits for a in ("--split", str(s))]]),
+             ("solve", ["{capture}", "--split", str(ref.default_split)]), ("quantize", ["{solve}"]),
+             ("export", ["{quantize}", "--out", str(root / f"release-{short(model)}")])]
+    ids: dict = {"store": str(store), "sweep": sweep}
+    for stage, argv in steps:
+        cmd = [exe(), stage, *[a.format(**ids) for a in argv], *common]
+        print(f"== fixture {model}: ridgefill {' '.join(cmd[1:])}", flush=True)
+        res = run_measured(cmd, env=env, check=False)
+        if res["rc"] != 0:
+            return {"error": f"ridgefill {stage} failed ({res['rc']}): {res['stderr_tail'][-500:]}"}
+        ids[stage] = json.loads(res["stdout"])["id"] if stage != "export" else None
+    return {**ids, "release": str(root / f"release-{short(model)}")}
 
 
-def table(figs: dict, models: list[str]) -> str:
-    def cell(m, fn):
-        f = figs.get(m, {})
-        try:
-            return fn(f)
-        except (KeyError, TypeError):
+def table(results: list[dict], models: list[str]) -> str:
+    """Markdown: a row per figure, a column per model, then the target. ✗ marks a missed target; a failed check is
+    named."""
+    def cell(r: dict | None) -> str:
+        if r is None:
             return "—"
+        text = fmt(r["value"]) + (" ✗" if r["passed"] is False else "")
+        failed = [k for k, ok in r["checks"].items() if not ok]
+        return text + (f" (NOT {', '.join(failed)})" if failed else "")
 
-    mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
-    rows = [
-        ("capture / decoder-stack forward tok/s (same chunks through the KV cache, layers 0..L-2, 1 thread)",
-         lambda f: (f"**{f['capture_over_stack']['value']:.2f}** ({f['capture_over_stack']['capture_tok_s']:.0f} vs "
-                    f"{f['capture_over_stack']['stack_tok_s']:.0f} tok/s)"), ">= 0.90"),
-        ("peak RSS of `ridgefill capture`, 5x vs 1x tokens (equal-length documents, fresh stores, ru_maxrss)",
-         lambda f: (f"**x{f['rss_large_over_small']['value']:.3f}** ({f['rss_large_over_small']['small_mib']:.0f} vs "
-                    f"{f['rss_large_over_small']['large_mib']:.0f} MiB at {f['rss_large_over_small']['tokens'][0] // 1000}K vs "
-                    f"{f['rss_large_over_small']['tokens'][1] // 1000}K tokens; embedding rows mapped in from the model "
-                    f"file: {f['rss_large_over_small']['embedding_resident_growth_mib']:+.0f} MiB)"), "<= 1.05"),
-        ("torchrun 2 processes / 1 process wall (1 thread each, same tokens)",
-         lambda f: (f"**{f['torchrun_ratio']['value']:.2f}** ({f['torchrun_ratio']['walls_s']['2']:.0f} vs "
-                    f"{f['torchrun_ratio']['walls_s']['1']:.0f} s); stats "
-                    f"{'byte-identical' if f['torchrun_ratio']['identical'] else 'DIFFER'}"), "<= 0.60"),
-        ("naive dump + lstsq vs capture + solve: wall / peak RSS / disk",
-         lambda f: (f"{f['naive']['naive_wall_s']:.0f} vs {f['naive']['ridgefill']['wall_s']:.0f} s / "
-                    f"{f['naive']['naive_peak_rss_mib']:.0f} vs {f['naive']['ridgefill']['peak_rss_mib']:.0f} MiB / "
-                    f"{mib(f['naive']['naive_disk_bytes'])} vs {mib(f['naive']['ridgefill']['disk_bytes'])}"), "—"),
-        ("maps' agreement, max_l ‖W_naive − W_ridgefill‖_F / ‖W_naive‖_F (same rows, same lambda)",
-         lambda f: f"**{f['naive']['max_w_rel_fro']:.1e}**", "<= 1e-4"),
-    ]
-    head = "| figure | " + " | ".join(NAMES.get(m, m) for m in models) + " | target |"
-    lines = [head, "|---|" + "---|" * len(models) + "---|"]
-    for name, fn, target in rows:
-        lines.append(f"| {name} | " + " | ".join(cell(m, fn) for m in models) + f" | {target} |")
-    c = figs.get("cli")
-    if c:
-        pad = " | ".join(["(model-independent)"] * (len(models) - 1))
-        lines.append(f"| `ridgefill --help` wall (median) | **{c['help_median_s']:.2f} s** | {pad} | <= 0.3 s |")
-        lines.append(f"| recipe re-run, nothing changed (SmolLM2, every stage a cache hit: "
-                     f"{'yes' if c['all_cached'] else 'NO'}) | **{c['rerun_median_s']:.1f} s** "
-                     f"(first run {c['first_run_s']:.0f} s) | {pad} | cache hits only |")
+    by = {(r["figure"], r["model"]): r for r in results}
+    lines = ["| figure | " + " | ".join(NAMES.get(m, m) for m in models) + " | target |",
+             "|---|" + "---|" * len(models) + "---|"]
+    for name, fig in FIGURES.items():
+        if any((name, m) in by for m in models):
+            cells = " | ".join(cell(by.get((name, m))) for m in models)
+            lines.append(f"| {name}: {fig.title} ({fig.unit}) | {cells} | {fig.target or '—'} |")
     return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(__doc__)
     ap.add_argument("--models", nargs="+", default=list(MODELS))
-    ap.add_argument("--only", nargs="+", default=list(FIGURES), choices=FIGURES)
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--doc-tokens", type=int, default=2048)
-    ap.add_argument("--chunk", type=int, default=1024)
-    ap.add_argument("--torchrun-tokens", type=int, default=16384,
+    ap.add_argument("--only", nargs="+", default=list(DEFAULT), choices=list(FIGURES), metavar="FIGURE",
+                    help=f"figures to run, of: {', '.join(FIGURES)} (default: {' '.join(DEFAULT)})")
+    ap.add_argument("--tokens", type=positive, default=8192)
+    ap.add_argument("--doc-tokens", type=positive, default=2048)
+    ap.add_argument("--chunk", type=positive, default=1024)
+    ap.add_argument("--torchrun-tokens", type=positive, default=16384,
                     help="the torchrun figure's corpus (process start and model load are a fixed cost in its wall)")
-    ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds of the throughput figure")
+    ap.add_argument("--repeat", type=positive, default=3, help="interleaved rounds of the throughput figure")
     ap.add_argument("--alpha", type=float, default=1e-3, help="the naive comparison's single alpha")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one round: a smoke test of the suite")
     ap.add_argument("--table-only", action="store_true", help="only rebuild summary.json and the table from bench/out")
     args = ap.parse_args()
 
+    only = [f for f in FIGURES if f in args.only]
+    plan = [(f, m) for m in args.models for f in only if f != "cli" or m == args.models[0]]
     start = machine()
-    runs = []
-    if not args.table_only:
-        t = time.perf_counter()
-        for m in args.models:
-            model_cache(DEFAULT_STORE, m)
-        runs.append({"step": "model caches", "wall_s": round(time.perf_counter() - t, 1)})
-        for fig, m, cmd in plan(args):
-            print(f"== {fig} {m or ''}: {' '.join(cmd[1:])}", flush=True)
-            stale = Path(cmd[cmd.index("--out") + 1])
-            stale.unlink(missing_ok=True)  # a script that fails must not leave an older run's figures in the table
+    runs, fixtures = [], {}
+    root = Path(tempfile.mkdtemp(prefix="rf-bench-all-"))
+    try:
+        if not args.table_only:
             t = time.perf_counter()
-            p = subprocess.run(cmd)
-            runs.append({"figure": fig, "model": m, "command": " ".join(cmd[1:]), "rc": p.returncode,
-                         "wall_s": round(time.perf_counter() - t, 1)})
-            print(f"== {fig} {m or ''}: rc {p.returncode}, {runs[-1]['wall_s']} s", flush=True)
-    figs = figures(args.models)
-    md = table(figs, args.models)
-    summary = {"figures": figs, "runs": runs, "machine_start": start, "machine_end": machine(), "table": md,
-               "quick": args.quick, "sizes": {"tokens": args.tokens, "doc_tokens": args.doc_tokens, "chunk": args.chunk,
-                                              "rss_factor": 5, "torchrun_tokens": args.torchrun_tokens,
-                                              "repeat": args.repeat, "alpha": args.alpha},
-               "command": " ".join([Path(sys.executable).name, *sys.argv])}
+            for m in args.models:
+                model_cache(MODEL_CACHE, m)
+            runs.append({"step": "model caches", "wall_s": round(time.perf_counter() - t, 1)})
+            for fig, m in plan:
+                if fig in NEEDS_CAPTURE | NEEDS_RELEASE and m not in fixtures:
+                    t = time.perf_counter()
+                    fixtures[m] = build_fixture(m, root, args, "sweep" in only)
+                    runs.append({"step": f"fixture {m}", "wall_s": round(time.perf_counter() - t, 1),
+                                 **({"error": fixtures[m]["error"]} if "error" in fixtures[m] else {})})
+                runs.append(run_figure(fig, m, args, fixtures.get(m, {})))
+    finally:
+        if args.keep:
+            print(f"kept {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    results = [r for r in (read(f, m) for f, m in plan) if r is not None]
+    md = table(results, args.models)
+    summary = {"command": command(), "quick": args.quick, "machine": start, "machine_after": machine(),
+               "runs": runs, "results": results, "table": md}
+    from ridgefill.artifacts.store import write_json
+
+    OUT.mkdir(parents=True, exist_ok=True)
     write_json(OUT / "summary.json", summary)
     print()
     print(md)
-    failed = [r for r in runs if r.get("rc")]
+    failed = [f"{r['figure']} {r['model']}" for r in runs if r.get("rc") or "error" in r]
+    missed = [] if args.quick else [f"{r['figure']} {r['model']}" for r in results if r["passed"] is False]
     if failed:
-        print(f"\n{len(failed)} script(s) failed: " + ", ".join(f"{r['figure']} {r['model'] or ''}" for r in failed))
-        sys.exit(1)
+        print(f"\nfailed: {', '.join(failed)}")
+    if missed:
+        print(f"\nmissed the target: {', '.join(missed)}")
+    sys.exit(1 if failed or missed else 0)
+
+
+def out_path(fig: str, model: str) -> Path:
+    return OUT / f"{fig}-{short(model)}.json"
+
+
+def read(fig: str, model: str) -> dict | None:
+    p = out_path(fig, model)
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def run_figure(fig: str, model: str, args, fix: dict) -> dict:
+    """Run one figure's script (its output file removed first, so a failure cannot leave an older result)."""
+    if "error" in fix:
+        return {"figure": fig, "model": model, "rc": None, "error": "no fixture: " + fix["error"]}
+    out = out_path(fig, model)
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(BENCH / FIGURES[fig].script), *arguments(fig, model, args, fix), "--out", str(out),
+           "--threads", str(args.threads)]
+    print(f"== {fig} {model}: {' '.join(cmd[1:])}", flush=True)
+    t = time.perf_counter()
+    rc = subprocess.run(cmd, env=env_threads(args.threads)).returncode
+    wall = round(time.perf_counter() - t, 1)
+    print(f"== {fig} {model}: rc {rc}, {wall} s", flush=True)
+    return {"figure": fig, "model": model, "command": cmd[1:], "rc": rc, "wall_s": wall}
 
 
 if __name__ == "__main__":
