@@ -46,9 +46,9 @@ def eval_(
     if s.get("pairs"):
         for line in pairs_lines(s):
             out.info(line)
-    gate = record(source, art, rules, out)
-    done(out, "eval", art, cached, {"gate": gate})
-    failed = gate["failed"] if gate else []
+    verdict = record(source, art, rules, out)  # into the release folder, if it is one; then the gate
+    done(out, "eval", art, cached, {"gate": verdict})
+    failed = verdict["failed"] if verdict else []
     if failed:
         raise GateFailed("gate failed: " + "; ".join(failed))
 
