@@ -93,6 +93,18 @@ def test_readers_and_configurations_stay_light():
     assert out.stdout.strip() == "[]"
 
 
+def test_no_public_name_of_a_package_is_also_one_of_its_modules():
+    """A package's lazy export (ridgefill.lazy) named like one of its modules would be shadowed by that module once
+    it is imported: `from ridgefill.runtime import prefill` must always be the function."""
+    import importlib
+
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        package = ".".join(("ridgefill",) + init.parent.relative_to(PACKAGE).parts)
+        modules = {p.stem for p in init.parent.glob("*.py")} | {p.name for p in init.parent.iterdir() if p.is_dir()}
+        clash = set(getattr(importlib.import_module(package), "__all__", ())) & modules
+        assert not clash, f"{package} exports {sorted(clash)}, which are also its modules"
+
+
 def test_the_graph_printed_is_the_one_tested(capsys):
     main()
     lines = capsys.readouterr().out.splitlines()
