@@ -1,9 +1,11 @@
-"""Shared fixtures: tiny random models (one per supported architecture) and the `slow` marker.
+"""Shared fixtures: tiny random models (one per supported architecture), the small capture -> solve (-> export) chain
+on one of them (`tiny_chain`, `ChainSpec`), and the `slow` marker.
 
 Tests marked `slow` load the real built-in models (tens of seconds each); skip them with `-m "not slow"`.
 """
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,103 @@ def lm_of(request, tmp_path_factory):
         return _LOADED[arch]
 
     return get
+
+
+# -- one small capture -> solve (-> export) chain on a tiny model -------------------------------------------------
+
+# Five short documents: enough calibration rows for a 64-wide tiny model, one or two held out.
+CAT_TEXTS = tuple(f"document {i}: " + "the cat sat on the mat and looked around. " * (8 + i) for i in range(5))
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    """What `tiny_chain` builds: a capture of `model` (a tiny-model fixture's name) over `texts` at `splits`, solved
+    with `alphas` (None: solve's default grid); with `release` a release folder exported from the solve artifact
+    (float maps; the tests that need int8 quantize through the CLI)."""
+
+    model: str = "tiny_llama"
+    texts: tuple[str, ...] = CAT_TEXTS
+    splits: tuple[int, ...] = (2,)
+    chunk: int = 64
+    held_out: int = 1
+    held_out_rows: int | None = 64
+    alphas: tuple[float, ...] | None = (1e-3, 1e-1)
+    release: bool = True
+
+
+# The chain test_eval.py, test_devices.py and test_sweep.py use: the tiny llama at split 2, a float32 release.
+SMALL_CHAIN = ChainSpec()
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One test module's own copy of a built chain: `tmp` holds `data/` (the texts), `store/` and, when asked for,
+    `release/`. Artifacts are read from this copy's store, so a module may add to it without touching another's."""
+
+    spec: ChainSpec
+    model: Path
+    tmp: Path
+    data: Path
+    store: object  # ridgefill.artifacts.Store
+    cap: object  # Artifact (capture)
+    sol: object  # Artifact (solve)
+    release: Path | None
+
+
+def _build_chain(spec: ChainSpec, model: Path, root: Path) -> dict:
+    """capture -> solve (-> export) in `root`, on the CPU in float32 whatever the machine has; -> the ids."""
+    from ridgefill.artifacts import Store
+    from ridgefill.capture import CaptureConfig, capture
+    from ridgefill.export import export
+    from ridgefill.models.device import where
+    from ridgefill.output import Output
+    from ridgefill.solve import solve
+
+    quiet, place = Output(quiet=True), where(device="cpu", dtype="float32")
+    data = root / "data"
+    data.mkdir(parents=True)
+    for i, text in enumerate(spec.texts):
+        (data / f"d{i}.txt").write_text(text)
+    st = Store(root / "store")
+    extra = {} if spec.held_out_rows is None else {"held_out_rows": spec.held_out_rows}
+    cfg = CaptureConfig(splits=spec.splits, chunk=spec.chunk, held_out=spec.held_out, **extra)
+    cap, cached = capture(st, str(model), [str(data)], cfg, quiet, place=place)
+    assert not cached
+    sol, cached = solve(st, cap.id, quiet, **({} if spec.alphas is None else {"alphas": list(spec.alphas)}),
+                        place=place)
+    assert not cached
+    if spec.release:
+        export(st, sol.id, root / "release", quiet)
+    return {"capture": cap.id, "solve": sol.id}
+
+
+@pytest.fixture(scope="session")
+def tiny_chain(request, tmp_path_factory):
+    """spec -> Chain: each spec is built once per session; every call returns a fresh copy of it (its own folder and
+    store), so that what one module adds (a bfloat16 solve, an eval written into the release) is not another's.
+
+        @pytest.fixture(scope="module")
+        def chain(tiny_chain):
+            return tiny_chain(ChainSpec(splits=(1,), alphas=None))
+    """
+    import shutil
+
+    from ridgefill.artifacts import Store
+
+    built = {}  # spec -> (folder, ids)
+
+    def make(spec: ChainSpec = SMALL_CHAIN) -> Chain:
+        model = request.getfixturevalue(spec.model)
+        if spec not in built:
+            root = tmp_path_factory.mktemp("chain-built")
+            built[spec] = (root, _build_chain(spec, model, root))
+        root, ids = built[spec]
+        tmp = tmp_path_factory.mktemp("chain")
+        for name in ("data", "store", "release"):
+            if (root / name).exists():
+                shutil.copytree(root / name, tmp / name)
+        st = Store(tmp / "store")
+        return Chain(spec=spec, model=model, tmp=tmp, data=tmp / "data", store=st, cap=st.get(ids["capture"]),
+                     sol=st.get(ids["solve"]), release=tmp / "release" if spec.release else None)
+
+    return make

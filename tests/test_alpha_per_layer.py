@@ -14,11 +14,11 @@ from ridgefill.artifacts import Store
 from ridgefill.formats import safetensors
 from ridgefill.artifacts.store import recipe_id
 from ridgefill.capture.artifact import load_heldout, load_stats
-from ridgefill.capture.run import CaptureConfig, capture
 from ridgefill.capture.stats import moments_of
 from ridgefill.output import Output
 from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose, maps_at, maps_per_layer, search, search_per_layer
 from clirun import cli
+from conftest import ChainSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -119,27 +119,24 @@ TEXTS = ["A river bends around the old mill and slows down. " * 9, "for n in ran
 SPLIT = 1  # late layers 1, 2, 3 of the 4-layer tiny llama
 
 
-@pytest.fixture(scope="module")
-def solved(tmp_path_factory, tiny_llama):
-    """A capture of the tiny llama at split 1, solved with --alpha-per-layer through the CLI and with the shared
-    alpha through the library, on the default grid."""
-    from ridgefill.solve.artifact import REPORT
-    from ridgefill.solve.run import solve
+# This module's chain (conftest's `tiny_chain`): the texts above at split 1, solved with the shared alpha on the
+# default grid; no release.
+APL_CHAIN = ChainSpec(texts=tuple(TEXTS), splits=(SPLIT,), chunk=48, held_out=2, held_out_rows=64, alphas=None,
+                      release=False)
 
-    tmp = tmp_path_factory.mktemp("apl")
-    data = tmp / "data"
-    data.mkdir()
-    for i, t in enumerate(TEXTS):
-        (data / f"d{i}.txt").write_text(t)
-    store = Store(tmp / "store")
-    cap, _ = capture(store, str(tiny_llama), [str(data)],
-                     CaptureConfig(splits=(SPLIT,), chunk=48, held_out=2, held_out_rows=64), Output(quiet=True))
-    r = cli("solve", cap.id, "--store", store.root, "--alpha-per-layer", "--json")
+
+@pytest.fixture(scope="module")
+def solved(tiny_chain):
+    """A capture of the tiny llama at split 1, solved with the shared alpha through the library (the chain's solve)
+    and with --alpha-per-layer through the CLI (on the CPU, as the chain's), on the default grid."""
+    from ridgefill.solve.artifact import REPORT
+
+    c = tiny_chain(APL_CHAIN)
+    store, cap, shared = c.store, c.cap, c.sol
+    r = cli("solve", cap.id, "--store", store.root, "--alpha-per-layer", "--device", "cpu", "--json")
     assert r.returncode == 0, r.stderr
     per = store.get(json.loads(r.stdout)["id"], stage="solve")
-    shared, cached = solve(store, cap.id, Output(quiet=True))
-    assert not cached
-    return {"tmp": tmp, "store": store, "cap": cap, "per": per, "shared": shared, "stderr": r.stderr,
+    return {"tmp": c.tmp, "store": store, "cap": cap, "per": per, "shared": shared, "stderr": r.stderr,
             "stdout": json.loads(r.stdout), "rep": json.loads(per.file(REPORT).read_text()),
             "shared_rep": json.loads(shared.file(REPORT).read_text())}
 

@@ -1,9 +1,12 @@
 """Where a model runs: --device / --dtype on every command that runs one, and accelerate's device maps.
 
-This machine has no GPU (torch is a CPU build), so the GPU paths are checked as what they are: the same code with
-the device as data. Here: refusals of devices and dtypes (one line, exit 2, nothing written), bfloat16 on the CPU
-(other recipe ids, sound figures), and a model split between CPU memory and accelerate's disk offload, which must
-give exactly the numbers of the plainly loaded model (same device, same dtype, same operations).
+These are the CPU paths, checked on any machine: every test here runs as on a machine without a GPU (`no_gpu`:
+torch sees no CUDA device in this process, and the CLI subprocesses get CUDA_VISIBLE_DEVICES=""), so `auto` is the
+CPU and `--device cuda` is refused the same way on CI and on a GPU machine. The GPU paths are checked as what they
+are: the same code with the device as data (`test_devices_on_a_machine_with_gpus` simulates two). Here: refusals
+of devices and dtypes (one line, exit 2, nothing written), bfloat16 on the CPU (other recipe ids, sound figures),
+and a model split between CPU memory and accelerate's disk offload, which must give exactly the numbers of the
+plainly loaded model (same device, same dtype, same operations).
 """
 
 import gc
@@ -21,8 +24,9 @@ from ridgefill.models import load_model, resolve_model
 from ridgefill.models.device import where
 from ridgefill.output import Output
 from clirun import cli, cli_here
+from conftest import SMALL_CHAIN
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "no_gpu")
 
 QUIET = Output(quiet=True)
 CONTEXT = ("The ridge map predicts a late layer's input from the split state; keys and values are written from "
@@ -34,9 +38,17 @@ EVAL_ARGS = ["--tail", "48", "--scored", "16", "--doc-tokens", "128", "--lengths
              "--depths", "0.5", "--tasks", "single", "--arms", "exact", "--arms", "ridgefill", "--arms", "nofill"]
 
 
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """This process as on a machine without a GPU: torch sees no CUDA device (whatever the machine has)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
 def run(*args):
-    """The CLI on one thread, as the in-process tests run (the machine is shared)."""
-    return cli(*args, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """The CLI in a subprocess on one thread, as the in-process tests run (the machine is shared), and without a GPU
+    (CUDA_VISIBLE_DEVICES="": torch sees none), like this process under `no_gpu`."""
+    return cli(*args, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
 
 
 def one_line(r) -> str:
@@ -94,6 +106,29 @@ def test_bad_device_map_is_one_line_exit_2(name, args, message, tiny_llama, cont
     assert not (tmp_path / "st").exists()
 
 
+def test_devices_on_a_machine_with_gpus(monkeypatch):
+    """The same resolution with two GPUs simulated: auto is the first GPU in bfloat16 (recorded in the recipe), a
+    GPU past the last is refused by count, and naming a GPU is refused only when the model runs on the CPU."""
+    from ridgefill.models.device import Where
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert where() == Where(device="cuda:0", dtype="bfloat16")
+    assert where().recipe() == {"device": "cuda", "dtype": "bfloat16"}
+    assert where("cuda:1", "float32") == Where(device="cuda:1", dtype="float32")
+    assert where("cpu") == Where(device="cpu", dtype="float32") and where("cpu").recipe() == {}
+    w = where(device_map="auto", max_memory=["0=1GiB", "cuda:1=2GiB", "cpu=3GiB"])
+    assert (w.device, w.device_map, w.max_memory) == ("cuda:0", "auto", {0: 2**30, 1: 2 * 2**30, "cpu": 3 * 2**30})
+    for kw, message in (({"device": "cuda:2"}, "--device cuda:2: this machine has 2 CUDA device(s) (cuda:0..cuda:1)"),
+                        ({"device_map": "auto", "max_memory": ["2=1GiB"]},
+                         "--max-memory names GPU 2: this machine has 2 CUDA device(s)"),
+                        ({"device": "cpu", "device_map": "auto", "max_memory": ["0=1GiB"]},
+                         "--max-memory names GPU 0 but the model runs on the CPU (--device cpu)")):
+        with pytest.raises(BadInput) as e:
+            where(**kw)
+        assert str(e.value) == message, kw
+
+
 def model_bytes(path) -> int:
     """Parameters (a tied head once) and buffers of the model: what accelerate sizes, counted here directly."""
     from transformers import AutoModelForCausalLM
@@ -105,7 +140,7 @@ def model_bytes(path) -> int:
 def test_a_model_that_cannot_be_placed_is_refused(tiny_llama, context, tmp_path):
     """No CPU memory and no disk: one line naming how much would have gone to disk; nothing written."""
     kib = model_bytes(tiny_llama) / 1024
-    r = cli("compact", tiny_llama, "--context", context, "--device-map", "auto", "--max-memory", "cpu=0",
+    r = run("compact", tiny_llama, "--context", context, "--device-map", "auto", "--max-memory", "cpu=0",
             "--max-memory", "disk=0", "--store", tmp_path / "st")
     assert r.returncode == 2
     assert one_line(r) == (f"Error: the model does not fit in --max-memory: {kib:.1f} KiB of it would go to disk, "
@@ -345,29 +380,13 @@ def test_compact_and_fold_in_bfloat16_and_with_a_device_map(tiny_llama, context,
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory, tiny_llama):
-    """A capture (CPU, float32) and its float32 solve and release."""
-    from ridgefill.capture.run import CaptureConfig, capture
-    from ridgefill.solve.run import solve
-
-    tmp = tmp_path_factory.mktemp("chain")
-    data = tmp / "data"
-    data.mkdir()
-    for i in range(5):
-        (data / f"d{i}.txt").write_text(f"document {i}: " + "the cat sat on the mat and looked around. " * (8 + i))
-    st = Store(tmp / "store")
-    cap, _ = capture(st, str(tiny_llama), [str(data)], CaptureConfig(splits=(2,), chunk=64, held_out=1,
-                                                                     held_out_rows=64), QUIET)
-    sol, _ = solve(st, cap.id, QUIET, alphas=[1e-3, 1e-1])
-    rel = tmp / "release"
-    r = cli("export", sol.id, "--out", rel, "--store", st.root)
-    assert r.returncode == 0, r.stderr
-    return tmp, st, cap, sol, rel
+def chain(tiny_chain):
+    """A capture (CPU, float32) and its float32 solve and release: conftest's small chain, this module's copy."""
+    c = tiny_chain(SMALL_CHAIN)
+    return c.tmp, c.store, c.cap, c.sol, c.release
 
 
 def test_solve_scores_in_bfloat16(chain, tiny_llama):
-    from ridgefill.solve.run import solve
-
     _, st, cap, f32, _ = chain
     assert cap.recipe.get("device", "cpu") == "cpu" and cap.recipe.get("dtype", "float32") == "float32"
     assert "device" not in f32.recipe and "dtype" not in f32.recipe

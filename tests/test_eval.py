@@ -1,100 +1,165 @@
-"""`ridgefill eval` end to end on a tiny model: artifact, release manifest and card, gate exit code."""
+"""`ridgefill eval` end to end on a tiny model: artifact, release manifest and card, gate exit code; every figure
+against an independent computation from `prefill` logits (ridgefill.evaluate.metrics) and greedy decoding."""
 
 import json
 
 import pytest
 
-from ridgefill.artifacts import Store
-from ridgefill.capture.run import CaptureConfig, capture
 from ridgefill.evaluate.gate import check_gate
 from ridgefill.output import Output
-from ridgefill.solve.run import solve
 from clirun import cli
+from conftest import SMALL_CHAIN
 
 TINY = ["--tail", "48", "--scored", "16", "--doc-tokens", "128", "--lengths", "600", "--lengths", "700", "--documents", "2", "--samples", "1"]
-
-
+FILL_ARMS = ("ridgefill", "identity", "nofill")
 
 
 @pytest.fixture(scope="module")
-def release(tmp_path_factory, tiny_llama):
-    tmp = tmp_path_factory.mktemp("eval")
-    data = tmp / "data"
-    data.mkdir()
-    for i in range(5):
-        (data / f"d{i}.txt").write_text(f"document {i}: " + "the cat sat on the mat and looked around. " * (8 + i))
-    st = Store(tmp / "store")
-    cap, _ = capture(st, str(tiny_llama), [str(data)], CaptureConfig(splits=(2,), chunk=64, held_out=1), Output(quiet=True))
-    sol, _ = solve(st, cap.id, Output(quiet=True), alphas=[1e-3])
-    rel = tmp / "release"
-    r = cli("export", sol.id, "--out", rel, "--store", st.root)
-    assert r.returncode == 0, r.stderr
-    return tmp, st, sol, rel
+def release(tiny_chain):
+    """conftest's small chain (capture -> solve -> export of the tiny llama at split 2), this module's copy."""
+    c = tiny_chain(SMALL_CHAIN)
+    return c.tmp, c.store, c.sol, c.release
 
 
-def test_eval_writes_artifact_and_release_summary(release, tiny_llama):
-    tmp, st, sol, rel = release
-
-    r = cli("eval", tiny_llama, rel, *TINY, "--store", st.root, "--json")
-    assert r.returncode == 0, r.stderr
-    doc = json.loads(r.stdout)
-    s = doc["summary"]
-    assert set(s["arms"]) == {"exact", "ridgefill", "identity", "nofill"}
-    assert s["documents"] == 2 and s["samples"] >= 1
-    for arm in ("ridgefill", "identity", "nofill"):
-        assert s["arms"][arm]["dnll_ci"]["low"] <= s["arms"][arm]["dnll"] <= s["arms"][arm]["dnll_ci"]["high"]
-        assert 0 <= s["arms"][arm]["top1"] <= 1 and s["arms"][arm]["kl"] >= 0
-    assert 0 <= s["arms"]["nofill"]["needle"] <= 100  # decoded from its cache with holes
-    res = json.loads((st.root / "eval" / doc["id"] / "results.json").read_text())
-    assert all(set(n["correct"]) == set(s["arms"]) for n in res["needles"])
-    man = json.loads((rel / "ridgefill.json").read_text())
-    assert man["eval"]["eval_id"] == doc["id"]
-    assert "## Evaluation" in (rel / "README.md").read_text()
-    assert cli("verify", rel).returncode == 0  # the manifest's eval does not break the hashes
-    again = cli("eval", tiny_llama, rel, *TINY, "--store", st.root, "--json")
-    assert json.loads(again.stdout)["cached"] is True
+# The eval both tests below check: the CLI's TINY settings with seed 3 (the needle prompts' seed).
+CFG = dict(tail=48, scored=16, doc_tokens=128, lengths=(600, 700), documents=2, samples=1, seed=3)
 
 
-def test_eval_arms_equal_their_own_prefills(release, tiny_llama):
-    """Eval builds every fill arm from one exact forward per prompt. Its figures equal those of independent
-    `prefill` calls per arm (today's arms, recomputed here from the documents and needle prompts), and the speed
-    comes from one timed prefill per arm and length."""
-    import numpy as np
+@pytest.fixture(scope="module")
+def measured(release, tiny_llama):
+    """(EvalConfig, the loaded model, `recompute` of the release under it): computed once for the tests below."""
+    from ridgefill.evaluate import EvalConfig
+    from ridgefill.evaluate.source import load_source
+    from ridgefill.models import load_model, resolve_model
+
+    _, st, _, rel = release
+    cfg = EvalConfig(**CFG)
+    lm = load_model(resolve_model(str(tiny_llama), store_root=st.root), store_root=st.root)
+    return cfg, lm, *recompute(lm, load_source(st, str(rel)), cfg)
+
+
+def recompute(lm, src, cfg):
+    """Eval's figures recomputed without eval's code, from one independent `prefill` per (prompt, arm): per document
+    {arm: metrics.doc_summary} on the last `scored` tokens of its first `doc_tokens`, and per needle sample of
+    `needle_suite(lm, cfg)` {arm: whether greedy decoding from the arm's cache answers}. Arms: exact, nofill,
+    identity and ridgefill, the fill arms optionally with corrections (`ridgefill+state`); no row selectors."""
     import torch
 
     from ridgefill.evaluate import metrics, texts
     from ridgefill.evaluate.needles import score_answer
-    from ridgefill.evaluate.run import EvalConfig, evaluate, needle_suite
-    from ridgefill.evaluate.source import load_source
-    from ridgefill.models import load_model, resolve_model
+    from ridgefill.evaluate.run import needle_suite
     from ridgefill.runtime import greedy, prefill
 
-    _, st, sol, rel = release
-    cfg = EvalConfig(tail=48, scored=16, doc_tokens=128, lengths=(600, 700), documents=2, seed=3)
-    art, _ = evaluate(st, str(tiny_llama), str(rel), cfg, Output(quiet=True))
-    res = json.loads(art.file("results.json").read_text())
-    lm = load_model(resolve_model(str(tiny_llama), store_root=st.root), store_root=st.root)
-    src = load_source(st, str(rel))
-    fill = lambda arm: {"split": src.split, "tail": 48, "maps": src.maps if arm == "ridgefill" else None}  # noqa: E731
-    docs = texts.long_documents(lm.tokenizer, 128, limit=2)
-    for d, row in zip(docs, res["documents"]):
-        ids = torch.tensor(d.ids[:128])
-        targets, pick = ids[-16:].numpy(), slice(48 - 16 - 1, 48 - 1)
-        le = prefill(lm, ids, "exact", split=src.split, tail=48).logits[pick].numpy()
+    n, T, K = cfg.doc_tokens, cfg.tail, cfg.scored
+
+    def run(ids, arm):
+        base, *corrections = arm.split("+")
+        kw = {"split": src.split, "tail": T, "maps": src.maps if base == "ridgefill" else None}
+        if corrections:
+            kw |= {"corrections": tuple(corrections), "state_offsets": src.state_offsets}
+        return prefill(lm, ids, base, **kw)
+
+    docs = []
+    for d in texts.long_documents(lm.tokenizer, n, limit=cfg.documents):
+        ids = torch.tensor(d.ids[:n])
+        targets, pick = ids[-K:].numpy(), slice(T - K - 1, T - 1)  # logits of row t predict token t + 1
+        le = run(ids, "exact").logits[pick].numpy()
         nll = metrics.token_nll(le, targets)
-        key = metrics.key_mask(nll, metrics.token_nll(prefill(lm, ids[-48:], "exact", split=0, tail=48).logits[pick].numpy(), targets))
-        for arm in ("ridgefill", "identity", "nofill"):
-            la = prefill(lm, ids, arm, **fill(arm)).logits[pick].numpy()
-            want = metrics.doc_summary(nll, metrics.token_nll(la, targets), metrics.kl_exact_arm(le, la),
-                                       metrics.top1_agree(le, la), metrics.novel_mask(ids.numpy(), 128 - 16), key)
-            for k, v in want.items():
+        cut = prefill(lm, ids[-T:], "exact", split=0, tail=T).logits[pick].numpy()  # the context cut to the tail
+        key = metrics.key_mask(nll, metrics.token_nll(cut, targets))
+        row = {}
+        for arm in cfg.arms:
+            if arm != "exact":
+                la = run(ids, arm).logits[pick].numpy()
+                row[arm] = metrics.doc_summary(nll, metrics.token_nll(la, targets), metrics.kl_exact_arm(le, la),
+                                               metrics.top1_agree(le, la), metrics.novel_mask(ids.numpy(), n - K), key)
+        docs.append(row)
+    needles = []
+    for s in needle_suite(lm, cfg):
+        ids = torch.tensor(s.prompt_ids)
+        needles.append({arm: score_answer(s, lm.tokenizer.decode(greedy(lm, run(ids, arm), s.max_new_tokens)))
+                        for arm in cfg.arms})
+    return docs, needles
+
+
+def check_summary(s, docs, needles, arms):
+    """An eval summary against `recompute`'s figures, aggregated here as docs/method.md states it: needle accuracy the
+    share of samples answered (points), ΔNLL on all / novel / key tokens weighted by the documents' token counts
+    (None without such tokens), KL and top-1 the mean of the documents'."""
+    import numpy as np
+
+    approx = lambda x: None if x is None else pytest.approx(x, abs=1e-4)  # noqa: E731
+    assert (s["documents"], s["samples"]) == (len(docs), len(needles))
+    for arm in arms:
+        assert s["arms"][arm]["needle"] == pytest.approx(100 * np.mean([n[arm] for n in needles]), abs=1e-9), arm
+        if arm == "exact":
+            continue
+        a = s["arms"][arm]
+        for key, weight in (("dnll", "tokens"), ("dnll_novel", "novel_tokens"), ("dnll_key", "key_tokens")):
+            w = sum(d[arm][weight] for d in docs)
+            want = sum(d[arm][key] * d[arm][weight] for d in docs if d[arm][weight]) / w if w else None
+            assert a.get(key) == approx(want), (arm, key)
+        assert a["kl"] == approx(np.mean([d[arm]["kl"] for d in docs])), arm
+        assert a["top1"] == approx(np.mean([d[arm]["top1"] for d in docs])), arm
+        assert a["dnll_ci"]["low"] <= a["dnll"] <= a["dnll_ci"]["high"]
+
+
+def test_eval_writes_artifact_and_release_summary(release, tiny_llama, measured):
+    """Through the CLI: every arm's summary figure is what independent prefills of the same documents and needle
+    prompts give (ΔNLL weighted by scored tokens, KL and top-1 the mean of the documents', needle accuracy the share
+    of samples answered); the release manifest carries them rounded to 4 digits; the artifact is cached."""
+    from dataclasses import asdict
+
+    tmp, st, sol, rel = release
+    cfg, _, docs, needles = measured
+
+    r = cli("eval", tiny_llama, rel, *TINY, "--seed", "3", "--store", st.root, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    s = doc["summary"]
+    recipe = st.get(doc["id"]).recipe
+    assert {k: recipe[k] for k in asdict(cfg)} == {k: list(v) if isinstance(v, tuple) else v
+                                                   for k, v in asdict(cfg).items()}  # what the flags asked for
+    assert set(s["arms"]) == {"exact", "ridgefill", "identity", "nofill"}
+    assert (len(docs), len(needles)) == (2, 12)  # 2 lengths x 2 depths x 3 tasks, one sample each
+    check_summary(s, docs, needles, ("exact", *FILL_ARMS))
+    # the fills differ from exact, and from each other: the figures measure something
+    assert len({round(s["arms"][arm]["kl"], 6) for arm in FILL_ARMS}) == 3 and min(s["arms"][a]["kl"] for a in FILL_ARMS) > 0
+    res = json.loads((st.root / "eval" / doc["id"] / "results.json").read_text())
+    assert all(set(n["correct"]) == set(s["arms"]) for n in res["needles"])
+    man = json.loads((rel / "ridgefill.json").read_text())
+    assert man["eval"]["eval_id"] == doc["id"]
+    keep = ("needle", "dnll", "dnll_novel", "dnll_key", "kl", "top1", "prefill_s", "speedup", "rows_added")
+    assert man["eval"]["arms"] == {arm: {k: round(v, 4) for k, v in fig.items() if k in keep and v is not None}
+                                   for arm, fig in s["arms"].items()}
+    assert "## Evaluation" in (rel / "README.md").read_text()
+    assert cli("verify", rel).returncode == 0  # the manifest's eval does not break the hashes
+    again = cli("eval", tiny_llama, rel, *TINY, "--seed", "3", "--store", st.root, "--json")
+    assert json.loads(again.stdout)["cached"] is True and json.loads(again.stdout)["id"] == doc["id"]
+
+
+def test_eval_arms_equal_their_own_prefills(release, tiny_llama, measured):
+    """Eval builds every fill arm from one exact forward per prompt. Its figures equal those of independent
+    `prefill` calls per arm (today's arms, recomputed here from the documents and needle prompts), and the speed
+    comes from one timed prefill per arm and length."""
+    import numpy as np
+
+    from ridgefill.evaluate import evaluate
+    from ridgefill.evaluate.run import needle_suite
+
+    _, st, sol, rel = release
+    cfg, lm, docs, needles = measured
+    art, _ = evaluate(st, str(tiny_llama), str(rel), cfg, Output(quiet=True))  # the CLI's artifact when it ran first
+    res = json.loads(art.file("results.json").read_text())
+    assert len(res["documents"]) == len(docs) == 2
+    for want, row in zip(docs, res["documents"]):
+        for arm in FILL_ARMS:
+            for k, v in want[arm].items():
                 assert row[arm][k] == (None if v is None else pytest.approx(v, abs=1e-4)), (arm, k)
     suite = needle_suite(lm, cfg)
-    assert len(suite) == len(res["needles"]) > 0
-    for s, row in zip(suite, res["needles"]):
-        for arm in cfg.arms:
-            p = prefill(lm, torch.tensor(s.prompt_ids), arm, **fill(arm))
-            assert row["correct"][arm] == score_answer(s, lm.tokenizer.decode(greedy(lm, p, s.max_new_tokens)))
+    assert len(suite) == len(res["needles"]) == len(needles) > 0
+    for want, row in zip(needles, res["needles"]):
+        assert row["correct"] == want
     assert [t["length"] for t in res["timing"]] == sorted({s.context_tokens for s in suite})
     assert all(set(t["seconds"]) == set(cfg.arms) and min(t["seconds"].values()) > 0 for t in res["timing"])
     assert np.isclose(art.manifest["summary"]["arms"]["exact"]["prefill_s"], res["timing"][-1]["seconds"]["exact"])

@@ -109,7 +109,16 @@ def test_solve_scores_gated_deltanet_layers_by_their_projections(chain):
         assert got["v_cosine"] == pytest.approx(_cos(vp, vt), abs=2e-5)
 
 
-def test_release_and_eval(chain):
+def test_release_and_eval(chain, lm_of):
+    """The release verifies and carries its state offsets; eval's figures for every arm (the state and value-rescale
+    corrections included) are what independent prefills of the same documents and needle prompts give
+    (test_eval.recompute, test_eval.check_summary)."""
+    from dataclasses import asdict
+
+    from ridgefill.evaluate import EvalConfig
+    from ridgefill.evaluate.source import load_source
+    from test_eval import check_summary, recompute
+
     rel = chain["release"]
     man = json.loads((rel / "ridgefill.json").read_text())
     assert man["model"]["architecture"] == chain["arch"]
@@ -118,14 +127,23 @@ def test_release_and_eval(chain):
     assert sorted(p.name for p in rel.iterdir()) == ["README.md", "corrections.safetensors", "maps.safetensors",
                                                      "protected.safetensors", "ridgefill.json"]
     assert man["corrections"]["state"]["layers"] == [2] and man["corrections"]["state"]["chunk"] == 32
-    r = cli("eval", chain["model"], rel, *EVAL, "--arms", "exact", "--arms", "ridgefill", "--arms", "identity",
-            "--arms", "nofill", "--arms", "ridgefill+state", "--arms", "ridgefill+vscale", "--store", chain["store"],
+    arms = ("exact", "ridgefill", "identity", "nofill", "ridgefill+state", "ridgefill+vscale")
+    r = cli("eval", chain["model"], rel, *EVAL, *[x for a in arms for x in ("--arms", a)], "--store", chain["store"],
             "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    s = json.loads(r.stdout)["summary"]
-    assert set(s["arms"]) == {"exact", "ridgefill", "identity", "nofill", "ridgefill+state", "ridgefill+vscale"}
-    for arm in ("ridgefill", "identity", "nofill", "ridgefill+state"):
-        assert s["arms"][arm]["kl"] >= 0 and 0 <= s["arms"][arm]["needle"] <= 100
+    doc = json.loads(r.stdout)
+    s = doc["summary"]
+    assert set(s["arms"]) == set(arms)
+    cfg = EvalConfig(arms=arms, tail=48, scored=16, doc_tokens=128, lengths=(600,), documents=2, samples=1)
+    recipe = Store(chain["store"]).get(doc["id"]).recipe
+    assert {k: recipe[k] for k in asdict(cfg)} == {k: list(v) if isinstance(v, tuple) else v
+                                                   for k, v in asdict(cfg).items()}  # what the flags asked for
+    docs, needles = recompute(lm_of(chain["arch"]), load_source(Store(chain["store"]), str(rel)), cfg)
+    assert (len(docs), len(needles)) == (2, 6)  # one length x 2 depths x 3 tasks
+    check_summary(s, docs, needles, arms)
+    # each correction changes what the fill computes
+    for arm in ("ridgefill+state", "ridgefill+vscale"):
+        assert s["arms"][arm]["kl"] != s["arms"]["ridgefill"]["kl"], arm
     assert set(s["pairs"]) == {"ridgefill+state - ridgefill", "ridgefill+vscale - ridgefill"}
     assert json.loads((rel / "ridgefill.json").read_text())["eval"]["corrections"] == ["state", "vscale"]
 

@@ -124,7 +124,14 @@ def test_chain_on_real_model(tmp_path, small_corpus, model, split, layers, broke
 def test_sweep_on_real_model(tmp_path, small_corpus):
     """`ridgefill sweep` on SmolLM2 (two splits, four short needle prompts, one document): one capture serves both
     splits, each split is solved and quantized, the figures and the recommendation are in the artifact, and the
-    exact model retrieves the needles the fills are measured on."""
+    exact model retrieves the needles the fills are measured on.
+
+    The outcome is pinned: the quality figures do not depend on timing, so on this configuration the sweep always
+    recommends the same thing (learned from a run: no split; split 12 loses every needle and 3.676 nats of key-token
+    loss, split 20 keeps every needle but loses 0.769 nats, over the 0.5 of the default budget). It is also checked
+    against the rule read independently (test_sweep.rule) on the figures taken from the result's raw rows."""
+    from test_sweep import figures_from_rows, rule
+
     store = tmp_path / "store"
     r = cli("capture", "builtin:smollm2-135m", "--data", small_corpus, "--held-out", 2, "--held-out-rows", 256,
             "--chunk", 512, "--split", 12, "--split", 20, "--store", store, "--json")
@@ -136,11 +143,31 @@ def test_sweep_on_real_model(tmp_path, small_corpus):
     out = json.loads(r.stdout)
     assert out["summary"]["splits"] == [12, 20] and out["summary"]["capture"] == cap
     res = json.loads((Path(out["path"]) / "sweep.json").read_text())
-    assert res["exact"]["needle"] >= 75.0  # the needles can be found: what the fills lose is theirs
+    assert res["exact"]["needle"] == 100.0  # all four needles found: what the fills lose is theirs
     for e in res["splits"]:
         rf, ident = e["arms"]["ridgefill"], e["arms"]["identity"]
         assert e["heldout"]["fitted"]["k_cosine"] > e["heldout"]["identity"]["k_cosine"]
         assert rf["kl"] < ident["kl"] and rf["needle_minus_exact"]["n"] == 4
-        assert rf["speedup"] > 1 and e["ceiling_speedup"] > 1
-    assert res["recommended"]["split"] in (None, 12, 20) and "split" in res["recommended"]["reason"]
+        # speed is the bench's to measure (bench/prefill_bench.py): here only that it was measured and the ceiling
+        assert rf["prefill_s"] > 0
+        assert e["ceiling_speedup"] == pytest.approx(30 * 1024 / (e["split"] * (1024 - 256) + 30 * 256))
+
+    rec = res["recommended"]
+    assert rec["split"] is None and rec["qualifying"] == []
+    assert rec["reason"] == ("no split is within budget (needle at most 10 points below exact, key ΔNLL at most 0.5 "
+                             "nats); even the deepest, split 20, fails: key ΔNLL 0.769 nats > 0.5")
+    assert {c["split"]: c["failed"] for c in rec["checks"]} == {
+        12: {"needle_drop": "needle 100.0 points below exact > 10", "dnll_key": "key ΔNLL 3.676 nats > 0.5"},
+        20: {"dnll_key": "key ΔNLL 0.769 nats > 0.5"}}
+    assert out["summary"]["recommended"] is None and out["summary"]["reason"] == rec["reason"]
+    # the rule, read independently on the raw rows' figures, gives the same
+    assert res["budget"] == {"max_needle_drop": 10.0, "max_key_dnll": 0.5}  # the defaults
+    figs = figures_from_rows(res)
+    assert figs[12][0] == 100.0 and figs[20][0] == 0.0  # needles: none of 4 at split 12, all 4 at split 20
+    assert (round(figs[12][1], 3), round(figs[20][1], 3)) == (3.676, 0.769)
+    split, within, failing = rule(figs, 10.0, 0.5)
+    assert (rec["split"], rec["qualifying"]) == (split, within)
+    assert {c["split"]: sorted(c["failed"]) for c in rec["checks"]} == failing
+    for e in res["splits"]:  # the figures the recommendation read are the rows'
+        assert e["arms"]["ridgefill"]["dnll_key"] == pytest.approx(figs[e["split"]][1], abs=1e-12)
     assert (Path(out["path"]) / "sweep.png").stat().st_size > 10_000

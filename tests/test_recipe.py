@@ -145,14 +145,19 @@ def test_sample_ci_workflow():
     """The sample workflow parses, caches the store and runs an example recipe that exists."""
     from pathlib import Path
 
-    yaml = pytest.importorskip("yaml")
+    import yaml  # a test dependency (pyproject's `test` extra): the check runs everywhere, never skips
+
     root = Path(__file__).resolve().parents[1]
     wf = yaml.safe_load((root / "examples" / "ci" / "release.yml").read_text())
     steps = wf["jobs"]["release"]["steps"]
-    assert any(s.get("uses", "").startswith("actions/cache") and s["with"]["path"] == "ridgefill-artifacts" for s in steps)
+    caches = [s for s in steps if s.get("uses", "").startswith("actions/cache")]
+    assert len(caches) == 1 and caches[0]["with"]["path"] == "ridgefill-artifacts"
+    # the store the cache keeps is the one ridgefill writes to
+    assert wf["jobs"]["release"]["env"]["RIDGEFILL_STORE"] == "${{ github.workspace }}/ridgefill-artifacts"
     run = next(s["run"] for s in steps if "ridgefill release" in s.get("run", ""))
     recipe = run.split("ridgefill release ")[1].split()[0]
     assert (root / recipe).is_file() and "--push" in run
+    assert f"'{recipe}'" in caches[0]["with"]["key"]  # a changed recipe is a new cache key
 
 
 SWEEP = ["[sweep]", "splits = [1, 2, 3]", "length = 600", "scored = 16", "samples = 4", "documents = 2"]

@@ -14,6 +14,7 @@ from ridgefill.errors import BadInput
 from ridgefill.runtime import (ARMS, OUTLIER_RATIO, SlotCache, ceiling, exact_run, greedy, outlier_rows, prefill,
                                prefill_from)
 from conftest import TINY_FIXTURES
+from tiny import TEXT as TINY_TEXT
 
 ALL = list(TINY_FIXTURES)
 # Gemma's tiny config has sliding_window=8, so a 20-row input slides; the hybrids have Gated DeltaNet layers on
@@ -225,17 +226,70 @@ def test_interpolating_maps_reproduce_exact(arch, lm_of):
                                rtol=1e-3)  # fmt: skip
 
 
+# Calibration text and a prompt, written for this test and held apart: the prompt shares no 8-token run with the
+# calibration text. (On uniformly random tokens the tiny llama's layer-3 input is no more linearly predictable from
+# h_2 than by h_2 itself: maps fitted on other random sequences do not beat the identity fill there.)
+CALIBRATION = [
+    TINY_TEXT[: len(TINY_TEXT) // 2],  # in two halves: each within the tiny models' 256 positions
+    TINY_TEXT[len(TINY_TEXT) // 2 :],
+    "A river runs under the old stone bridge while the birds sing in the trees. The miller opens his door, looks at "
+    "the sky and says that rain will come before the evening. " * 2,
+    "for i in range(10):\n    total = total + i * i\nprint(total)\n" * 3,
+    "The committee met twice and agreed on nothing at all; the second meeting was shorter than the first, and the "
+    "minutes were longer. " * 2,
+]
+PROMPT = ("The keeper of the lighthouse writes in her log every night: the wind, the ships that passed, the oil she "
+          "burned. def log(entry):\n    book.append(entry)  # one line per night\nIn winter the nights are long and "
+          "the entries are short. ")
+
+
+def fit_maps_apart(lm, split, texts):
+    """Least-squares maps (numpy, float64) from h_split to each late layer's input, fitted on `texts` (each a sequence
+    of its own; row 0, the attention sink, left out as capture leaves it out). -> (maps, rows fitted)"""
+    xs, ys = [], {l: [] for l in range(split, lm.adapter.num_layers)}
+    for text in texts:
+        hs = hidden_states(lm, torch.tensor(lm.tokenizer(text)["input_ids"]))
+        xs.append(hs[split][0, 1:].double().numpy())
+        for l in ys:
+            ys[l].append(hs[l][0, 1:].double().numpy())
+    x = np.concatenate(xs)
+    xa = np.concatenate([x, np.ones((len(x), 1))], axis=1)
+    maps = {}
+    for l, y in ys.items():
+        coef = np.linalg.lstsq(xa, np.concatenate(y), rcond=None)[0]  # [d + 1, d]
+        maps[l] = (torch.tensor(coef[:-1].T, dtype=torch.float32), torch.tensor(coef[-1], dtype=torch.float32))
+    return maps, len(x)
+
+
 @pytest.mark.parametrize("arch", MAIN)
 def test_fitted_maps_beat_identity(arch, lm_of):
+    """Maps fitted on calibration text held apart (about 880 rows for 65 unknowns per output: they cannot interpolate)
+    fill a different prompt closer to exact than the identity fill does: on the logits of the tail, and on every
+    late layer's keys and values of the filled rows."""
     lm = lm_of(arch)
-    n, S, T = 120, 2, 10
-    ids = tokens(n, seed=7)
-    hs = hidden_states(lm, ids)
-    maps = fit_maps(hs, S, lm.adapter.num_layers, list(range(n)))  # over-determined: 120 rows, 65 unknowns
+    S, T = 2, 10
+    maps, rows = fit_maps_apart(lm, S, CALIBRATION)
+    assert rows > 10 * (lm.adapter.hidden_size + 1)
+    ids = torch.tensor(lm.tokenizer(PROMPT)["input_ids"])
+    n = len(ids)
+    seen = {tuple(c[i : i + 8]) for c in (lm.tokenizer(t)["input_ids"] for t in CALIBRATION) for i in range(len(c) - 7)}
+    assert n > 100 and not any(tuple(ids[i : i + 8].tolist()) in seen for i in range(n - 7))  # held apart
     ex = prefill(lm, ids, "exact", split=S, tail=T)
     rf = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps)
     idn = prefill(lm, ids, "identity", split=S, tail=T)
     assert (rf.logits - ex.logits).norm() < (idn.logits - ex.logits).norm()
+    # where the fill writes: the late layers' cache entries of the filled prefix rows, against exact's
+    filled = slice(1, n - T)  # row 0 runs exactly in every fill arm
+    compared = 0
+    for i, (e, a, b) in enumerate(zip(snapshot(ex.cache), snapshot(rf.cache), snapshot(idn.cache))):
+        # keys / values [1, heads, N, head_dim] of a late layer above S (layer S's input is h_S itself, which both
+        # fills write exactly) that keeps every row (a sliding window keeps only tail rows, exact in every arm; a
+        # Gated DeltaNet layer holds states, not rows)
+        if i // 2 > S and e.dim() == 4 and e.shape[2] == n:
+            e, a, b = e[:, :, filled], a[:, :, filled], b[:, :, filled]
+            assert (a - e).norm() < (b - e).norm(), (i // 2, "kv"[i % 2])
+            compared += 1
+    assert compared == 2  # layer 3's keys and values
 
 
 # -- exact rows -----------------------------------------------------------------------------------------------------

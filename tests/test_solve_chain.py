@@ -8,10 +8,10 @@ import pytest
 from ridgefill.artifacts import Store
 from ridgefill.formats import safetensors
 from ridgefill.capture.artifact import load_heldout, load_stats
-from ridgefill.capture.run import CaptureConfig, capture
 from ridgefill.output import Output
 from ridgefill.solve.ridge import direct_solve
 from clirun import cli
+from conftest import ChainSpec
 
 TEXTS = [("The rain in Spain stays mainly in the plain. " * 9), ("import os\nprint(os.getcwd())\n" * 12),
          ("We hold these truths to be self-evident. " * 10), ("while True:\n    x = x + 1\n" * 11),
@@ -20,20 +20,16 @@ TEXTS = [("The rain in Spain stays mainly in the plain. " * 9), ("import os\npri
 
 
 
+# This module's chain (conftest's `tiny_chain`): the texts above, split 2, solved on three alphas; no release (the
+# tests make theirs through the CLI).
+SOLVE_CHAIN = ChainSpec(texts=tuple(TEXTS), chunk=48, held_out=2, held_out_rows=64, alphas=(1e-4, 0.01, 1.0),
+                        release=False)
+
+
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory, tiny_llama):
-    tmp = tmp_path_factory.mktemp("chain")
-    data = tmp / "data"
-    data.mkdir()
-    for i, t in enumerate(TEXTS):
-        (data / f"d{i}.txt").write_text(t)
-    store = tmp / "store"
-    cap, _ = capture(Store(store), str(tiny_llama), [str(data)],
-                     CaptureConfig(splits=(2,), chunk=48, held_out=2, held_out_rows=64), Output(quiet=True))
-    r = cli("solve", cap.id, "--store", store, "--alpha", "1e-4", "--alpha", "0.01", "--alpha", "1", "--json")
-    assert r.returncode == 0, r.stderr
-    solve = json.loads(r.stdout)
-    return {"tmp": tmp, "store": store, "cap": cap, "solve": solve, "data": data}
+def chain(tiny_chain):
+    c = tiny_chain(SOLVE_CHAIN)
+    return {"tmp": c.tmp, "store": c.store.root, "cap": c.cap, "sol": c.sol, "data": c.data}
 
 
 def _kv_brute(model, l, x):
@@ -57,7 +53,7 @@ def test_solve_maps_and_choice_match_brute_force(chain, tiny_llama):
     from transformers import AutoModelForCausalLM
 
     store = Store(chain["store"])
-    sol = store.get(chain["solve"]["id"], stage="solve")
+    sol = store.get(chain["sol"].id, stage="solve")
     rep = json.loads(sol.file("report.json").read_text())
     m = load_stats(chain["cap"], 2)
     held = load_heldout(chain["cap"])
@@ -88,9 +84,22 @@ def test_solve_maps_and_choice_match_brute_force(chain, tiny_llama):
     assert rep["identity"]["layers"]["2"]["k_cosine"] == pytest.approx(1.0, abs=1e-6)
 
 
-def test_solve_cache_hit(chain):
-    r = cli("solve", chain["cap"].id, "--store", chain["store"], "--alpha", "1e-4", "--alpha", "0.01", "--alpha", "1", "--json")
-    assert r.returncode == 0 and json.loads(r.stdout)["cached"] is True
+def test_solve_cli_equals_the_library_and_is_cached(chain, tmp_path):
+    """The CLI's solve of the capture (in a store of its own; on the CPU, as the chain's) is the library's: same id,
+    summary, maps and protected-token table; a second run is a cache hit."""
+    store = _own_store(chain, tmp_path / "store").root
+    args = ("solve", chain["cap"].id, "--store", store, "--alpha", "1e-4", "--alpha", "0.01", "--alpha", "1",
+            "--device", "cpu", "--json")
+    r = cli(*args)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert (doc["id"], doc["cached"]) == (chain["sol"].id, False)
+    assert doc["summary"] == chain["sol"].manifest["summary"]
+    ours = Store(store).get(doc["id"])
+    for name in ("maps.safetensors", "protected.safetensors"):
+        assert ours.file(name).read_bytes() == chain["sol"].file(name).read_bytes(), name
+    r = cli(*args)
+    assert r.returncode == 0 and json.loads(r.stdout) == {**doc, "cached": True}
 
 
 def test_solve_refusals(chain, tmp_path, tiny_qwen3):
@@ -111,7 +120,7 @@ def test_solve_refusals(chain, tmp_path, tiny_qwen3):
 
 def test_quantize_export_verify(chain):
     store = chain["store"]
-    r = cli("quantize", chain["solve"]["id"], "--store", store, "--json")
+    r = cli("quantize", chain["sol"].id, "--store", store, "--json")
     assert r.returncode == 0, r.stderr
     q = json.loads(r.stdout)
     assert q["summary"]["max_rel_error_worst"] < 1 / 127
@@ -130,7 +139,7 @@ def test_quantize_export_verify(chain):
     from ridgefill.formats.release import load_release
 
     _, maps = load_release(out)
-    sol = Store(store).get(chain["solve"]["id"])
+    sol = Store(store).get(chain["sol"].id)
     w = safetensors.load(sol.file("maps.safetensors"))[0]["layer.3.weight"]
     assert np.abs(maps[3]["weight"] - w).max() <= np.abs(w).max() / 127
     # re-export into the same folder: identical, nothing to do; a second export is a cache hit
@@ -141,7 +150,7 @@ def test_quantize_export_verify(chain):
 @pytest.fixture(scope="module")
 def verified_release(chain):
     """A release folder of the chain's maps that verifies, made here (not left over from another test)."""
-    q = json.loads(cli("quantize", chain["solve"]["id"], "--store", chain["store"], "--json").stdout)
+    q = json.loads(cli("quantize", chain["sol"].id, "--store", chain["store"], "--json").stdout)
     out = chain["tmp"] / "release-to-damage"
     r = cli("export", q["id"], "--out", out, "--store", chain["store"])
     assert r.returncode == 0, r.stderr
@@ -178,7 +187,7 @@ def test_verify_refusals(verified_release, tmp_path, damage, message):
 
 
 def test_export_never_replaces_a_folder_that_is_not_a_release(chain, tmp_path):
-    q = json.loads(cli("quantize", chain["solve"]["id"], "--store", chain["store"], "--json").stdout)
+    q = json.loads(cli("quantize", chain["sol"].id, "--store", chain["store"], "--json").stdout)
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "thesis.tex").write_text("years of work")
@@ -312,7 +321,7 @@ def test_solve_runs_no_direct_solve(chain, tmp_path, monkeypatch):
     assert "direct_solve_one_alpha_s" not in json.loads(sol.file("report.json").read_text())["timings"]
 
 
-def test_protected_token_table(chain, tiny_llama):
+def test_protected_token_table(chain, tiny_llama, verified_release):
     """The solve's protected-token table follows the rule from the capture's counts (brute force: every eligible
     type, rarest first, while the occurrences stay within 25 % of the eligible ones), and the release ships it."""
     from transformers import AutoTokenizer
@@ -322,7 +331,7 @@ def test_protected_token_table(chain, tiny_llama):
     from ridgefill.solve.protected import ELIGIBLE, token_class
 
     st = Store(chain["store"])
-    sol = st.get(chain["solve"]["id"], stage="solve")
+    sol = st.get(chain["sol"].id, stage="solve")
     got = safetensors.load(sol.file("protected.safetensors"))[0]["token_ids"]
     counts = safetensors.load(chain["cap"].file(COUNTS))[0]["counts"]
     tok = AutoTokenizer.from_pretrained(tiny_llama)
@@ -339,7 +348,7 @@ def test_protected_token_table(chain, tiny_llama):
         want.append(i)
     assert got.tolist() == sorted(want) and 0 < len(want) < len(eligible)
     assert any(counts[i] > 0 for i in want)  # seen types too, not only the unseen ones
-    rel = chain["tmp"] / "release"
+    rel = verified_release
     assert load_protected(rel, verify_release(rel)).tolist() == got.tolist()
 
 

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from ridgefill.artifacts import Store
-from ridgefill.capture.run import CaptureConfig, capture
-from ridgefill.sweep.run import SweepConfig, default_splits, parse_splits, sweep
+from ridgefill.sweep import SweepConfig, sweep
+from ridgefill.sweep.run import default_splits, parse_splits
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 from clirun import cli_here
+from conftest import SMALL_CHAIN
 
 SMALL = ["--length", "600", "--tail", "48", "--scored", "16", "--samples", "6", "--documents", "2"]
 CFG = SweepConfig(splits=(1, 2, 3), length=600, tail=48, scored=16, samples=6, documents=2)
@@ -86,15 +87,115 @@ def test_sweep_figures_equal_independent_prefills(swept, tiny_llama):
         assert e["arms"]["ridgefill"]["prefill_s"] > 0 and e["arms"]["identity"]["speedup"] > 0
 
 
-def test_sweep_artifact_recommends_and_plots(swept):
-    from ridgefill.sweep.report import recommend
+# -- the recommendation, read independently ----------------------------------------------------------------------
+
+
+def figures_from_rows(res: dict) -> dict:
+    """{split: (needle points below exact, key-token ΔNLL or None)} of the fitted arm, from the result's raw rows:
+    needle accuracy is the share of needle rows answered, key ΔNLL the key-token-weighted mean of the documents'."""
+    rows, docs = res["needles"], res["documents_detail"]
+    exact = 100 * sum(r["exact"] for r in rows) / len(rows)
+    out = {}
+    for e in res["splits"]:
+        k = str(e["split"])
+        needle = 100 * sum(r[k]["ridgefill"] for r in rows) / len(rows)
+        keys = sum(d[k]["ridgefill"]["key_tokens"] for d in docs)
+        key = sum(d[k]["ridgefill"]["dnll_key"] * d[k]["ridgefill"]["key_tokens"] for d in docs
+                  if d[k]["ridgefill"]["key_tokens"]) / keys if keys else None
+        out[e["split"]] = (exact - needle, key)
+    return out
+
+
+def rule(figures: dict, max_needle_drop: float, max_key_dnll: float) -> tuple:
+    """The sweep's rule as docs/sweep.md and the README state it, written out here: a split is within budget when its
+    fitted maps lose at most `max_needle_drop` points of needle accuracy against exact and their key-token ΔNLL is at
+    most `max_key_dnll` nats, on the point estimates (a figure equal to its limit is within: 1e-9 of round-off is
+    allowed; a figure that was not measured is not within); the recommendation is the shallowest split within
+    budget, or none. figures: {split: (needle drop, key ΔNLL or None)}.
+    -> (recommended split or None, [splits within budget, ascending], {split: [failing figures, sorted]})"""
+    failing = {}
+    for split, (drop, key) in sorted(figures.items()):
+        failing[split] = sorted(name for name, value, limit in (("needle_drop", drop, max_needle_drop),
+                                                                 ("dnll_key", key, max_key_dnll))
+                                if value is None or value > limit + 1e-9)
+    within = [split for split, bad in failing.items() if not bad]
+    return (within[0] if within else None), within, failing
+
+
+def test_sweep_artifact_recommends_and_plots(swept, tmp_path):
+    """The recommendation is the rule's (read independently, on figures taken from the raw rows), on the measured
+    result and on the same figures under other budgets; the table shows the result's figures cell by cell; the plot
+    is the result's (the same figures give the same bytes, other figures other bytes)."""
+    import copy
+    import struct
+
+    from ridgefill.sweep.report import plot, recommend
 
     st, art, res = swept
     assert sorted(p.name for p in art.path.iterdir() if p.name != "artifact.json") == ["sweep.json", "sweep.md", "sweep.png"]
-    assert art.file("sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert res["recommended"] == recommend(res) and art.manifest["summary"]["recommended"] == res["recommended"]["split"]
-    md = art.file("sweep.md").read_text()
-    assert all(f"| {s} " in md or f"|{s}|" in md.replace(" ", "") for s in (1, 2, 3))
+    rec = res["recommended"]
+    figs = figures_from_rows(res)
+    for e in res["splits"]:  # the figures the rule reads are the rows'
+        assert res["exact"]["needle"] - e["arms"]["ridgefill"]["needle"] == pytest.approx(figs[e["split"]][0], abs=1e-9)
+        assert e["arms"]["ridgefill"]["dnll_key"] == figs[e["split"]][1]
+    # The measured result: the random tiny model has no key tokens (no token loses 2 nats without its context), so
+    # no split's key ΔNLL is measured and none is within budget; the needles are all missed, by exact too.
+    assert res["budget"] == {"max_needle_drop": 10.0, "max_key_dnll": 0.5}
+    split, within, failing = rule(figs, 10.0, 0.5)
+    assert (split, within, failing) == (None, [], {1: ["dnll_key"], 2: ["dnll_key"], 3: ["dnll_key"]})
+    assert (rec["split"], rec["qualifying"]) == (split, within)
+    assert {c["split"]: sorted(c["failed"]) for c in rec["checks"]} == failing
+    assert rec["reason"] == ("no split is within budget (needle at most 10 points below exact, key ΔNLL at most 0.5 "
+                             "nats); even the deepest, split 3, fails: key ΔNLL not measured")
+    summary = art.manifest["summary"]
+    assert (summary["recommended"], summary["reason"], summary["qualifying"]) == (None, rec["reason"], [])
+    assert summary["exact_needle"] == res["exact"]["needle"] == 0.0 and summary["retrieval"] == res["retrieval"]["line"]
+
+    # The same figures with every scored token counted as a key token (key ΔNLL := |ΔNLL on all tokens|, a budget
+    # being >= 0), under budgets at each split's own figure and below them all: the rule then recommends a split or
+    # none, and `recommend` agrees every time.
+    alt = copy.deepcopy(res)
+    for e in alt["splits"]:
+        e["arms"]["ridgefill"]["dnll_key"] = abs(e["arms"]["ridgefill"]["dnll"])
+    alt_figs = {e["split"]: (figs[e["split"]][0], e["arms"]["ridgefill"]["dnll_key"]) for e in alt["splits"]}
+    limits = sorted({key for _, key in alt_figs.values()})
+    assert len(limits) == 3 and limits[0] > 0
+    picked = set()
+    for limit in [limits[0] / 2, *limits]:
+        alt["budget"] = {"max_needle_drop": 0.0, "max_key_dnll": limit}
+        want = rule(alt_figs, 0.0, limit)
+        got = recommend(alt)
+        assert (got["split"], got["qualifying"]) == want[:2], limit
+        assert {c["split"]: sorted(c["failed"]) for c in got["checks"]} == want[2], limit
+        picked.add(got["split"])
+        if want[0] is not None:
+            assert got["reason"].startswith(f"split {want[0]} is the shallowest within budget: needle 0.0 points "
+                                            f"below exact (limit 0), key ΔNLL {alt_figs[want[0]][1]:.3f} nats (limit "
+                                            f"{limit:g}); speed-up x")
+    assert None in picked and len(picked) >= 2  # a budget none meets, and at least one split recommended
+
+    # The table: a title, then one row per split with the result's figures and the check's verdict.
+    md = art.file("sweep.md").read_text().splitlines()
+    assert md[0] == (f"**sweep {res['model']}: exact needle 0.0 %, prefill {res['exact']['prefill_s']:.2f} s; length "
+                     "600, tail 48, 6 needle samples, 2 documents**")
+    rows = [line for line in md if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 3
+    for line, e in zip(rows, res["splits"]):
+        rf, idn, held = e["arms"]["ridgefill"], e["arms"]["identity"], e["heldout"]
+        ci = lambda a: f"[{a['needle_minus_exact']['low']:+.1f}, {a['needle_minus_exact']['high']:+.1f}]"  # noqa: E731
+        assert line == (f"| {e['split']} ✗ | {rf['speedup']:.2f} ({e['ceiling_speedup']:.2f}) | "
+                        f"{held['fitted']['k_cosine']:.3f} ({held['identity']['k_cosine']:.3f}) | "
+                        f"{held['fitted']['v_cosine']:.3f} ({held['identity']['v_cosine']:.3f}) | "
+                        f"{rf['needle']:.1f} {ci(rf)} | {idn['needle']:.1f} {ci(idn)} | – (–) | key ΔNLL not measured |")
+    assert md[-3:] == [f"Recommendation: {rec['reason']}", "", res["retrieval"]["line"]]
+
+    # The plot: 1100 x 450 pixels, and the plot of exactly this result and recommendation, byte for byte.
+    png = art.file("sweep.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR" and struct.unpack(">II", png[16:24]) == (1100, 450)
+    assert plot(res, rec, tmp_path / "same.png").read_bytes() == png
+    other = copy.deepcopy(res)
+    other["splits"][0]["arms"]["ridgefill"]["needle"] = 50.0
+    assert plot(other, rec, tmp_path / "other.png").read_bytes() != png
 
 
 def test_sweep_cli_is_cached_and_reuses_a_capture(swept, tiny_llama):
@@ -121,13 +222,15 @@ def test_sweep_refusals(tmp_path, tiny_llama, args, msg):
     assert not (st / "capture").exists() and not (st / "sweep").exists()
 
 
-def test_sweep_refuses_a_capture_without_the_splits(tmp_path, tiny_llama, data):
-    st = Store(tmp_path / "store")
-    cap, _ = capture(st, str(tiny_llama), [str(data)], CaptureConfig(splits=(1, 2), chunk=64, held_out=1), Output(quiet=True))
-    r = cli_here("sweep", tiny_llama, "--splits", "1-3", *SMALL, "--capture", cap.id, "--store", st.root)
+def test_sweep_refuses_a_capture_without_the_splits(tiny_chain, tiny_llama):
+    c = tiny_chain(SMALL_CHAIN)  # conftest's small chain: a capture at split 2 only, and its solve
+    st = c.store
+    before = sorted(p.name for p in (st.root / "solve").iterdir())
+    r = cli_here("sweep", tiny_llama, "--splits", "1-3", *SMALL, "--capture", c.cap.id, "--store", st.root)
     assert r.returncode == 2, r.stderr
-    assert f"capture {cap.id} lacks split(s) 3 (it has 1, 2)" in r.stderr and "--split 1 --split 2 --split 3" in r.stderr
-    assert not (st.root / "solve").exists() and not (st.root / "sweep").exists()
+    assert r.stderr == (f"Error: capture {c.cap.id} lacks split(s) 1, 3 (it has 2): capture them with `ridgefill "
+                        f"capture {tiny_llama} --split 1 --split 2 --split 3`, or sweep its own splits\n")
+    assert sorted(p.name for p in (st.root / "solve").iterdir()) == before and not (st.root / "sweep").exists()
 
 
 def test_a_stopped_sweep_resumes_at_the_next_prompt(tmp_path, tiny_llama, data, swept, monkeypatch):
