@@ -42,8 +42,11 @@ from ridgefill.output import Output
 
 SECTIONS = {"capture", "solve", "quantize", "export", "eval", "push", "sweep"}
 PLACE_KEYS = ("device", "dtype", "device_map", "max_memory")  # optional top-level keys: where the model runs
-SOLVE_KEYS = {"alphas", "metric", "split", "chat_share", "alpha_per_layer", "state_data", "state_chunk"}
+PLACE_KINDS = {"device": "string", "dtype": "string", "device_map": "string", "max_memory": "table | list of string"}
+SOLVE_KINDS = {"alphas": "list of number", "metric": "string", "split": 'integer | "auto"', "chat_share": "number",
+               "alpha_per_layer": "boolean", "state_data": "string | list of string", "state_chunk": "integer"}
 PUSH_KEYS = {"repo", "revision", "private", "commit_message"}
+PUSH_KINDS = {"repo": "string", "revision": "string", "private": "boolean", "commit_message": "string"}
 
 
 @dataclass
@@ -63,10 +66,77 @@ class Recipe:
 
 
 def _known(table: dict, allowed: set, where: str) -> dict:
+    if not isinstance(table, dict):
+        raise BadInput(f"recipe [{where}] must be a table, got {_toml_type(table)}")
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise BadInput(f"recipe [{where}]: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(allowed))})")
     return table
+
+
+# What a key may hold, in TOML's words: one of these names, or "list of <name>", or a union with "|".
+_TOML = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+         "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+         "boolean": lambda v: isinstance(v, bool), "string": lambda v: isinstance(v, str),
+         "table": lambda v: isinstance(v, dict)}
+
+
+def _toml_type(v) -> str:
+    for name in ("boolean", "integer", "string", "table"):
+        if _TOML[name](v):
+            return f"{name} {v!r}" if name != "table" else "a table"
+    if isinstance(v, float):
+        return f"number {v!r}"
+    return f"an array {v!r}" if isinstance(v, list) else repr(v)
+
+
+def _matches(v, kind: str) -> bool:
+    for alt in kind.split(" | "):
+        if alt.startswith("list of "):
+            if isinstance(v, list) and all(_TOML[alt[8:]](x) for x in v):
+                return True
+        elif alt.startswith('"'):
+            if v == alt.strip('"'):
+                return True
+        elif _TOML[alt](v):
+            return True
+    return False
+
+
+def _typed(table: dict, kinds: dict[str, str], where: str) -> dict:
+    """Refuse a value of the wrong TOML type (BadInput naming table, key and the type it must have)."""
+    for key, value in table.items():
+        kind = kinds.get(key)
+        if kind is not None and not _matches(value, kind):
+            raise BadInput(f"recipe [{where}]: {key} must be {_describe(kind)}, got {_toml_type(value)}")
+    return table
+
+
+def _describe(kind: str) -> str:
+    """'integer | list of string' -> 'an integer or an array of strings'."""
+    def one(alt: str) -> str:
+        if alt.startswith("list of "):
+            return f"an array of {alt[8:]}s"
+        return alt if alt.startswith('"') else ("an " if alt[0] in "ai" else "a ") + alt
+
+    return " or ".join(one(a) for a in kind.split(" | "))
+
+
+def _kinds_of(config) -> dict[str, str]:
+    """A config dataclass's fields as TOML kinds: int -> integer, float -> number, tuple[X, ...] -> list of X."""
+    import typing
+
+    names = {int: "integer", float: "number", bool: "boolean", str: "string"}
+    out = {}
+    for name, hint in typing.get_type_hints(config).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None) and a is not Ellipsis]
+        if hint in names:
+            out[name] = names[hint]
+        elif typing.get_origin(hint) is tuple and args and args[0] in names:
+            out[name] = f"list of {names[args[0]]}"
+        elif args and all(a in names for a in args):  # X | None: TOML has no null
+            out[name] = " | ".join(names[a] for a in args)
+    return out
 
 
 def load_recipe(path: Path) -> Recipe:
@@ -84,35 +154,29 @@ def load_recipe(path: Path) -> Recipe:
     _known(doc, SECTIONS | {"model", "out", *PLACE_KEYS}, "top level")
     if not isinstance(doc.get("model"), str):
         raise BadInput(f"recipe '{path}': 'model' (a model spec string) is required")
+    _typed(doc, {"out": "string", **PLACE_KINDS}, "top level")
     place = {k: doc[k] for k in PLACE_KEYS if k in doc}
-    for k in ("device", "dtype", "device_map"):
-        if k in place and not isinstance(place[k], str):
-            raise BadInput(f"recipe '{path}': '{k}' must be a string")
-    if "max_memory" in place:
-        if not isinstance(place["max_memory"], dict):
-            raise BadInput(f"recipe '{path}': 'max_memory' must be a table of DEVICE = SIZE (e.g. {{ cpu = \"64GiB\" }})")
-        place["max_memory"] = [f"{k}={v}" for k, v in place["max_memory"].items()]  # the CLI's DEVICE=SIZE form
     base = path.resolve().parent
     rel = lambda p: (base / p).resolve()  # noqa: E731  (an absolute p stays itself)
     name = doc["model"].removeprefix("builtin:").replace("/", "--")
     cap = dict(_known(doc.get("capture", {}), {f.name for f in fields(CaptureConfig)} | {"data", *PLACE_KEYS},
                       "capture"))
+    _typed(cap, {**_kinds_of(CaptureConfig), "data": "string | list of string", **PLACE_KINDS}, "capture")
     cap.setdefault("data", ["builtin:default"])
     if isinstance(cap["data"], str):
         cap["data"] = [cap["data"]]
     cap["data"] = [d if d.startswith("builtin:") else str(rel(d)) for d in cap["data"]]
     ev = doc.get("eval", {})
     _known(ev, {f.name for f in fields(EvalConfig)} | {"enabled", "gate"}, "eval")
-    quant = _known(doc.get("quantize", {}), {"enabled"}, "quantize")
-    exp = _known(doc.get("export", {}), {"tail"}, "export")
-    push = _known(doc["push"], PUSH_KEYS, "push") if "push" in doc else None
-    sol = dict(_known(doc.get("solve", {}), SOLVE_KEYS, "solve"))
-    if "alpha_per_layer" in sol and not isinstance(sol["alpha_per_layer"], bool):
-        raise BadInput(f"recipe [solve]: alpha_per_layer must be true or false, got {sol['alpha_per_layer']!r}")
+    _typed(ev, {**_kinds_of(EvalConfig), "enabled": "boolean", "gate": "string"}, "eval")
+    quant = _typed(_known(doc.get("quantize", {}), {"enabled"}, "quantize"), {"enabled": "boolean"}, "quantize")
+    exp = _typed(_known(doc.get("export", {}), {"tail"}, "export"), {"tail": "integer"}, "export")
+    push = _typed(_known(doc["push"], PUSH_KEYS, "push"), PUSH_KINDS, "push") if "push" in doc else None
+    sol = dict(_typed(_known(doc.get("solve", {}), set(SOLVE_KINDS), "solve"), SOLVE_KINDS, "solve"))
     if "state_data" in sol:
         paths = [sol["state_data"]] if isinstance(sol["state_data"], str) else sol["state_data"]
-        if not (isinstance(paths, list) and paths and all(isinstance(x, str) for x in paths)):
-            raise BadInput("recipe [solve]: state_data must be a path or a list of paths")
+        if not paths:
+            raise BadInput("recipe [solve]: state_data must be a path or a list of paths, got an empty array")
         sol["state_data"] = [str(rel(x)) for x in paths]
     sweep = None
     if sol.get("split") == "auto":
@@ -120,14 +184,12 @@ def load_recipe(path: Path) -> Recipe:
 
         # quantize and alpha_per_layer come from [quantize] and [solve], as for the release itself
         keys = {f.name for f in fields(SweepConfig)} - {"quantize", "alpha_per_layer"}
-        sweep = dict(_known(doc.get("sweep", {}), keys, "sweep"))
+        sweep = dict(_typed(_known(doc.get("sweep", {}), keys, "sweep"), _kinds_of(SweepConfig), "sweep"))
         if "splits" in cap:
             raise BadInput("recipe: [capture] splits and [solve] split = \"auto\" conflict: the sweep captures the "
                            "splits it measures (set them in [sweep] splits)")
         if "tail" in exp:
             sweep.setdefault("tail", exp["tail"])
-    elif "split" in sol and not (isinstance(sol["split"], int) and not isinstance(sol["split"], bool)):
-        raise BadInput(f"recipe [solve]: split must be a layer number or \"auto\", got {sol['split']!r}")
     elif "sweep" in doc:
         raise BadInput("recipe: a [sweep] table is used only with [solve] split = \"auto\"")
     if push is not None and not isinstance(push.get("repo"), str):

@@ -112,8 +112,6 @@ def test_gate_failure_exits_3_and_does_not_push(first_run, tiny_llama):
     ('model = \n', "recipe '"),
     ('model = "x"\n[capture]\nsplits = [2]\n[solve]\nsplit = "auto"\n', "[capture] splits and [solve] split = \"auto\" conflict"),
     ('model = "x"\n[sweep]\nsamples = 40\n', "a [sweep] table is used only with [solve] split = \"auto\""),
-    ('model = "x"\n[solve]\nalpha_per_layer = "no"\n', "alpha_per_layer must be true or false, got 'no'"),
-    ('model = "x"\n[solve]\nsplit = "deep"\n', "split must be a layer number or \"auto\", got 'deep'"),
     ('model = "x"\n[solve]\nsplit = "auto"\n[sweep]\nneedles = 3\n', "recipe [sweep]: unknown key(s) needles"),
 ])
 def test_bad_recipes(tmp_path, text, message):
@@ -122,6 +120,35 @@ def test_bad_recipes(tmp_path, text, message):
     r = cli("release", path, "--store", tmp_path / "store")
     assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[capture]\nchunk = "big"', "recipe [capture]: chunk must be an integer, got string 'big'"),
+    ("[capture]\ndata = 5", "recipe [capture]: data must be a string or an array of strings, got integer 5"),
+    ("out = 5", "recipe [top level]: out must be a string, got integer 5"),
+    ('[export]\ntail = "x"', "recipe [export]: tail must be an integer, got string 'x'"),
+    ('[solve]\nsplit = "auto"\n[sweep]\nsplits = "2-3"', "recipe [sweep]: splits must be an array of integers, got "
+                                                          "string '2-3'"),
+    ('[eval]\nenabled = "no"', "recipe [eval]: enabled must be a boolean, got string 'no'"),
+    ('[quantize]\nenabled = "false"', "recipe [quantize]: enabled must be a boolean, got string 'false'"),
+    ("[eval]\nlengths = [1.5]", "recipe [eval]: lengths must be an array of integers, got an array [1.5]"),
+    ('[solve]\nalpha_per_layer = "no"', "recipe [solve]: alpha_per_layer must be a boolean, got string 'no'"),
+    ('[solve]\nsplit = "deep"', "recipe [solve]: split must be an integer or \"auto\", got string 'deep'"),
+    ("[solve]\nalphas = 0.1", "recipe [solve]: alphas must be an array of numbers, got number 0.1"),
+    ("capture = 3", "recipe [capture] must be a table, got integer 3"),
+    ("max_memory = 5", "recipe [top level]: max_memory must be a table or an array of strings, got integer 5"),
+    ('[push]\nrepo = "a/b"\nprivate = "yes"', "recipe [push]: private must be a boolean, got string 'yes'"),
+])
+def test_recipe_values_are_type_checked(tmp_path, text, message):
+    """A value of the wrong TOML type is bad input naming table, key and type (never a TypeError, and never a string
+    read as true): `load_recipe` refuses it before anything runs."""
+    from ridgefill.errors import BadInput
+
+    path = tmp_path / "r.toml"
+    path.write_text('model = "x"\n' + text + "\n")
+    with pytest.raises(BadInput) as e:
+        load_recipe(path)
+    assert str(e.value) == message
 
 
 def test_push_needs_a_push_table(tmp_path, tiny_llama):
