@@ -192,6 +192,12 @@ def load_recipe(path: Path) -> Recipe:
             sweep.setdefault("tail", exp["tail"])
     elif "sweep" in doc:
         raise BadInput("recipe: a [sweep] table is used only with [solve] split = \"auto\"")
+    elif "split" in sol:  # the split to release must be one the capture makes: checked now, not after a capture
+        if "splits" not in cap:
+            cap["splits"] = [sol["split"]]
+        elif sol["split"] not in cap["splits"]:
+            raise BadInput(f"recipe: [solve] split = {sol['split']} is not one of [capture] splits = "
+                           f"{cap['splits']}")
     if push is not None and not isinstance(push.get("repo"), str):
         raise BadInput("recipe [push]: 'repo' (OWNER/NAME) is required")
     return Recipe(path=path, model=doc["model"], out=rel(doc.get("out", f"release/{name}")), capture=cap,
@@ -206,6 +212,7 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
     """Run every stage; returns the JSON summary (a failed gate: summary["gate"]["passed"] is False, no push)."""
     from ridgefill.capture import CaptureConfig, capture
     from ridgefill.evaluate.gate import load_gate
+    from ridgefill.evaluate.run import check
     from ridgefill.evaluate import EvalConfig, evaluate, record
     from ridgefill.evaluate.summary import manifest_summary
     from ridgefill.export import export as export_release
@@ -215,7 +222,10 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
 
     if push and recipe.push is None:
         raise BadInput(f"--push needs a [push] table with repo = \"OWNER/NAME\" in {recipe.path}")
-    rules = load_gate(recipe.gate) if recipe.gate else None  # a bad gate file fails before any work
+    cfg = rules = None
+    if recipe.eval is not None:  # the eval's settings and the gate are checked before any work
+        cfg = EvalConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recipe.eval.items()})
+        rules = load_gate(recipe.gate, [a.name for a in check(cfg)]) if recipe.gate else None
     p = recipe.place
     # Resolved once (a bad device fails before any work), given to every stage that runs the model.
     w = _where(p)
@@ -268,7 +278,6 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
     summary["release"] = str(recipe.out)
     failed: list[str] = []
     if recipe.eval is not None:
-        cfg = EvalConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recipe.eval.items()})
         ev = stage("eval", lambda: evaluate(store, recipe.model, str(recipe.out), cfg, out, place=w))
         gate = record(str(recipe.out), ev, rules, out)
         summary["eval"] = {"ceiling_speedup": ev.manifest["summary"]["ceiling_speedup"],

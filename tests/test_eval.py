@@ -250,6 +250,8 @@ def test_eval_selectors_controls_and_corrections(release, tiny_llama):
     ("nofill+vscale", "arm 'nofill+vscale': 'nofill' takes no modifiers (they apply to the fill arms)"),
     ("identity+rows", "arm 'identity+rows': row selectors apply to ridgefill"),
     ("ridgefill+rows+protected", "arm 'ridgefill+rows+protected': one selector per arm"),
+    ("ridgefill+rows:", "arm 'ridgefill+rows:': unknown modifier 'rows:'"),  # an empty control is no control
+    ("ridgefill+vscale:", "arm 'ridgefill+vscale:': unknown modifier 'vscale:'"),
 ])
 def test_arm_names_refused(name, message):
     from ridgefill.errors import BadInput
@@ -277,6 +279,27 @@ def test_eval_refuses_bad_arms(release, tiny_llama):
                 "--store", st.root)
         assert r.returncode == 2 and r.stderr.startswith("Error: " + message), r.stderr
     assert (sorted((st.root / "eval").iterdir()) if (st.root / "eval").exists() else []) == before
+
+
+def test_gate_and_counts_refused_before_any_work(release, tiny_llama, tmp_path):
+    """A gate that names an arm eval will not measure, a threshold that is not a number, or zero samples / documents:
+    one line, exit 2, before the model is loaded: no eval artifact, the release folder untouched."""
+    _, st, sol, rel = release
+    before = {p.name: p.read_bytes() for p in rel.iterdir()}
+    evals = sorted((st.root / "eval").iterdir()) if (st.root / "eval").exists() else []
+    gate = tmp_path / "g.toml"
+    for text, args, message in (
+            ('arm = "ridgefill+rows"\n[thresholds]\nkl_max = 1.0\n', [],
+             f"gate file '{gate}': arm 'ridgefill+rows' is not among the arms eval measures (exact, ridgefill, "
+             "identity, nofill); add it with --arms (a recipe: [eval] arms)"),
+            ('[thresholds]\nkl_max = "0.5"\n', [], f"gate file '{gate}': kl_max must be a number, got '0.5'"),
+            ("[thresholds]\nkl_max = 1.0\n", ["--documents", 0], "--documents must be at least 1, got 0"),
+            ("[thresholds]\nkl_max = 1.0\n", ["--samples", 0], "--samples must be at least 1, got 0")):
+        gate.write_text(text)
+        r = cli("eval", tiny_llama, rel, *TINY, *args, "--gate", gate, "--store", st.root)
+        assert r.returncode == 2 and r.stderr.strip() == f"Error: {message}", r.stderr
+    assert {p.name: p.read_bytes() for p in rel.iterdir()} == before
+    assert (sorted((st.root / "eval").iterdir()) if (st.root / "eval").exists() else []) == evals
 
 
 def test_eval_tasks_refusal(release, tiny_llama):

@@ -122,6 +122,31 @@ def test_bad_recipes(tmp_path, text, message):
     assert not (tmp_path / "store").exists()
 
 
+def test_bad_input_is_refused_before_any_stage_runs(tmp_path, tiny_llama):
+    """An eval arm that does not exist, a gate naming an arm the eval does not measure, a solve split the capture
+    does not make: refused before the first stage, so no store and no release folder exist afterwards."""
+    path = write_recipe(tmp_path, tiny_llama, gate='arm = "ridgefill+rows"\n[thresholds]\nkl_max = 1.0\n')
+    text = path.read_text()
+    cases = [(text, f"gate file '{tmp_path / 'recipe-gate.toml'}': arm 'ridgefill+rows' is not among the arms eval "
+                    "measures (exact, ridgefill, identity); add it with --arms (a recipe: [eval] arms)"),
+             (text.replace('"identity"]', '"idenity"]'), "unknown arm 'idenity' (an arm is one of exact, nofill, "
+                                                           "identity, ridgefill, optionally with +modifiers)"),
+             (text.replace("[solve]\n", "[solve]\nsplit = 3\n"),
+              "recipe: [solve] split = 3 is not one of [capture] splits = [2]")]
+    for recipe, message in cases:
+        path.write_text(recipe)
+        r = cli("release", path, "--store", tmp_path / "store")
+        assert r.returncode == 2 and r.stderr.strip() == f"Error: {message}", r.stderr
+        assert not (tmp_path / "store").exists() and not (tmp_path / "rel").exists()
+
+
+def test_a_solve_split_alone_is_what_the_capture_makes(tmp_path, tiny_llama):
+    path = write_recipe(tmp_path, tiny_llama)
+    path.write_text(path.read_text().replace("splits = [2]\n", "").replace("[solve]\n", "[solve]\nsplit = 3\n"))
+    recipe = load_recipe(path)
+    assert recipe.capture["splits"] == [3] and recipe.solve["split"] == 3
+
+
 @pytest.mark.parametrize("text, message", [
     ('[capture]\nchunk = "big"', "recipe [capture]: chunk must be an integer, got string 'big'"),
     ("[capture]\ndata = 5", "recipe [capture]: data must be a string or an array of strings, got integer 5"),

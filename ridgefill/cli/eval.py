@@ -31,13 +31,14 @@ def eval_(
     from ridgefill.errors import GateFailed
     from ridgefill.evaluate import DEFAULT_ARMS, EvalConfig, evaluate, record
     from ridgefill.evaluate.gate import load_gate
+    from ridgefill.evaluate.run import check
 
     out = output()
-    rules = load_gate(gate) if gate else None
     default = EvalConfig()
     cfg = EvalConfig(arms=tuple(arms or DEFAULT_ARMS), tail=tail, lengths=tuple(lengths or default.lengths),
                      depths=tuple(depths or default.depths), tasks=tuple(tasks or default.tasks), samples=samples,
                      documents=documents, doc_tokens=doc_tokens, scored=scored, seed=seed)
+    rules = load_gate(gate, [a.name for a in check(cfg)]) if gate else None  # before any work: a gate it cannot pass
     st = store()
     art, cached = evaluate(st, model, source, cfg, out, place=place)
     s = art.manifest["summary"]

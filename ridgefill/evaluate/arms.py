@@ -60,10 +60,10 @@ def parse_arm(text: str) -> Arm:
         raise BadInput(f"unknown arm '{text}' (an arm is one of {', '.join(BASES)}, optionally with +modifiers)")
     fixes, selector, control = set(), None, None
     for m in mods:
-        name, _, ctl = m.partition(":")
-        if name in CORRECTIONS and not ctl:
+        name, colon, ctl = m.partition(":")
+        if name in CORRECTIONS and not colon:
             fixes.add(name)
-        elif name in SELECTORS and (not ctl or ctl in CONTROLS):
+        elif name in SELECTORS and (not colon or ctl in CONTROLS):
             if selector is not None:
                 raise BadInput(f"arm '{text}': one selector per arm")
             selector, control = name, ctl or None

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ridgefill.errors import BadInput
 
+DEFAULT_ARM = "ridgefill"
 # threshold name -> (summary key, "max" | "min", how the value is computed)
 CHECKS = {
     "needle_drop_max": ("needle_drop", "max"),
@@ -27,7 +28,9 @@ CHECKS = {
 }
 
 
-def load_gate(path: Path) -> dict:
+def load_gate(path: Path, arms=None) -> dict:
+    """A gate file, checked: known keys, `arm` a string, every threshold a number; with `arms` (the names eval will
+    measure) the gate's arm must be one of them. BadInput names the first problem, before any eval runs."""
     import tomllib
 
     try:
@@ -36,17 +39,29 @@ def load_gate(path: Path) -> dict:
         raise BadInput(f"gate file '{path}' does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise BadInput(f"gate file '{path}': {e}") from None
-    unknown = set(gate) - {"arm", "thresholds"} | set(gate.get("thresholds", {})) - set(CHECKS)
+    thresholds = gate.get("thresholds", {})
+    if not isinstance(thresholds, dict):
+        raise BadInput(f"gate file '{path}': [thresholds] must be a table")
+    unknown = set(gate) - {"arm", "thresholds"} | set(thresholds) - set(CHECKS)
     if unknown:
         raise BadInput(f"gate file '{path}': unknown key(s) {', '.join(sorted(unknown))} (known: arm, {', '.join(CHECKS)})")
-    if not gate.get("thresholds"):
+    if not thresholds:
         raise BadInput(f"gate file '{path}' has no [thresholds]")
+    for name, limit in sorted(thresholds.items()):
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit != limit:
+            raise BadInput(f"gate file '{path}': {name} must be a number, got {limit!r}")
+    arm = gate.get("arm", DEFAULT_ARM)
+    if not isinstance(arm, str):
+        raise BadInput(f"gate file '{path}': arm must be an arm's name, got {arm!r}")
+    if arms is not None and arm not in arms:
+        raise BadInput(f"gate file '{path}': arm '{arm}' is not among the arms eval measures ({', '.join(arms)}); "
+                       "add it with --arms (a recipe: [eval] arms)")
     return gate
 
 
 def check_gate(summary: dict, gate: dict) -> list[str]:
     """The failed thresholds, each as one readable line; empty when the release passes."""
-    arm = gate.get("arm", "ridgefill")
+    arm = gate.get("arm", DEFAULT_ARM)
     if arm not in summary["arms"]:
         raise BadInput(f"gate arm '{arm}' was not evaluated (use --arms)")
     s = dict(summary["arms"][arm])

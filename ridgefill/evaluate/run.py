@@ -64,6 +64,11 @@ def check(cfg: EvalConfig) -> tuple:
         raise BadInput("--arms must include exact: every figure is measured against it")
     if not 0 < cfg.scored < cfg.tail or cfg.tail >= min(cfg.lengths + (cfg.doc_tokens,)):
         raise BadInput(f"need 0 < scored ({cfg.scored}) < tail ({cfg.tail}) < every length and --doc-tokens")
+    for name in ("--samples", "--documents", "bootstrap"):
+        if getattr(cfg, name.strip("-")) < 1:  # a release gate measured on nothing would pass anything
+            raise BadInput(f"{name} must be at least 1, got {getattr(cfg, name.strip('-'))}")
+    if not (cfg.lengths and cfg.depths and cfg.tasks):
+        raise BadInput("--lengths, --depths and --tasks need at least one value each")
     return arms
 
 
