@@ -123,20 +123,22 @@ def _describe(kind: str) -> str:
 
 
 def _kinds_of(config) -> dict[str, str]:
-    """A config dataclass's fields as TOML kinds: int -> integer, float -> number, tuple[X, ...] -> list of X."""
+    """A config dataclass's fields as TOML kinds: int -> integer, float -> number, tuple[X, ...] -> list of X, a
+    union -> its kinds joined (None left out: TOML has no null)."""
     import typing
 
     names = {int: "integer", float: "number", bool: "boolean", str: "string"}
-    out = {}
-    for name, hint in typing.get_type_hints(config).items():
-        args = [a for a in typing.get_args(hint) if a is not type(None) and a is not Ellipsis]
+
+    def kind(hint) -> str | None:
         if hint in names:
-            out[name] = names[hint]
-        elif typing.get_origin(hint) is tuple and args and args[0] in names:
-            out[name] = f"list of {names[args[0]]}"
-        elif args and all(a in names for a in args):  # X | None: TOML has no null
-            out[name] = " | ".join(names[a] for a in args)
-    return out
+            return names[hint]
+        args = [a for a in typing.get_args(hint) if a is not type(None) and a is not Ellipsis]
+        if typing.get_origin(hint) is tuple:
+            return f"list of {names[args[0]]}" if args and args[0] in names else None
+        kinds = [kind(a) for a in args]
+        return " | ".join(kinds) if kinds and None not in kinds else None
+
+    return {name: k for name, hint in typing.get_type_hints(config).items() if (k := kind(hint)) is not None}
 
 
 def load_recipe(path: Path) -> Recipe:

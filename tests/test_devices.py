@@ -459,7 +459,7 @@ def test_eval_in_bfloat16_and_with_a_device_map(chain, tiny_llama, tmp_path):
     ('model = "{m}"\ndevice = "cuda"\n', NO_CUDA),
     ('model = "{m}"\ndtype = "float8"\n', "Error: unknown dtype 'float8' (choose one of: auto, float32, bfloat16, float16)"),
     ('model = "{m}"\nmax_memory = {{ cpu = "1GB" }}\n', "Error: --max-memory only applies with --device-map auto"),
-    ('model = "{m}"\ndevice = 0\n', "Error: recipe '{p}': 'device' must be a string"),
+    ('model = "{m}"\ndevice = 0\n', "Error: recipe [top level]: device must be a string, got integer 0"),
 ])  # fmt: skip
 def test_release_recipe_device_refusals(text, message, tiny_llama, tmp_path):
     """`ridgefill release`: the recipe's device / dtype / device map are checked before any stage runs."""

@@ -241,6 +241,7 @@ def cache_entries(store: Path) -> dict:
 
 def test_weights_are_hashed_again_only_when_size_mtime_or_inode_change(tiny_llama, tmp_path, hashed):
     model, store = shutil.copytree(tiny_llama, tmp_path / "m"), tmp_path / "store"
+    store.mkdir()
     age(model)
     weights = model / "model.safetensors"
     first = resolve_model(str(model), store_root=store).fingerprint
@@ -300,6 +301,7 @@ def test_fresh_files_are_hashed_but_not_remembered(tiny_llama, tmp_path, hashed)
 
 def test_fingerprint_cache_is_shared_by_path_and_survives_damage(tiny_llama, tmp_path, hashed):
     model, store = shutil.copytree(tiny_llama, tmp_path / "m"), tmp_path / "store"
+    store.mkdir()
     age(model)
     (tmp_path / "link").symlink_to(model)
     base = resolve_model(str(tmp_path / "link"), store_root=store).fingerprint
@@ -325,9 +327,23 @@ def test_fingerprint_cache_is_shared_by_path_and_survives_damage(tiny_llama, tmp
     assert list(cache_entries(store)) == [str((model / "model.safetensors").resolve())]
 
 
+def test_resolving_makes_no_store_and_loading_remembers_the_hashes(tiny_llama, tmp_path, hashed):
+    """Resolving a model never creates a store (a command refused after it leaves nothing behind); the hashes are
+    remembered once the model is loaded, which is the store's first write."""
+    model, store = shutil.copytree(tiny_llama, tmp_path / "m"), tmp_path / "store"
+    age(model)
+    ref = resolve_model(str(model), store_root=store)
+    assert not store.exists() and hashed.count("model.safetensors") == 1
+    load_model(ref, store_root=store)
+    assert list(cache_entries(store)) == [str((model / "model.safetensors").resolve())]
+    hashed.clear()
+    assert resolve_model(str(model), store_root=store) == ref and "model.safetensors" not in hashed
+
+
 def test_gguf_sha256_is_cached_too(tmp_path, hashed):
     path = make_tiny_gguf(tmp_path / "a.gguf", arch="gemma3")
     age(tmp_path)
+    (tmp_path / "store").mkdir()
     base = resolve_model(str(path), store_root=tmp_path / "store").fingerprint
     assert resolve_model(str(path), store_root=tmp_path / "store").fingerprint == base
     assert hashed == ["a.gguf"]

@@ -36,12 +36,19 @@ def swept(tmp_path_factory, tiny_llama, data):
 
 
 def test_parse_splits():
-    assert parse_splits("8-12") == (8, 9, 10, 11, 12)
-    assert parse_splits("8-24:4") == (8, 12, 16, 20, 24)
-    assert parse_splits("16, 8,12-13,8") == (8, 12, 13, 16)
-    for bad, msg in (("8-", "is not a split"), ("a", "is not a split"), ("12-8", "is empty"), ("8-12:0", "at least 1")):
+    assert parse_splits("8-12", 30) == (8, 9, 10, 11, 12)
+    assert parse_splits("8-24:4", 30) == (8, 12, 16, 20, 24)
+    assert parse_splits("16, 8,12-13,8", 30) == (8, 12, 13, 16)
+    for bad, msg in (("8-", "is not a split"), ("a", "is not a split"), ("12-8", "is empty"), ("8-12:0", "at least 1"),
+                     ("0-4", "'0-4' starts at split 0; a split is a layer 1 or deeper")):
         with pytest.raises(BadInput, match=msg):
-            parse_splits(bad)
+            parse_splits(bad, 30)
+    # a range is checked against the model before it is expanded: one short line, whatever its length
+    for text in ("1-200000", "1-1000000000", "2-1000000000:7"):
+        with pytest.raises(BadInput) as e:
+            parse_splits(text, 30)
+        assert str(e.value) == (f"--splits: '{text}' reaches past the model's last split 29 (the model has 30 "
+                                "layers; use 1..29)")
     assert default_splits(30) == (8, 10, 12, 14, 16, 18, 20, 22) and len(default_splits(18)) == 8
 
 
@@ -210,7 +217,8 @@ def test_sweep_cli_is_cached_and_reuses_a_capture(swept, tiny_llama):
 
 @pytest.mark.parametrize("args, msg", [
     (["--splits", "3-1"], "the range '3-1' is empty"),
-    (["--splits", "2,9"], "split(s) 9 out of range: the model has 4 layers"),
+    (["--splits", "2,9"], "--splits: '9' reaches past the model's last split 3 (the model has 4 layers; use 1..3)"),
+    (["--splits", "0"], "--splits: '0' starts at split 0; a split is a layer 1 or deeper"),
     (["--splits", "1-3", "--max-needle-drop", "-1"], "--max-needle-drop must be a number >= 0"),
     (["--splits", "1-3", "--max-key-dnll", "-0.5"], "--max-key-dnll must be a number >= 0"),
     (["--splits", "1-3", "--length", "40"], "--length (40) must be longer than --tail (48)"),
@@ -219,7 +227,7 @@ def test_sweep_refusals(tmp_path, tiny_llama, args, msg):
     st = tmp_path / "store"
     r = cli_here("sweep", tiny_llama, *SMALL, *args, "--store", st)
     assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
-    assert not (st / "capture").exists() and not (st / "sweep").exists()
+    assert not st.exists()  # a refusal writes nothing, not even the store's fingerprint cache
 
 
 def test_sweep_refuses_a_capture_without_the_splits(tiny_chain, tiny_llama):

@@ -92,16 +92,16 @@ def capture(
         place = replace(place, device=f"cuda:{world.local_rank}")  # one GPU per local rank
     world.start()
     try:
+        corpus = read_corpus(data)  # the text is checked before the model is resolved (which may write the store)
+        calib, held = split_held_out(corpus.documents, cfg.held_out, cfg.seed)
         with world.rank0_first():  # a hub download or a GGUF assembly happens once, on rank 0
             ref = resolve_model(model, store_root=store.root)
         splits = tuple(sorted(set(cfg.splits))) or (ref.default_split,)
         for s in splits:
             if not 0 < s < ref.num_layers:
                 raise BadInput(f"split {s} is out of range: the model has {ref.num_layers} layers (use 1..{ref.num_layers - 1})")
-        corpus = read_corpus(data)
         if corpus.replaced:
             out.warn(f"{corpus.files_with_replacements} file(s) had non-UTF-8 bytes; {corpus.replaced} replaced with U+FFFD")
-        calib, held = split_held_out(corpus.documents, cfg.held_out, cfg.seed)
         recipe = {
             "stage": "capture",
             "version": FORMAT_VERSION,

@@ -28,13 +28,13 @@ def sweep(
     place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
 ) -> None:
     """Measure several splits (needles, key-token ΔNLL, speed-up) and recommend the shallowest within budget."""
-    from ridgefill.sweep import SweepConfig, parse_splits
+    from ridgefill.sweep import SweepConfig
     from ridgefill.sweep import sweep as run
     from ridgefill.sweep.artifact import PLOT, load_result
     from ridgefill.sweep.report import table
 
     out = output()
-    cfg = SweepConfig(splits=parse_splits(splits) if splits is not None else (), length=length, tail=tail,
+    cfg = SweepConfig(splits=splits if splits is not None else (), length=length, tail=tail,
                       samples=samples, documents=documents, scored=scored, max_needle_drop=max_needle_drop,
                       max_key_dnll=max_key_dnll, quantize=quantize, alpha_per_layer=alpha_per_layer, seed=seed)
     art, cached = run(store(), model, cfg, out, data=data, capture_ref=capture_ref, place=place)

@@ -127,6 +127,8 @@ def load_model(
 
     check_transformers()
     check_architecture(ref.model_type)
+    if ref.pending_hashes is not None:  # the store's first write may be this load: remember the file hashes now
+        ref.pending_hashes.save()
     if dtype not in DTYPES:
         raise BadInput(f"unknown dtype '{dtype}' (choose one of: {', '.join(DTYPES)})")
     device_map, max_memory = check_device_map(device_map, max_memory, device)

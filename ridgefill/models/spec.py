@@ -21,7 +21,7 @@ import importlib.util
 import json
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ridgefill.errors import BadInput, RidgefillError
@@ -85,6 +85,9 @@ class ModelRef:
     has_qk_norm: bool
     fingerprint: str  # 64 hex, see the module docstring
     builtin_split: int | None = None  # a built-in's measured default split (Builtin.split)
+    # File hashes to remember in a store that does not exist yet: load_model saves them (resolve_model does not
+    # make a store, so that a command refused after resolving its model leaves nothing behind).
+    pending_hashes: FileHashCache | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_gguf(self) -> bool:
@@ -116,7 +119,10 @@ def resolve_model(spec: str, *, store_root: Path) -> ModelRef:
         ref = _resolve_hub(spec, hashes)
     else:
         raise BadInput(f"model path '{spec}' does not exist")
-    hashes.save()  # only after success: a refused spec writes nothing
+    if Path(store_root).is_dir():  # only after success: a refused spec writes nothing
+        hashes.save()
+    else:  # nor is the store made here: a command refused after this (a split out of range) leaves none behind
+        ref = replace(ref, pending_hashes=hashes)
     return ref
 
 

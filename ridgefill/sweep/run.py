@@ -42,7 +42,7 @@ DECODE_BATCH = 9  # prefills decoded together (exact + 4 splits x 2 arms): one b
 
 @dataclass(frozen=True)
 class SweepConfig:
-    splits: tuple[int, ...] = ()  # empty: DEFAULT_SPLITS evenly spaced over layers L/4 .. 3L/4
+    splits: tuple[int, ...] | str = ()  # empty: DEFAULT_SPLITS evenly spaced over layers L/4 .. 3L/4; or --splits text
     length: int = 4096
     tail: int = 512
     samples: int = 40  # single-needle prompts (at least 40: a 30-point difference is then significant)
@@ -56,9 +56,11 @@ class SweepConfig:
     bootstrap: int = 10000
 
 
-def parse_splits(text: str) -> tuple[int, ...]:
-    """'8-24' (a range), '8-24:2' (a range with a step), '8,12,16' or a mix: '8-12,16'. Refuses what is not."""
-    out: list[int] = []
+def split_ranges(text: str) -> list[tuple[int, int, int]]:
+    """'8-24' (a range), '8-24:2' (a range with a step), '8,12,16' or a mix ('8-12,16') -> [(first, last, step)],
+    checked but not expanded; BadInput for what is not one, a split 0 (never one: the fill needs an early layer),
+    a step below 1 or an empty range."""
+    out = []
     for part in (p.strip() for p in str(text).split(",")):
         m = re.fullmatch(r"(\d+)(?:-(\d+)(?::(\d+))?)?", part)
         if not m:
@@ -68,23 +70,45 @@ def parse_splits(text: str) -> tuple[int, ...]:
             raise BadInput(f"--splits: the step in '{part}' must be at least 1")
         if b < a:
             raise BadInput(f"--splits: the range '{part}' is empty")
-        out += range(a, b + 1, step)
-    return tuple(sorted(set(out)))
+        if a < 1:
+            raise BadInput(f"--splits: '{part}' starts at split 0; a split is a layer 1 or deeper")
+        out.append((a, b, step))
+    return out
+
+
+def parse_splits(text: str, num_layers: int) -> tuple[int, ...]:
+    """The splits `text` names (`split_ranges`) for a model of `num_layers` layers: every range is checked against
+    the model before it is expanded, so a range past the last layer is one short refusal, whatever its length."""
+    ranges = split_ranges(text)
+    for a, b, step in ranges:
+        if b >= num_layers:
+            part = f"{a}-{b}" + (f":{step}" if step != 1 else "") if a != b else str(a)
+            raise BadInput(f"--splits: '{part}' reaches past the model's last split {num_layers - 1} (the model has "
+                           f"{num_layers} layers; use 1..{num_layers - 1})")
+    return tuple(sorted({s for a, b, step in ranges for s in range(a, b + 1, step)}))
 
 
 def default_splits(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({int(x) for x in np.round(np.linspace(num_layers / 4, 3 * num_layers / 4, DEFAULT_SPLITS))}))
 
 
-def check_config(cfg: SweepConfig, num_layers: int) -> tuple[int, ...]:
-    """The splits to measure; BadInput names the first problem (before any work)."""
+def check_splits(cfg: SweepConfig, num_layers: int) -> tuple[int, ...]:
+    """The splits to measure for a model of `num_layers` layers: `cfg.splits` (a list, or the --splits text), or
+    DEFAULT_SPLITS of them. BadInput names the first problem."""
+    if isinstance(cfg.splits, str):
+        return parse_splits(cfg.splits, num_layers)
     splits = tuple(sorted(set(cfg.splits))) if cfg.splits else default_splits(num_layers)
-    if not splits:
-        raise BadInput("the split list is empty")
     bad = [s for s in splits if not 0 < s < num_layers]
     if bad:
-        raise BadInput(f"split(s) {', '.join(map(str, bad))} out of range: the model has {num_layers} layers "
-                       f"(use 1..{num_layers - 1})")
+        raise BadInput(f"split(s) {', '.join(map(str, bad[:8]))}{' ...' if len(bad) > 8 else ''} out of range: the "
+                       f"model has {num_layers} layers (use 1..{num_layers - 1})")
+    return splits
+
+
+def check_config(cfg: SweepConfig) -> None:
+    """What can be checked without the model; BadInput names the first problem (before anything is resolved)."""
+    if isinstance(cfg.splits, str):
+        split_ranges(cfg.splits)
     for name in ("max_needle_drop", "max_key_dnll"):
         v = getattr(cfg, name)
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
@@ -96,7 +120,6 @@ def check_config(cfg: SweepConfig, num_layers: int) -> tuple[int, ...]:
                        "before the tail")
     if cfg.samples < 1 or cfg.documents < 1:
         raise BadInput("--samples and --documents must be at least 1")
-    return splits
 
 
 def sweep(
@@ -124,8 +147,9 @@ def sweep(
     from ridgefill.solve import solve
 
     place = place or where()
+    check_config(cfg)
     ref = resolve_model(model, store_root=store.root)
-    splits = check_config(cfg, ref.num_layers)
+    splits = check_splits(cfg, ref.num_layers)
     cfg = replace(cfg, splits=splits)
     if capture_ref is not None:
         cap = store.get(capture_ref, stage="capture")
