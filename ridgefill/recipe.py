@@ -214,8 +214,7 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
     """Run every stage; returns the JSON summary (a failed gate: summary["gate"]["passed"] is False, no push)."""
     from ridgefill.capture import CaptureConfig, capture
     from ridgefill.evaluate.gate import load_gate
-    from ridgefill.evaluate.run import check
-    from ridgefill.evaluate import EvalConfig, evaluate, record
+    from ridgefill.evaluate import EvalConfig, check, evaluate, record
     from ridgefill.evaluate.summary import manifest_summary
     from ridgefill.export import export as export_release
     from ridgefill.quantize import quantize

@@ -29,9 +29,8 @@ def eval_(
 ) -> None:
     """Measure the fill arms against exact (needles, ΔNLL, KL) and gate the release."""
     from ridgefill.errors import GateFailed
-    from ridgefill.evaluate import DEFAULT_ARMS, EvalConfig, evaluate, record
+    from ridgefill.evaluate import DEFAULT_ARMS, EvalConfig, check, evaluate, record
     from ridgefill.evaluate.gate import load_gate
-    from ridgefill.evaluate.run import check
 
     out = output()
     default = EvalConfig()
