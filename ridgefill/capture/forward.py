@@ -116,7 +116,8 @@ def chunk_moments(x, ys: list, product_dtype: str = "float32") -> Moments:
     torch.cat([y.to(device=dev, dtype=wd) for y in ys], dim=1, out=yc)
     mean_y = _center_(yc)  # [k*dy]
     cxy = torch.matmul(xc.T, yc, out=_buffer("cxy", dx, k * dy, wd, dev))  # [dx, n] @ [n, k*dy] -> [dx, k*dy]
-    yy = torch.linalg.vector_norm(yc.view(n, k, dy), dim=(0, 2)).double() ** 2  # [k]
+    # [k]: squares summed in float64, one layer at a time (a float32 norm over n*dy terms is off by ~5e-3)
+    yy = torch.stack([yc[:, i * dy:(i + 1) * dy].square().sum(dtype=torch.float64) for i in range(k)])
     host = lambda t: t.to("cpu", torch.float64).numpy()  # noqa: E731
     return Moments(
         n,
