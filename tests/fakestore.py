@@ -1,6 +1,6 @@
-"""A store chain without a model: hand-made capture, solve and quantize artifacts holding exactly the files and
-fields that `export` (release and GGUF) and `eval`'s source loader read. Shared by test_release.py and
-test_gguf_export.py.
+"""A store chain without model weights: hand-made capture, solve and quantize artifacts holding exactly the files
+and fields that `export` (release and GGUF) and `eval`'s source loader read, and a model folder holding only the
+configuration (what export reads to describe the model). Shared by test_release.py and test_gguf_export.py.
 """
 
 from __future__ import annotations
@@ -16,9 +16,22 @@ from ridgefill.formats import int8
 
 LAYERS = (2, 12, 13)  # "layer.12" / "blk.12" sort before "layer.2": orders must be numeric
 D_OUT, D_IN = 96, 160  # not square (orientation); d_in = 5 Q8_0 blocks, and a ragged int8 group (128 + 32)
-FP = "e" * 64
-MODEL = {"name": "fake/Model-1", "revision": None, "model_type": "llama", "num_layers": 14, "hidden_size": D_OUT,
-         "fingerprint": FP}
+FP = "e" * 64  # what hand-made manifests use; fake_chain's model has its own fingerprint (`fake_model`)
+MODEL_NAME = "Model-1"
+CONFIG = {"model_type": "llama", "num_hidden_layers": 14, "hidden_size": D_OUT, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
+
+
+def fake_model(root: Path) -> tuple[Path, str]:
+    """A model folder beside the store `root` holding config.json (14 llama layers) and a stand-in weights file
+    (export reads no weight): (folder, fingerprint)."""
+    from ridgefill.models.fingerprint import dir_fingerprint
+
+    folder = Path(f"{root}-model") / MODEL_NAME
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    safetensors.save(folder / "model.safetensors", {"unused": np.zeros(1, np.float32)})
+    return folder, dir_fingerprint(folder)
 
 
 def float_maps(seed: int = 0, d_in: int = D_IN) -> dict[int, dict[str, np.ndarray]]:
@@ -51,23 +64,26 @@ def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE) -> di
     from ridgefill.solve.artifact import MAPS, REPORT
 
     st = Store(root)
+    folder, fp = fake_model(Path(root))
+    model = {"name": MODEL_NAME, "revision": None, "model_type": "llama", "num_layers": 14, "hidden_size": D_OUT,
+             "fingerprint": fp}
     docs = [{"name": "a", "role": "calibration", "sha256": "a" * 64, "tokens": 60},
             {"name": "b", "role": "held_out", "sha256": "b" * 64, "tokens": 40}]
     mean = calibration_mean(d_in)
     moments = Moments.empty(len(LAYERS), d_in, D_OUT)
     moments.n, moments.mean_x[:] = 59, mean
-    with st.build("capture", {"stage": "capture", "model": FP, "skip_first": 1, "chat": False, "d_in": d_in}) as b:
+    with st.build("capture", {"stage": "capture", "model": fp, "skip_first": 1, "chat": False, "d_in": d_in}) as b:
         (b.path / DOCS).write_text(json.dumps(docs))
         safetensors.save(b.path / STATS, moments.to_arrays("raw.split2"), {"splits": "2", "variants": "raw"})
-        cap = b.commit(info={"model": MODEL, "layer_kinds": {str(i): "attention" for i in range(14)}})
+        cap = b.commit(info={"model": model, "model_spec": str(folder)})
     fm = float_maps(d_in=d_in)
     mean_scores = {"k_cosine": 0.9, "v_cosine": 0.8}
     report = {"split": 2, "alpha": 1e-3, "lambda": 0.5, "rows": 59, "metric": "kv", "held_out_rows": 40,
               "fitted": {"mean": mean_scores}, "identity": {"mean": {"k_cosine": 0.7, "v_cosine": 0.5}}}
-    with st.build("solve", {"stage": "solve", "capture": cap.id, "chat_share": None, "split": 2}) as b:
+    with st.build("solve", {"stage": "solve", "capture": cap.id, "model": fp, "chat_share": None, "split": 2}) as b:
         safetensors.save(b.path / MAPS, {f"layer.{l}.{k}": v for l, m in fm.items() for k, v in m.items()})
         (b.path / REPORT).write_text(json.dumps(report))
-        sol = b.commit(info={"capture": cap.id, "model": MODEL}, summary={"layers": list(LAYERS), "split": 2})
+        sol = b.commit(info={"capture": cap.id, "model": model}, summary={"layers": list(LAYERS), "split": 2})
     arrays = {}
     for l, m in fm.items():
         codes, bits, bias_bits = quantize_map(m["weight"], m["bias"], mean, group)
@@ -76,6 +92,6 @@ def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE) -> di
         arrays[f"layer.{l}.bias"] = safetensors.BF16(bias_bits)
     with st.build("quantize", {"stage": "quantize", "solve": sol.id, "group_size": group}) as b:
         safetensors.save(b.path / QUANT, arrays, {"group_size": str(group)})
-        q = b.commit(info={"solve": sol.id, "capture": cap.id, "model": MODEL},
+        q = b.commit(info={"solve": sol.id, "capture": cap.id, "model": model},
                      summary={"score_int8": 0.79, "score_float": 0.8, "split": 2})
     return {"capture": cap.id, "solve": sol.id, "quantize": q.id}

@@ -5,8 +5,10 @@ model card. Every test builds what it needs in its own tmp_path: none reads anot
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -302,9 +304,16 @@ def test_unlisted_subfolder_is_refused(rel):
     refused(rel, r"^\.cache: in the release folder but not listed")
 
 
-def test_projector_file_must_be_listed(rel):
+def test_the_maps_are_one_file_and_every_listed_file_is_named(rel):
+    """A second maps file's hash would be in no fact, and a listed file no fact names is not tied to the release."""
     edit_manifest(rel, lambda m: m["projector"].update(files=[MAPS_FILE, "more.safetensors"]))
-    refused(rel, "projector file 'more.safetensors' is not listed in 'files'")
+    refused(rel, r"^ridgefill.json: 'projector.files' is \[\"maps.safetensors\",\"more.safetensors\"\], expected "
+                 r"\['maps.safetensors'\] \(the maps are in one file, whose hash covers the facts\)$")
+    edit_manifest(rel, lambda m: m["projector"].update(files=[MAPS_FILE]))
+    release.verify_release(rel)
+    (rel / "notes.txt").write_text("x")
+    edit_manifest(rel, lambda m: m["files"].update({"notes.txt": sha256_file(rel / "notes.txt")}))
+    refused(rel, "^ridgefill.json: 'files' lists 'notes.txt', which no field of the manifest names")
 
 
 def test_readme_is_not_hashed(rel):
@@ -346,11 +355,13 @@ def test_load_refuses_unexpected_and_missing_tensors(rel):
     tensors = {f"layer.{i}.{k}": v for i, m in quant_maps().items() for k, v in m.items() if k != "scale_bits"}
     st = {n: ("I8" if a.dtype == np.int8 else "F32", a) for n, a in tensors.items()}
     _replace_maps(rel, _encode(st, _facts(rel)))
-    release.verify_release(rel)  # hash and facts hold: only the loader can tell
-    refused(rel, r"^maps.safetensors: tensor 'layer.2.scales' is missing", fn=release.load_release)
+    # hash and facts hold, and still the folder does not verify: it verifies if and only if it loads
+    for fn in (release.verify_release, release.load_release):
+        refused(rel, r"^maps.safetensors: tensor 'layer.2.scales' is missing", fn=fn)
     st["extra"] = ("F32", np.zeros(3, np.float32))
     _replace_maps(rel, _encode(st, _facts(rel)))
-    refused(rel, "^maps.safetensors: unexpected tensor 'extra'", fn=release.load_release)
+    for fn in (release.verify_release, release.load_release):
+        refused(rel, "^maps.safetensors: unexpected tensor 'extra'", fn=fn)
 
 
 def test_load_refuses_layers_that_do_not_match_the_tensors(rel):
@@ -364,8 +375,9 @@ def test_load_refuses_layers_that_do_not_match_the_tensors(rel):
         st[f"layer.{layer}.bias"] = ("BF16", int8.f32_to_bf16_bits(m["bias"]))
     _replace_maps(rel, _encode(st, _facts(rel, more)))
     edit_manifest(rel, more)
-    release.verify_release(rel)
-    refused(rel, r"layers \[2, 12, 13, 14\] do not match the tensors' layers \[2, 12, 13\]", fn=release.load_release)
+    for fn in (release.verify_release, release.load_release):
+        refused(rel, r"^maps.safetensors: the tensors are of layers \[2, 12, 13\], but 'layers' lists \[2, 12, 13, 14\]",
+                fn=fn)
 
 
 # ------------------------------------------------------------------------------------- protected facts
@@ -373,7 +385,8 @@ def test_load_refuses_layers_that_do_not_match_the_tensors(rel):
 # (field, edit, the refusal's wording after "ridgefill.json: "): every fact a runtime or eval relies on
 FACT_EDITS = [
     ("split", lambda m: m.update(split=13), "'split' is 13 but maps.safetensors records 12"),
-    ("split-type", lambda m: m.update(split=12.0), "'split' is 12.0 but maps.safetensors records 12"),
+    ("split-type", lambda m: m.update(split="12"), "'split' is \"12\" but maps.safetensors records 12"),
+    ("bool-for-number", lambda m: m.update(tail_default=True), "'tail_default' is true but maps.safetensors records 512"),
     ("tail_default", lambda m: m.update(tail_default=256), "'tail_default' is 256 but maps.safetensors records 512"),
     ("model.name", lambda m: m["model"].update(name="other/Model"),
      "'model.name' is \"other/Model\" but maps.safetensors records \"HuggingFaceTB/SmolLM2-135M-Instruct\""),
@@ -677,3 +690,182 @@ def test_model_card_eval_license_and_local_model_names():
     assert "- gate.passed: True" in text and "- needle.fitted: 0.4" in text
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in text
     assert "(architecture `llama`)" in text and "None" not in text
+
+
+# ------------------------------------------------------------------------- verify if and only if it loads
+
+
+def with_protected(path: Path, ids=(3, 7, 40)) -> Path:
+    write(path, protected=np.array(ids, dtype=np.int32), protected_facts={"share": 0.25, "types": len(ids)})
+    return path
+
+
+def test_extra_tensor_files_are_tied_to_the_release(tmp_path):
+    """protected.safetensors (like corrections.safetensors) is named by the facts and its sha256 recorded in them:
+    dropping it, or swapping in another release's file with `files` updated, is refused by verify, not only by a
+    later load."""
+    a, b = with_protected(tmp_path / "a"), with_protected(tmp_path / "b", ids=(5, 6))
+    m = json.loads((a / MANIFEST).read_text())
+    assert m["protected_tokens"]["sha256"] == m["files"]["protected.safetensors"] == sha256_file(a / "protected.safetensors")
+    assert release.read_release(a).protected.tolist() == [3, 7, 40]
+    (a / "protected.safetensors").write_bytes((b / "protected.safetensors").read_bytes())
+    edit_manifest(a, lambda m: m["files"].update({"protected.safetensors": sha256_file(a / "protected.safetensors")}))
+    for fn in (release.verify_release, release.load_release):
+        refused(a, r"^protected.safetensors: its sha256 is not the one the facts record \('protected_tokens.sha256' "
+                   r"is '[0-9a-f]{64}'\): the file does not belong to this release$", fn=fn)
+    (a / "protected.safetensors").unlink()
+    edit_manifest(a, lambda m: m["files"].pop("protected.safetensors"))
+    refused(a, r"^ridgefill.json: 'protected.safetensors' is named by the manifest but not listed in 'files'$")
+
+
+def test_numbers_in_the_facts_are_compared_by_value(rel):
+    """20 and 20.0 are one JSON number (a JavaScript reader cannot tell them apart); a string or a boolean is not."""
+    edit_manifest(rel, lambda m: m.update(split=12.0, fit={**m["fit"], "alpha": 0.00010}))
+    assert release.verify_release(rel)["split"] == 12.0
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"format": "ridgefill-maps/1", "split": 12, "split": 13}',
+     r"^ridgefill.json: invalid JSON \(the key 'split' appears twice in one object\)$"),
+    ('{"format": "ridgefill-maps/1", "eval": {"x": NaN}}', r"^ridgefill.json: invalid JSON \(NaN is not JSON\)$"),
+    ('{"format": "ridgefill-maps/1", "eval": {"x": -Infinity}}',
+     r"^ridgefill.json: invalid JSON \(-Infinity is not JSON\)$"),
+])
+def test_manifest_json_is_strict(rel, text, message):
+    (rel / MANIFEST).write_text(text)
+    refused(rel, message)
+
+
+@pytest.mark.parametrize("name", [MAPS_FILE, CARD])
+def test_symbolic_links_are_refused(rel, tmp_path, name):
+    real = tmp_path / f"real-{name}"
+    (rel / name).rename(real)
+    (rel / name).symlink_to(real)
+    refused(rel, f"^{name}: a symbolic link \\(a release holds regular files only\\)$")
+
+
+def test_the_tensor_files_format_is_checked(rel):
+    """maps.safetensors' `format` metadata is the release's format: another value is refused even when the facts
+    and every hash hold."""
+    st = {}
+    for layer, m in quant_maps().items():
+        st[f"layer.{layer}.codes"] = ("I8", m["codes"])
+        st[f"layer.{layer}.scales"] = ("BF16", m["scale_bits"])
+        st[f"layer.{layer}.bias"] = ("BF16", int8.f32_to_bf16_bits(m["bias"]))
+    facts = _facts(rel)
+    _replace_maps(rel, _encode(st, {**facts, "format": "ridgefill-maps/X"}))
+    refused(rel, r"^maps.safetensors: metadata 'format' is 'ridgefill-maps/X', expected 'ridgefill-maps/1'$")
+    _replace_maps(rel, _encode(st, facts))
+    release.verify_release(rel)
+
+
+# A child that runs `ridgefill export ... --force` and is killed (SIGKILL, by itself) at the N-th rename of the swap
+# into $OUT (renames inside the store are not counted), as `strace -e inject=rename:signal=SIGKILL` would kill it.
+KILLED_AT_RENAME = """
+import os, signal, sys
+rename, count = os.rename, [0]
+
+def killing(src, dst, *a, **kw):
+    if os.environ["OUT"] in (str(src), str(dst)):
+        count[0] += 1
+        if count[0] == int(os.environ["KILL_AT"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return rename(src, dst, *a, **kw)
+
+os.rename = killing
+from ridgefill.cli import main
+sys.argv = ["ridgefill", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("kill_at", [1, 2])
+def test_export_force_killed_mid_swap_leaves_a_release_or_the_next_run_restores_it(tmp_path, kill_at):
+    """Killed before the first rename (out moved aside) or between the two (the new folder not yet in place): the
+    folder holds the old release, or the next run finds no folder and puts the old one back; then it swaps the new
+    release in and no `.rel.old-*` / `.rel.tmp-*` is left."""
+    from fakestore import fake_chain
+
+    from ridgefill.artifacts import Store
+
+    st = Store(tmp_path / "store")
+    ids = fake_chain(st.root)
+    out = tmp_path / "out" / "rel"
+    write(out)  # an older, different release
+    old = {p.name: p.read_bytes() for p in out.iterdir()}
+    args = ["export", ids["quantize"], "--out", out, "--force", "--store", st.root]
+    env = {**os.environ, "KILL_AT": str(kill_at), "OUT": str(out)}
+    r = subprocess.run([sys.executable, "-c", KILLED_AT_RENAME, *map(str, args)], env=env, capture_output=True)
+    assert r.returncode == -9
+    leftovers = sorted(p.name for p in out.parent.iterdir() if p.name != "rel")
+    if kill_at == 1:  # killed before moving the old release aside: it is still there, whole
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == old
+        assert [n.split("-")[0] for n in leftovers] == [".rel.tmp"]
+    else:  # killed with the old release aside and the new one not yet in place: no release at `out`
+        assert not out.exists() and sorted(n.split("-")[0] for n in leftovers) == [".rel.old", ".rel.tmp"]
+        release.recover(out)  # what the next run does first
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == old
+    r = subprocess.run([sys.executable, "-m", "ridgefill", *map(str, args)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert release.verify_release(out)["split"] == 2
+    assert sorted(p.name for p in out.parent.iterdir()) == ["rel"]
+
+
+def test_recover_leaves_a_live_process_s_folders_alone(tmp_path):
+    out = tmp_path / "rel"
+    write(out)
+    busy = tmp_path / f".rel.tmp-{os.getppid()}-x"  # a process that runs (pytest's parent)
+    busy.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".rel.old-{gone.stdout.strip()}-y"  # a process that has exited
+    stale.mkdir()
+    release.recover(out)
+    assert busy.is_dir() and not stale.exists() and release.verify_release(out)
+
+
+def test_export_describes_the_model_from_the_model_never_from_unhashed_info(tmp_path):
+    """An artifact's `info` is outside its id: a store whose capture `info` claims another model (name,
+    fingerprint, layer kinds, depth) still exports a release describing the captured model, read from the model
+    folder the capture id's fingerprint identifies; a model folder with other files is refused."""
+    from fakestore import CONFIG, MODEL_NAME, fake_chain, fake_model
+
+    from ridgefill.artifacts import Store
+    from ridgefill.artifacts.store import MANIFEST as ART_MANIFEST
+    from ridgefill.evaluate.source import load_source
+    from ridgefill.export.build import export
+    from ridgefill.output import Output
+
+    st = Store(tmp_path / "store")
+    ids = fake_chain(st.root)
+    folder, fp = fake_model(st.root)
+    for stage in ("capture", "solve", "quantize"):
+        path = st.root / stage / ids[stage] / ART_MANIFEST
+        m = json.loads(path.read_text())
+        m["info"]["model"] = {"name": "evil-model", "revision": None, "model_type": "qwen3_next", "num_layers": 99,
+                              "hidden_size": 7, "fingerprint": "f" * 64}
+        m["info"]["layer_kinds"] = {str(i): "linear_attention" for i in range(99)}
+        m["summary"]["split"] = 5
+        path.write_text(json.dumps(m))
+    export(st, ids["quantize"], tmp_path / "rel", Output(quiet=True))
+    manifest = release.verify_release(tmp_path / "rel")
+    assert manifest["model"] == {"name": MODEL_NAME, "revision": None, "architecture": "llama", "num_layers": 14,
+                                 "hidden_size": CONFIG["hidden_size"], "fingerprint": fp}
+    assert manifest["split"] == 2
+    assert [x["kind"] for x in manifest["layers"]] == ["full_attention"] * 3
+    src = load_source(st, ids["quantize"])
+    assert (src.fingerprint, src.split) == (fp, 2)
+
+    # the capture's info pointing at another model: refused by the fingerprint the capture id covers
+    other = tmp_path / "other" / MODEL_NAME
+    shutil.copytree(folder, other)
+    (other / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": 99}))
+    path = st.root / "capture" / ids["capture"] / ART_MANIFEST
+    m = json.loads(path.read_text())
+    m["info"]["model_spec"] = str(other)
+    path.write_text(json.dumps(m))
+    shutil.rmtree(st.root / "export")
+    with pytest.raises(BadInput, match=r"was made with a different model .* than '.*other/Model-1'"):
+        export(st, ids["quantize"], tmp_path / "rel2", Output(quiet=True))
+    assert not (tmp_path / "rel2").exists()
+    export(st, ids["quantize"], tmp_path / "rel2", Output(quiet=True), model=str(folder))  # --model: where it is
+    assert release.verify_release(tmp_path / "rel2")["model"]["fingerprint"] == fp

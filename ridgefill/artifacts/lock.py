@@ -168,3 +168,14 @@ def is_held(path: Path) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine (for leftovers named by their maker's pid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -163,6 +163,15 @@ def captured_model(cap: Artifact, store: Store, model: str | None = None):
     return ref
 
 
+def captured_kinds(cap: Artifact, store: Store, ref) -> list[str]:
+    """The layer kinds of the captured model `ref` (from `captured_model`, so checked against the fingerprint the
+    capture id covers), read from its configuration. A later stage describes the model from these and from `ref`,
+    never from the capture's `info`: that is a record for people, outside the id."""
+    from ridgefill.models.load import layer_kinds
+
+    return layer_kinds(ref, store_root=store.root, trust_remote_code=cap.recipe.get("trust_remote_code", False))
+
+
 def open_model(cap: Artifact, store: Store, ref, place=None):
     """Load the captured model, with the capture's own trust_remote_code choice (from its recipe, which its id
     covers), where `place` says (a ridgefill.models.device.Where; default the CPU in float32)."""

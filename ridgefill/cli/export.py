@@ -22,6 +22,8 @@ def export(
         "facts as metadata).")] = "release",
     tail: Annotated[int, typer.Option("--tail", help="Default exact tail recorded in the manifest.")] = 512,
     force: Annotated[bool, typer.Option("--force", help="Replace a different release or GGUF file in --out.")] = False,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", help="The captured model, where it now is (default: where it was captured; must match it).")] = None,
 ) -> None:
     """Write a release folder (ridgefill.json, maps.safetensors, model card) or, with --format gguf, one .gguf file."""
     from ridgefill.errors import BadInput
@@ -34,7 +36,7 @@ def export(
         from ridgefill.export import export as run
 
     out = output()
-    art, cached, copied = run(store(), artifact, out_dir, out, tail=tail, force=force)
+    art, cached, copied = run(store(), artifact, out_dir, out, tail=tail, force=force, model=model)
     if copied is not None:
         out.info(f"{'GGUF file' if fmt == 'gguf' else 'release folder'}: {copied}")
     done(out, "export", art, cached, {"out": str(copied) if copied else None, "format": fmt})

@@ -29,12 +29,12 @@ def load_source(store: Store, source: str) -> MapsSource:
 
     p = Path(source)
     if (p / release.MANIFEST).is_file():
-        manifest, maps = release.load_release(p)
-        table = release.load_protected(p, manifest)
-        return MapsSource({l: (m["weight"], m["bias"]) for l, m in maps.items()}, int(manifest["split"]),
+        rel = release.read_release(p)
+        manifest = rel.manifest
+        return MapsSource({l: (m["weight"], m["bias"]) for l, m in rel.maps.items()}, int(manifest["split"]),
                           manifest["model"]["fingerprint"], "release:" + recipe_id(manifest["files"]),
-                          frozenset(manifest.get("fit", {}).get("calibration_sha256", [])), p,
-                          release.load_state_offsets(p, manifest), None if table is None else frozenset(table))
+                          frozenset(manifest.get("fit", {}).get("calibration_sha256", [])), p, rel.state_offsets,
+                          None if rel.protected is None else frozenset(rel.protected))
     art = store.get(source)
     if art.stage not in ("solve", "quantize"):
         raise BadInput(f"artifact {art.id} is a {art.stage} artifact; eval takes a release folder, solve or quantize artifact")
@@ -44,7 +44,8 @@ def load_source(store: Store, source: str) -> MapsSource:
 
     maps = float_maps(art)  # int8 decoded with the artifact's own group size
     calib = calibration_hashes(store.upstream(art, "capture"))
-    split = int(art.manifest["summary"]["split"])
-    offsets, table = load_extras(art if art.stage == "solve" else store.upstream(art, "solve"))
-    return MapsSource(maps, split, art.info["model"]["fingerprint"], f"{art.stage}:{art.id}", calib, None, offsets,
+    sol = art if art.stage == "solve" else store.upstream(art, "solve")
+    offsets, table = load_extras(sol)
+    # the split and the model from the recipes, which the ids cover (never from an artifact's `info`)
+    return MapsSource(maps, int(sol.recipe["split"]), sol.recipe["model"], f"{art.stage}:{art.id}", calib, None, offsets,
                       None if table is None else frozenset(table))

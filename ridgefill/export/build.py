@@ -23,13 +23,17 @@ from ridgefill.formats import release
 from ridgefill.output import Output
 from ridgefill.solve import artifact as solved
 
-FORMAT_VERSION = 2  # 2: maps.safetensors records the release facts
+FORMAT_VERSION = 3  # 2: maps.safetensors records the release facts; 3: and the sha256 of the other tensor files
 RELEASE_DIR = "release"
 DEFAULT_TAIL = 512
 
 
 def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int = DEFAULT_TAIL,
-           force: bool = False) -> tuple[Artifact, bool, Path | None]:
+           force: bool = False, model: str | None = None) -> tuple[Artifact, bool, Path | None]:
+    """Build (or find cached) the export artifact of a quantize or solve artifact, and copy it to `out_dir`.
+    The release describes the model from the model itself (`model`, default the captured one, re-resolved and
+    checked against the fingerprint the capture id covers) and the split from the solve's recipe; nothing is
+    taken from an artifact's unhashed `info`."""
     if tail < 1:
         raise BadInput("--tail must be >= 1")
     src = store.get(ref)
@@ -45,11 +49,13 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
     if not cached:
         store.verify(src)
         rep = solved.load_report(sol)
-        manifest = _manifest(src, sol, cap, rep, captured.documents(cap), tail)
         if src.stage == "quantize":
             maps, group = load_quant(src), {"group_size": group_size(src)}
         else:
             maps, group = _float_maps(src), {"weight_dtype": "f32"}
+        lm = captured.captured_model(cap, store, model)
+        manifest = _manifest(src, sol, cap, rep, captured.documents(cap), tail, lm,
+                             captured.captured_kinds(cap, store, lm), sorted(maps))
         extras = _extras(sol, rep)
         with store.build("export", recipe) as build:
             release.write_release(build.path / RELEASE_DIR, maps, manifest, model_card, **group, **extras)
@@ -88,11 +94,11 @@ def _float_maps(src: Artifact) -> dict:
     return {l: {"weight": w, "bias": b} for l, (w, b) in solved.load_maps(src).items()}
 
 
-def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list, tail: int) -> dict:
-    model = cap.info["model"]
-    split = rep["split"]
-    layers = sol.manifest["summary"]["layers"]
-    kinds = cap.info.get("layer_kinds") or {}
+def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list, tail: int, model, kinds: list[str],
+              layers: list[int]) -> dict:
+    """The release's facts. `model` is the captured model's ModelRef (fingerprint-checked) and `kinds` its layer
+    kinds; the split is the solve recipe's; `layers` are the maps' own layers."""
+    split = sol.recipe["split"]
     calib = [d for d in docs if d["role"] == captured.CALIBRATION]
 
     def figures(scores: dict) -> dict:
@@ -105,15 +111,15 @@ def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list
         heldout["float_score"] = round(src.manifest["summary"]["score_float"], 6)
     from ridgefill.models.spec import upstream  # for the model card: base model, its license, a portable spec
 
-    up = upstream(cap.info.get("model_spec", ""), model["name"], model.get("revision"))
+    up = upstream(model.spec, model.name, model.revision)
     return {
         **({"license": up["license"]} if "license" in up else {}),
-        "model": {"name": model["name"], "revision": model.get("revision"), "architecture": model["model_type"],
-                  "num_layers": model["num_layers"], "hidden_size": model["hidden_size"],
-                  "fingerprint": model["fingerprint"], **{k: up[k] for k in ("base_model", "source", "spec") if k in up}},
+        "model": {"name": model.name, "revision": model.revision, "architecture": model.model_type,
+                  "num_layers": model.num_layers, "hidden_size": model.hidden_size,
+                  "fingerprint": model.fingerprint, **{k: up[k] for k in ("base_model", "source", "spec") if k in up}},
         "split": split,
         "tail_default": tail,
-        "layers": [{"index": l, "kind": kinds.get(str(l), "attention")} for l in layers],
+        "layers": [{"index": l, "kind": kinds[l]} for l in layers],
         "fit": {**_ridge_setting(rep), "rows": rep["rows"], "documents": len(calib),
                 "tokens": sum(d["tokens"] for d in calib),
                 "calibration_sha256": sorted(d["sha256"] for d in calib),

@@ -41,7 +41,7 @@ FORMAT_VERSION = 3  # 2: from the store, Q8_0 of the float maps with the bias co
 
 
 def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail: int = 512,
-                force: bool = False) -> tuple[Artifact, bool, Path | None]:
+                force: bool = False, model: str | None = None) -> tuple[Artifact, bool, Path | None]:
     """Build (or reuse) the GGUF export artifact of a quantize/solve artifact or a release folder; copy it to
     `out_path` (a .gguf file) if given. Returns (artifact, cached, path written or None)."""
     from ridgefill.export import build
@@ -50,8 +50,8 @@ def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail
     folder = Path(ref)
     maps = None
     if (folder / release.MANIFEST).is_file():
-        manifest, maps = release.load_release(folder)  # verified; --tail does not apply: the release has its own
-        extras = extra_tensors(release.load_state_offsets(folder, manifest), release.load_protected(folder, manifest))
+        rel = release.read_release(folder)  # verified; --tail does not apply: the release has its own
+        manifest, maps, extras = rel.manifest, rel.maps, extra_tensors(rel.state_offsets, rel.protected)
         for layer, m in sorted(maps.items()):
             check_row_length(layer, m["weight"].shape[1])
         source, provenance = "release:" + hashlib.sha256(canonical_json(manifest).encode()).hexdigest(), {}
@@ -61,7 +61,7 @@ def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail
         if src.stage in ("quantize", "solve"):
             for layer, d_in in _source_row_lengths(src):
                 check_row_length(layer, d_in)
-        rel, _, _ = build.export(store, ref, None, out, tail=tail)
+        rel, _, _ = build.export(store, ref, None, out, tail=tail, model=model)
         source = f"export/{rel.id}"
         sol = store.upstream(src, "solve")
         provenance = {"source_artifact": f"{src.stage}/{src.id}", "release_artifact": source,
@@ -114,10 +114,8 @@ def _load_release_artifact(rel: Artifact) -> tuple[dict, dict, list]:
     with tempfile.TemporaryDirectory(prefix="ridgefill-gguf-") as tmp:
         for name in release_files(rel.path):
             shutil.copyfile(rel.path / name, Path(tmp) / name)
-        manifest, maps = release.load_release(Path(tmp))
-        extras = extra_tensors(release.load_state_offsets(Path(tmp), manifest),
-                               release.load_protected(Path(tmp), manifest))  # fmt: skip
-        return manifest, maps, extras
+        rel = release.read_release(Path(tmp))
+        return rel.manifest, rel.maps, extra_tensors(rel.state_offsets, rel.protected)
 
 
 def _gguf_version() -> str | None:

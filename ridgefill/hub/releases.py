@@ -29,7 +29,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from ridgefill.errors import BadInput, RidgefillError
@@ -176,8 +175,7 @@ def pull(spec: str, out_dir: Path, *, token: str | None = None, force: bool = Fa
     with client.hub_errors(repo_id, f"{repo_id}@{revision}", token), client.session(client.offline()):
         sha = api.repo_info(repo_id, revision=revision).sha
         where = f"{repo_id}@{revision}" + ("" if revision == sha else f" (commit {sha[:12]})")
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.pull-", dir=out_dir.parent))
+        work = release.sibling(out_dir, "pull")  # a killed pull's is removed by the next (folder.recover)
         try:
             stage = work / "release"
             stage.mkdir()

@@ -30,7 +30,7 @@ import itertools
 import torch
 
 from ridgefill.errors import BadInput
-from ridgefill.models.kinds import FULL, LINEAR
+from ridgefill.models.kinds import FULL, LINEAR, kinds_of
 
 
 
@@ -52,8 +52,7 @@ class Adapter:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        # Models without layer_types (llama) have only full-attention layers.
-        self.layer_kinds: list[str] = list(getattr(cfg, "layer_types", None) or [FULL] * self.num_layers)
+        self.layer_kinds: list[str] = kinds_of(cfg)
 
     # -- modules -------------------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ridgefill.artifacts.lock import pid_alive
 from ridgefill.errors import BadInput, RidgefillError
 from ridgefill.models.spec import LOADED_AS, ModelRef
 
@@ -98,6 +99,30 @@ def check_architecture(model_type: str, known=None) -> None:
 
         raise BadInput(f"transformers {transformers.__version__} has no '{missing[0]}' architecture: "
                        "pip install -U transformers (a release that has it)")
+
+
+def layer_kinds(ref: ModelRef, *, store_root: Path, trust_remote_code: bool = False) -> list[str]:
+    """The kind of each decoder layer of `ref` (`full_attention`, `sliding_attention`, `linear_attention`), read
+    from its configuration as transformers loads it, without loading weights: the same list as the loaded model's
+    adapter has. A stage that must describe the model reads it here, from the files the fingerprint covers."""
+    from transformers import AutoConfig
+
+    from ridgefill.models.kinds import kinds_of
+
+    check_transformers()
+    check_architecture(ref.model_type)
+    source = gguf_cache_dir(ref, store_root=Path(store_root))[0] if ref.is_gguf else ref.path
+    extra = {"trust_remote_code": True} if trust_remote_code else {}
+    _quiet_transformers()
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True, **extra)
+    except ValueError as exc:
+        raise BadInput(f"cannot read the configuration of {source}: {_first_line(exc)}") from exc
+    _check_type(config, ref, source)
+    kinds = kinds_of(config.get_text_config())
+    if len(kinds) != ref.num_layers:
+        raise RidgefillError(f"{source}: the configuration has {len(kinds)} layer kinds for {ref.num_layers} layers")
+    return kinds
 
 
 def load_model(
@@ -247,7 +272,7 @@ def _offload_dir(store_root: Path) -> tuple[Path, Any]:
     root.mkdir(parents=True, exist_ok=True)
     for old in root.iterdir():
         pid = old.name.partition("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     path = root / f"{os.getpid()}-{next(_OFFLOADS)}"
     path.mkdir()
@@ -258,16 +283,6 @@ def _offload_dir(store_root: Path) -> tuple[Path, Any]:
             root.rmdir()  # only when empty
 
     return path, cleanup
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _quiet_transformers() -> None:

@@ -6,7 +6,7 @@
     rel.split, rel.tail, rel.manifest
     rel.state_offsets   # a hybrid's terminal-state offsets {layer: [value heads, key dim, value dim]}, or None
 
-The folder is read only through `ridgefill.formats.release.load_release`, which checks every file against the
+The folder is read only through `ridgefill.formats.release.read_release`, which checks every file against the
 manifest's hashes before anything is used; the split, the default tail and the model's identity come from the
 manifest it returns.
 """
@@ -53,11 +53,12 @@ def load_release_maps(lm, folder) -> ReleaseMaps:
     BadInput (one line) when the folder does not verify, when it was made for another model (the manifest's
     model fingerprint differs from `lm.ref.fingerprint`), or when its maps do not cover the late layers
     split..L-1 with d x d weights, or when its terminal-state offsets do not match the model's layers."""
-    from ridgefill.formats.release import MANIFEST, load_release, load_state_offsets
+    from ridgefill.formats.release import MANIFEST, read_release
     from ridgefill.runtime.corrections import check_state_offsets
 
     folder = Path(folder)
-    manifest, maps = load_release(folder)
+    rel = read_release(folder)
+    manifest, maps = rel.manifest, rel.maps
     ref, ad = lm.ref, lm.adapter
     theirs = (manifest.get("model") or {}).get("fingerprint")
     if theirs != ref.fingerprint:
@@ -76,7 +77,7 @@ def load_release_maps(lm, folder) -> ReleaseMaps:
         if w.shape != (d, d) or b.shape != (d,):
             raise BadInput(f"{folder}: layer {l} map is {tuple(w.shape)}, expected ({d}, {d}) for this model")
     late = {l: (maps[l]["weight"], maps[l]["bias"]) for l in range(split, L)}
-    offsets = load_state_offsets(folder, manifest)
+    offsets = rel.state_offsets
     if offsets is not None:
         try:
             check_state_offsets(ad, split, offsets)

@@ -18,14 +18,13 @@ FORMAT_VERSION = 3  # 2: the grid is extended past an open edge (ridge.search); 
 METRIC_CHOICES = ("kv", "input")
 
 
-def _state_documents(cap: Artifact, split: int, paths: list[str], chunk: int) -> list:
+def _state_documents(cap: Artifact, kinds: list[str], split: int, paths: list[str], chunk: int) -> list:
     """The --state-data documents, or BadInput: a model without Gated DeltaNet layers above the split, a chunk
     below 1, or a document the capture used (the offsets are measured on text kept apart from the maps')."""
     from ridgefill.capture.corpus import read_corpus
     from ridgefill.models.kinds import LINEAR
 
-    kinds = cap.info.get("layer_kinds") or {}
-    if not any(kinds.get(str(l)) == LINEAR for l in range(split, cap.info["model"]["num_layers"])):
+    if LINEAR not in kinds[split:]:
         raise BadInput(f"--state-data: the terminal-state correction needs Gated DeltaNet layers above split "
                        f"{split}; this model has none")
     if chunk < 1:
@@ -79,7 +78,7 @@ def solve(
         recipe["alpha_per_layer"] = True
     state_docs = None
     if state_data:
-        state_docs = _state_documents(cap, split, state_data, state_chunk)
+        state_docs = _state_documents(cap, captured.captured_kinds(cap, store, ref), split, state_data, state_chunk)
         recipe["state"] = {"data": [d.sha256 for d in state_docs], "chunk": state_chunk}
     captured.warn_if_mixed(cap, place, out)
     hit = store.cached("solve", recipe)

@@ -114,7 +114,8 @@ def write_release(
     less `files` and `eval`) go into maps.safetensors' metadata, so its hash covers them. `card` is the model
     card's text, or a function of the manifest written that returns it. `state_offsets` {layer: float32 [value
     heads, key dim, value dim]} (with `state_facts`, what was measured) go into corrections.safetensors, the
-    `protected` token ids (with `protected_facts`) into protected.safetensors.
+    `protected` token ids (with `protected_facts`) into protected.safetensors; the facts record each of these
+    files' sha256, so that maps.safetensors' hash ties them to the release.
 
     An existing non-empty `out_dir` is refused (BadInput) unless `overwrite=True`, and even then only if it is a
     release folder (holds ridgefill.json), so a mistyped path never deletes unrelated files.
@@ -143,13 +144,15 @@ def write_release(
             raise ValueError(f"state offsets for layers {layers}, which are not all linear_attention layers")
         offs = {offset_name(l): _f32(state_offsets[l], f"layer {l} state offset") for l in layers}
         extra[CORRECTIONS_FILE] = encode(offs, {META_FORMAT: FORMAT})
-        written["corrections"] = {"state": {**(state_facts or {}), "file": CORRECTIONS_FILE, "layers": layers}}
+        written["corrections"] = {"state": {**(state_facts or {}), "file": CORRECTIONS_FILE, "layers": layers,
+                                            "sha256": hashlib.sha256(extra[CORRECTIONS_FILE]).hexdigest()}}
     if protected is not None:
         ids = np.asarray(protected)
         if ids.dtype != np.int32 or ids.ndim != 1 or np.any(np.diff(ids) <= 0) or (len(ids) and ids[0] < 0):
             raise ValueError("protected token ids must be a strictly ascending 1-D int32 array of ids >= 0")
         extra[PROTECTED_FILE] = encode({PROTECTED_IDS: ids}, {META_FORMAT: FORMAT})
-        written["protected_tokens"] = {**(protected_facts or {}), "file": PROTECTED_FILE}
+        written["protected_tokens"] = {**(protected_facts or {}), "file": PROTECTED_FILE,
+                                       "sha256": hashlib.sha256(extra[PROTECTED_FILE]).hexdigest()}
     blob = encode(tensors, {META_FORMAT: FORMAT, META_FACTS: facts_json(written)})
     written["files"] = {MAPS_FILE: hashlib.sha256(blob).hexdigest()}
     written["files"].update({name: hashlib.sha256(data).hexdigest() for name, data in extra.items()})
@@ -182,7 +185,7 @@ def write_eval(dir: Path, summary: dict, card: Callable[[dict], str]) -> dict:
     """Put an eval summary into a verified release's manifest (`eval`) and regenerate its model card with `card`
     (a function of the manifest). Only ridgefill.json and README.md change, and neither is hashed, so the release
     still verifies. Returns the manifest written."""
-    from ridgefill.formats.release.verify import verify_release
+    from ridgefill.formats.release.read import verify_release
 
     dir = Path(dir)
     manifest = verify_release(dir)

@@ -1,0 +1,502 @@
+"""The conformance corpus of the release format `ridgefill-maps/1` (docs/format.md): release folders that a reader
+must accept and folders it must refuse, one per rule of the spec, each with its expected verdict.
+
+    python examples/reader/conformance.py OUT        # writes OUT/<case>/ and OUT/expected.json
+
+`expected.json` maps each case to {"verdict": "ok" | "refused", "file": ..., "names": [...], "rule": ...}: a
+refusal's one-line message must start with `file` followed by ": " (the file or folder entry at fault) and contain
+every string of `names` (the field, tensor or file it is about, quoted as the message quotes it). `rule` is the
+number of the rule in the spec's "Verifying" list (0 for a valid folder).
+
+The valid releases are written by ridgefill's own writer; the invalid ones are those folders edited byte by byte,
+re-sealed where a case needs the hashes to agree, so that each case breaks one rule and no earlier one.
+tests/test_conformance.py runs `ridgefill verify`, the loader and the independent reader beside this file
+(ridgefill_reader.py) over the corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ridgefill.formats import int8
+from ridgefill.formats.release import write_release
+
+LAYERS = (2, 12, 13)  # "layer.12" sorts before "layer.2": a reader must not rely on name order
+D_IN, D_OUT = 160, 96  # the last scale group of a row is 32 columns wide
+MANIFEST, MAPS, PROTECTED, CORRECTIONS = "ridgefill.json", "maps.safetensors", "protected.safetensors", \
+    "corrections.safetensors"
+ITEMSIZE = {"I8": 1, "I32": 4, "BF16": 2, "F16": 2, "F32": 4}
+
+
+# -------------------------------------------------------------------------------------------- valid releases
+
+
+def _manifest(kinds: dict[int, str] | None = None) -> dict:
+    kinds = kinds or {}
+    return {
+        "model": {"name": "example/model-1", "revision": "0" * 40, "architecture": "llama", "num_layers": 14,
+                  "hidden_size": D_IN, "fingerprint": "ab" * 32},
+        "license": "apache-2.0",
+        "split": 2,
+        "tail_default": 512,
+        "layers": [{"index": i, "kind": kinds.get(i, "full_attention")} for i in LAYERS],
+        "fit": {"alpha": 0.001, "lambda": 0.03, "rows": 4096, "documents": 12, "tokens": 4108, "chat": False,
+                "chat_share": None, "skip_first_rows": 1, "outlier_ratio": 20.0,
+                "calibration_sha256": ["cd" * 32]},
+        "heldout": {"fitted": {"k_cosine": 0.95, "v_cosine": 0.81}, "identity": {"k_cosine": 0.85, "v_cosine": 0.5},
+                    "rows": 512, "metric": "kv"},
+    }
+
+
+def _maps(quantized: bool, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for layer in LAYERS:
+        w = (rng.standard_normal((D_OUT, D_IN)) * 0.05).astype(np.float32)
+        b = rng.standard_normal(D_OUT).astype(np.float32)
+        if quantized:
+            codes, bits = int8.quantize(w)
+            out[layer] = {"codes": codes, "scale_bits": bits, "bias": b}
+        else:
+            out[layer] = {"weight": w, "bias": b}
+    return out
+
+
+def _write(d: Path, dtype: str = "int8", protected: bool = False, hybrid: bool = False, seed: int = 0) -> None:
+    kw: dict = {}
+    kinds = {12: "linear_attention", 13: "linear_attention"} if hybrid else None
+    if protected:
+        kw.update(protected=np.array([3, 7, 40 + seed], dtype=np.int32),
+                  protected_facts={"share": 0.25, "types": 3, "max_count": 17})
+    if hybrid:
+        rng = np.random.default_rng(seed + 100)
+        kw.update(state_offsets={l: rng.standard_normal((2, 4, 4)).astype(np.float32) for l in (12, 13)},
+                  state_facts={"chunk": 64, "states_per_layer": 8, "data_sha256": "ef" * 32})
+    write_release(d, _maps(dtype == "int8", seed), _manifest(kinds), "# example release\n",
+                  weight_dtype=None if dtype == "int8" else dtype, **kw)
+
+
+# ---------------------------------------------------------------------------------------- editing a folder
+
+
+def read_json(d: Path) -> dict:
+    return json.loads((d / MANIFEST).read_text())
+
+
+def write_json(d: Path, m, **kw) -> None:
+    (d / MANIFEST).write_text(json.dumps(m, sort_keys=True, indent=2, **kw) + "\n")
+
+
+def edit(fn: Callable[[dict], None]) -> Callable[[Path], None]:
+    """An edit of ridgefill.json alone (the hashes are left as they are)."""
+    def run(d: Path) -> None:
+        m = read_json(d)
+        fn(m)
+        write_json(d, m)
+    return run
+
+
+@dataclass
+class Tensor:
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+def read_st(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    meta = header.pop("__metadata__", {})
+    body = raw[8 + n:]
+    return {k: Tensor(v["dtype"], v["shape"], body[v["data_offsets"][0]:v["data_offsets"][1]])
+            for k, v in header.items()}, meta
+
+
+def encode_st(tensors: dict[str, Tensor], meta: dict[str, str], header_text: str | None = None) -> bytes:
+    """safetensors bytes; `header_text` replaces the JSON header the tensors would give (for malformed headers)."""
+    header, body, at = {"__metadata__": meta}, b"", 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": t.dtype, "shape": t.shape, "data_offsets": [at, at + len(t.data)]}
+        body += t.data
+        at += len(t.data)
+    text = (header_text if header_text is not None else json.dumps(header, separators=(",", ":"))).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + body
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def reseal(d: Path) -> None:
+    """Make every hash agree again after a tensor edit: the facts' sha256 of the other tensor files, the facts
+    maps.safetensors records (from the manifest), then `files`."""
+    m = read_json(d)
+    if PROTECTED in m["files"] and "protected_tokens" in m:
+        m["protected_tokens"]["sha256"] = sha(d / PROTECTED)
+    if CORRECTIONS in m["files"] and "corrections" in m:
+        m["corrections"]["state"]["sha256"] = sha(d / CORRECTIONS)
+    tensors, meta = read_st(d / MAPS)
+    facts = {k: v for k, v in m.items() if k not in ("files", "eval")}
+    meta["ridgefill.facts"] = json.dumps(facts, sort_keys=True, separators=(",", ":"))
+    (d / MAPS).write_bytes(encode_st(tensors, meta))
+    m["files"] = {name: sha(d / name) for name in m["files"]}
+    write_json(d, m)
+
+
+def tensors(file: str, fn: Callable[[dict[str, Tensor], dict[str, str]], None],
+            resealed: bool = True) -> Callable[[Path], None]:
+    """An edit of one tensor file's tensors or metadata, then (by default) every hash made to agree."""
+    def run(d: Path) -> None:
+        ts, meta = read_st(d / file)
+        fn(ts, meta)
+        (d / file).write_bytes(encode_st(ts, meta))
+        if resealed:
+            reseal(d)
+    return run
+
+
+def facts(fn: Callable[[dict], None]) -> Callable[[Path], None]:
+    """An edit of the facts in both places (manifest and maps.safetensors), hashes resealed: what a forger who
+    edits consistently makes; the tensors must then catch it."""
+    def run(d: Path) -> None:
+        m = read_json(d)
+        fn(m)
+        write_json(d, m)
+        reseal(d)
+    return run
+
+
+def header(fn: Callable[[dict], None]) -> Callable[[Path], None]:
+    """An edit of maps.safetensors' raw JSON header (byte ranges, names), sha256 resealed."""
+    def run(d: Path) -> None:
+        raw = (d / MAPS).read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        h = json.loads(raw[8:8 + n])
+        body = raw[8 + n:]
+        text = fn(h) or json.dumps(h, separators=(",", ":"))
+        text = text.encode() + b" " * (-len(text.encode()) % 8)
+        (d / MAPS).write_bytes(struct.pack("<Q", len(text)) + text + body)
+        m = read_json(d)
+        m["files"][MAPS] = sha(d / MAPS)
+        write_json(d, m)
+    return run
+
+
+def _set(t: Tensor, index: int, value: bytes) -> None:
+    t.data = t.data[:index * len(value)] + value + t.data[(index + 1) * len(value):]
+
+
+def _copy_from(other: Callable[[Path], None], file: str) -> Callable[[Path], None]:
+    """Replace `file` by the same file of another valid release, and fix `files` (not the facts)."""
+    def run(d: Path) -> None:
+        tmp = d.parent / (d.name + ".other")
+        other(tmp)
+        shutil.copyfile(tmp / file, d / file)
+        shutil.rmtree(tmp)
+        m = read_json(d)
+        m["files"][file] = sha(d / file)
+        write_json(d, m)
+    return run
+
+
+def _symlink(name: str) -> Callable[[Path], None]:
+    def run(d: Path) -> None:
+        os.rename(d / name, d / (name + ".real"))
+        os.symlink(name + ".real", d / name)
+    return run
+
+
+def _rename_tensor(ts: dict, meta: dict) -> None:
+    ts["layer.2.code"] = ts.pop("layer.2.codes")
+
+
+def _dup_key(m_text: str) -> str:
+    return m_text.replace('"split": 2,', '"split": 2,\n  "split": 3,', 1)
+
+
+def _fix_maps_sha(d: Path) -> None:
+    m = read_json(d)
+    m["files"][MAPS] = sha(d / MAPS)
+    write_json(d, m)
+
+
+def _replace(d: Path, name: str, data: bytes) -> None:
+    (d / name).write_bytes(data)
+    _fix_maps_sha(d) if name == MAPS else None
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def _truncate(t: Tensor, shape: list[int]) -> None:
+    t.shape = shape
+    t.data = t.data[:int(np.prod(shape)) * ITEMSIZE[t.dtype]]
+
+
+def _entries(h: dict) -> list[tuple[str, dict]]:
+    return sorted(((k, v) for k, v in h.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0])
+
+
+def _overlap(h: dict) -> None:
+    (_, a), (_, b) = _entries(h)[:2]
+    b["data_offsets"] = [b["data_offsets"][0] - 1, b["data_offsets"][1] - 1]
+
+
+def _gap(h: dict) -> None:
+    (_, last) = _entries(h)[-1]  # one row shorter, starting one row later: a gap before it
+    row = ITEMSIZE[last["dtype"]] * int(np.prod(last["shape"][1:]))
+    last["data_offsets"] = [last["data_offsets"][0] + row, last["data_offsets"][1]]
+    last["shape"] = [last["shape"][0] - 1, *last["shape"][1:]]
+
+
+def _duplicate_tensor(h: dict) -> str:
+    text = json.dumps(h, separators=(",", ":"))
+    entry = json.dumps({"layer.2.bias": h["layer.2.bias"]}, separators=(",", ":"))[1:-1]
+    return text[:-1] + "," + entry + "}"
+
+
+# ----------------------------------------------------------------------------------------------- the cases
+
+
+@dataclass
+class Case:
+    name: str
+    base: Callable[[Path], None]
+    change: Callable[[Path], None] | None
+    rule: int  # the rule of docs/format.md "Verifying" it breaks; 0: valid
+    file: str = ""  # the message starts with it
+    names: tuple[str, ...] = ()  # the message contains them
+
+    @property
+    def verdict(self) -> str:
+        return "ok" if self.rule == 0 else "refused"
+
+
+def int8_release(d): _write(d)
+def f32_release(d): _write(d, "f32")
+def bf16_release(d): _write(d, "bf16")
+def protected_release(d): _write(d, protected=True)
+def hybrid_release(d): _write(d, hybrid=True)
+def other_protected(d): _write(d, protected=True, seed=1)
+def other_hybrid(d): _write(d, hybrid=True, seed=1)
+
+
+def _text(fn: Callable[[str], str]) -> Callable[[Path], None]:
+    def run(d: Path) -> None:
+        (d / MANIFEST).write_text(fn((d / MANIFEST).read_text()))
+    return run
+
+
+def _hf_download(d: Path) -> None:
+    (d / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+    (d / ".cache" / "huggingface" / "download").mkdir(parents=True)
+
+
+def _split_float(d: Path) -> None:
+    (d / MANIFEST).write_text((d / MANIFEST).read_text().replace('"split": 2,', '"split": 2.0,'))
+
+
+def _unsorted_facts(ts, meta) -> None:
+    f = json.loads(meta["ridgefill.facts"])
+    meta["ridgefill.facts"] = json.dumps(dict(reversed(list(f.items()))), indent=1)
+
+
+def _listed_notes(d: Path) -> None:
+    """A file listed in `files` with its right sha256, but named by no fact: not tied to the release."""
+    (d / "notes.txt").write_text("x")
+    m = read_json(d)
+    m["files"]["notes.txt"] = sha(d / "notes.txt")
+    write_json(d, m)
+
+
+def _split_tensor_files(d: Path) -> None:
+    """The tensors spread over two files, every hash resealed: the second file's hash is in no fact."""
+    ts, meta = read_st(d / MAPS)
+    moved = {k: ts.pop(k) for k in [k for k in ts if k.startswith("layer.13.")]}
+    (d / "maps-2.safetensors").write_bytes(encode_st(moved, {"format": meta["format"]}))
+    (d / MAPS).write_bytes(encode_st(ts, meta))
+    m = read_json(d)
+    m["projector"]["files"] = [MAPS, "maps-2.safetensors"]
+    m["files"]["maps-2.safetensors"] = "0" * 64
+    write_json(d, m)
+    reseal(d)
+
+
+def _bad_layers(m: dict) -> None:
+    m["layers"] = m["layers"][:2]
+
+
+CASES = [
+    # valid releases
+    Case("valid-int8", int8_release, None, 0),
+    Case("valid-f32", f32_release, None, 0),
+    Case("valid-bf16", bf16_release, None, 0),
+    Case("valid-protected", protected_release, None, 0),
+    Case("valid-hybrid-corrections", hybrid_release, None, 0),
+    Case("valid-hf-download-leftovers", int8_release, _hf_download, 0),
+    Case("valid-no-readme", int8_release, lambda d: (d / "README.md").unlink(), 0),
+    Case("valid-readme-rewritten", int8_release, lambda d: (d / "README.md").write_text("---\ntags: [x]\n---\n"), 0),
+    Case("valid-manifest-reformatted", int8_release, _text(lambda t: json.dumps(json.loads(t), indent=4)), 0),
+    Case("valid-number-by-value", int8_release, _split_float, 0),
+    Case("valid-eval-added", int8_release, edit(lambda m: m.update(eval={"samples": 12, "arms": {}})), 0),
+    Case("valid-facts-not-canonical", int8_release, lambda d: (tensors(MAPS, _unsorted_facts, resealed=False)(d),
+                                                               _fix_maps_sha(d)), 0),
+    Case("manifest-missing", int8_release, lambda d: (d / MANIFEST).unlink(), 1, MANIFEST),
+    Case("manifest-not-json", int8_release, _text(lambda t: t[:-3]), 1, MANIFEST, ("invalid JSON",)),
+    Case("manifest-not-utf8", int8_release, lambda d: (d / MANIFEST).write_bytes(b'{"format": "\xff"}'), 1,
+         MANIFEST),
+    Case("manifest-array", int8_release, _text(lambda t: f"[{t}]"), 1, MANIFEST),
+    Case("manifest-duplicate-key", int8_release, _text(_dup_key), 1, MANIFEST, ("'split'",)),
+    Case("manifest-nan", int8_release, _text(lambda t: t.replace('"split": 2,', '"split": NaN,')), 1, MANIFEST,
+         ("NaN",)),
+    Case("manifest-infinity-in-eval", int8_release, _text(lambda t: t.replace("{", '{"eval": {"x": Infinity},', 1)),
+         1, MANIFEST, ("Infinity",)),
+    Case("manifest-overflowing-number", int8_release, _text(lambda t: t.replace('"alpha": 0.001', '"alpha": 1e999')),
+         1, MANIFEST, ("1e999",)),
+    Case("manifest-format", int8_release, edit(lambda m: m.update(format="ridgefill-maps/2")), 1, MANIFEST,
+         ("ridgefill-maps/2",)),
+    Case("manifest-symlink", int8_release, _symlink(MANIFEST), 1, MANIFEST, ("symbolic link",)),
+    # 2: files
+    Case("files-missing", int8_release, edit(lambda m: m.pop("files")), 2, MANIFEST, ("'files'",)),
+    Case("files-empty", int8_release, edit(lambda m: m.update(files={})), 2, MANIFEST, ("'files'",)),
+    Case("files-path-name", int8_release, edit(lambda m: m["files"].update({"../x.safetensors": "0" * 64})), 2,
+         MANIFEST, ("'../x.safetensors'",)),
+    Case("files-lists-readme", int8_release, edit(lambda m: m["files"].update({"README.md": "0" * 64})), 2,
+         MANIFEST, ("'README.md'",)),
+    Case("files-lists-gitattributes", int8_release, edit(lambda m: m["files"].update({".gitattributes": "0" * 64})),
+         2, MANIFEST, ("'.gitattributes'",)),
+    Case("files-uppercase-sha", int8_release, edit(lambda m: m["files"].update({MAPS: m["files"][MAPS].upper()})),
+         2, MANIFEST, (f"'{MAPS}'",)),
+    Case("files-without-maps", int8_release, edit(lambda m: m["files"].update({"x.safetensors": m["files"].pop(MAPS)})),
+         2, MANIFEST, (MAPS,)),
+    # 3: the files the facts name
+    Case("projector-files-empty", int8_release, edit(lambda m: m["projector"].update(files=[])), 3, MANIFEST,
+         ("'projector.files'",)),
+    Case("projector-two-files", int8_release, _split_tensor_files, 3, MANIFEST, ("'projector.files'",)),
+    Case("files-lists-unnamed-file", int8_release, _listed_notes, 3, MANIFEST, ("'notes.txt'",)),
+    Case("protected-file-unlisted", protected_release, edit(lambda m: m["files"].pop(PROTECTED)), 3, MANIFEST,
+         (f"'{PROTECTED}'",)),
+    Case("corrections-file-renamed", hybrid_release,
+         edit(lambda m: m["corrections"]["state"].update(file="offsets.safetensors")), 3, MANIFEST,
+         ("'corrections.state.file'",)),
+    # 4: listed files
+    Case("maps-missing", int8_release, lambda d: (d / MAPS).unlink(), 4, MAPS, ("missing",)),
+    Case("protected-missing", protected_release, lambda d: (d / PROTECTED).unlink(), 4, PROTECTED, ("missing",)),
+    Case("maps-is-folder", int8_release, lambda d: ((d / MAPS).unlink(), (d / MAPS).mkdir()), 4, MAPS,
+         ("not a regular file",)),
+    Case("maps-symlink", int8_release, _symlink(MAPS), 4, MAPS, ("symbolic link",)),
+    Case("readme-symlink", int8_release, _symlink("README.md"), 4, "README.md", ("symbolic link",)),
+    # 5: nothing unlisted
+    Case("extra-file", int8_release, lambda d: (d / "notes.txt").write_text("x"), 5, "notes.txt"),
+    Case("extra-dotfile", int8_release, lambda d: (d / ".DS_Store").write_bytes(b"\0"), 5, ".DS_Store"),
+    Case("extra-folder", int8_release, lambda d: (d / "old").mkdir(), 5, "old"),
+    Case("cache-with-other-content", int8_release,
+         lambda d: (_hf_download(d), (d / ".cache" / "notes").write_text("x")), 5, ".cache"),
+    Case("gitattributes-folder", int8_release, lambda d: (d / ".gitattributes").mkdir(), 5, ".gitattributes"),
+    # 6: hashes
+    Case("maps-sha-mismatch", int8_release, lambda d: _flip_last_byte(d / MAPS), 6, MAPS, ("sha256",)),
+    # 7: maps.safetensors' header and metadata
+    Case("maps-not-safetensors", int8_release, lambda d: _replace(d, MAPS, b"\x10" + b"\0" * 7 + b"not json" * 2), 7,
+         MAPS),
+    Case("maps-overlapping-ranges", int8_release, header(_overlap), 7, MAPS),
+    Case("maps-gap-in-ranges", int8_release, header(_gap), 7, MAPS),
+    Case("maps-duplicate-tensor", int8_release, header(_duplicate_tensor), 7, MAPS, ("'layer.2.bias'",)),
+    Case("maps-format-metadata", int8_release, tensors(MAPS, lambda ts, meta: meta.update(format="ridgefill-maps/X")),
+         7, MAPS, ("ridgefill-maps/X",)),
+    Case("maps-no-facts", int8_release, lambda d: (tensors(MAPS, lambda ts, meta: meta.pop("ridgefill.facts"),
+                                                           resealed=False)(d), _fix_maps_sha(d)), 7, MAPS),
+    Case("facts-not-object", int8_release, lambda d: (tensors(MAPS, lambda ts, meta: meta.update(
+        {"ridgefill.facts": "[1]"}), resealed=False)(d), _fix_maps_sha(d)), 7, MAPS),
+    # 8: facts against the manifest
+    Case("fact-edited", int8_release, edit(lambda m: m.update(split=3)), 8, MANIFEST, ("'split'",)),
+    Case("fact-nested-edited", int8_release, edit(lambda m: m["model"].update(name="evil/model")), 8, MANIFEST,
+         ("'model.name'",)),
+    Case("fact-retyped", int8_release, edit(lambda m: m.update(tail_default="512")), 8, MANIFEST,
+         ("'tail_default'",)),
+    Case("fact-bool-for-number", int8_release, edit(lambda m: m["fit"].update(skip_first_rows=True)), 8, MANIFEST,
+         ("'fit.skip_first_rows'",)),
+    Case("fact-added", int8_release, edit(lambda m: m.update(zz_extra=1)), 8, MANIFEST, ("'zz_extra'",)),
+    Case("fact-removed", int8_release, edit(lambda m: m["fit"].pop("rows")), 8, MANIFEST, ("'fit.rows'",)),
+    Case("fact-layer-kind", hybrid_release, edit(lambda m: m["layers"][1].update(kind="full_attention")), 8,
+         MANIFEST, ("'layers",)),  # 'layers' or a path into it ('layers[1].kind')
+    # 9: the other tensor files belong to this release
+    Case("protected-from-another-release", protected_release, _copy_from(other_protected, PROTECTED), 9, PROTECTED,
+         ("'protected_tokens.sha256'",)),
+    Case("corrections-from-another-release", hybrid_release, _copy_from(other_hybrid, CORRECTIONS), 9, CORRECTIONS,
+         ("'corrections.state.sha256'",)),
+    # 10: the tensors
+    Case("code-minus-128", int8_release, tensors(MAPS, lambda ts, m: _set(ts["layer.12.codes"], 5, b"\x80")), 10,
+         MAPS, ("'layer.12.codes'", "-128")),
+    Case("negative-scale", int8_release, tensors(MAPS, lambda ts, m: _set(ts["layer.2.scales"], 0, b"\x80\xbf")),
+         10, MAPS, ("'layer.2.scales'",)),
+    Case("nan-bias", f32_release, tensors(MAPS, lambda ts, m: _set(ts["layer.13.bias"], 1,
+                                                                     struct.pack("<f", float("nan")))), 10, MAPS,
+         ("'layer.13.bias'",)),
+    Case("tensor-missing", int8_release, tensors(MAPS, lambda ts, m: ts.pop("layer.13.scales")), 10, MAPS,
+         ("'layer.13.scales'",)),
+    Case("tensor-extra", int8_release, tensors(MAPS, lambda ts, m: ts.update(
+        {"layer.2.weight": Tensor("F32", [D_OUT, D_IN], b"\0" * (4 * D_OUT * D_IN))})), 10, MAPS,
+        ("'layer.2.weight'",)),
+    Case("tensor-renamed", int8_release, tensors(MAPS, _rename_tensor), 10, MAPS, ("'layer.2.code'",)),
+    Case("tensor-retyped", f32_release, tensors(MAPS, lambda ts, m: ts["layer.2.weight"].__setattr__("dtype", "I32")),
+         10, MAPS, ("'layer.2.weight'",)),
+    Case("tensor-f16", bf16_release, tensors(MAPS, lambda ts, m: ts["layer.2.bias"].__setattr__("dtype", "F16")),
+         10, MAPS, ("'layer.2.bias'",)),
+    Case("scales-wrong-shape", int8_release, tensors(MAPS, lambda ts, m: _truncate(ts["layer.2.scales"], [D_OUT, 1])),
+         10, MAPS, ("'layer.2.scales'",)),
+    Case("bias-wrong-length", f32_release, tensors(MAPS, lambda ts, m: _truncate(ts["layer.2.bias"], [D_OUT - 1])),
+         10, MAPS, ("'layer.2.bias'",)),
+    Case("layers-do-not-match", int8_release, facts(_bad_layers), 10, MAPS, ("'layers'",)),
+    Case("projector-dtype", int8_release, facts(lambda m: m["projector"].update(dtype="int4")), 10, MANIFEST,
+         ("'projector.dtype'",)),
+    Case("group-size-zero", int8_release, facts(lambda m: m["projector"].update(group_size=0)), 10, MANIFEST,
+         ("'projector.group_size'",)),
+    Case("protected-not-ascending", protected_release, tensors(PROTECTED, lambda ts, m: _set(
+        ts["protected_token_ids"], 0, struct.pack("<i", 9))), 10, PROTECTED),
+    Case("protected-wrong-dtype", protected_release, tensors(PROTECTED, lambda ts, m: ts[
+        "protected_token_ids"].__setattr__("dtype", "F32")), 10, PROTECTED),
+    Case("offsets-wrong-shape", hybrid_release, tensors(CORRECTIONS, lambda ts, m: ts[
+        "layer.12.state_offset"].__setattr__("shape", [2, 16])), 10, CORRECTIONS, ("layer.12.state_offset",)),
+    Case("offsets-layer-missing", hybrid_release, tensors(CORRECTIONS, lambda ts, m: ts.pop("layer.13.state_offset")),
+         10, CORRECTIONS),
+]
+
+
+def generate(out: Path) -> dict[str, dict]:
+    """Write every case into out/<name>/ and out/expected.json; returns the expectations."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    expected = {}
+    for case in CASES:
+        d = out / case.name
+        if d.exists():
+            shutil.rmtree(d)
+        case.base(d)
+        if case.change is not None:
+            case.change(d)
+        expected[case.name] = {"verdict": case.verdict, "rule": case.rule, "file": case.file,
+                               "names": list(case.names)}
+    (out / "expected.json").write_text(json.dumps(expected, indent=2, sort_keys=True) + "\n")
+    return expected
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python examples/reader/conformance.py OUT")
+    cases = generate(Path(sys.argv[1]))
+    print(f"{len(cases)} cases ({sum(c['verdict'] == 'ok' for c in cases.values())} valid) in {sys.argv[1]}")

@@ -1,0 +1,410 @@
+"""Reading a release folder: one reader, so that a folder verifies if and only if it loads (docs/format.md,
+"Verifying"). numpy only.
+
+`read_release(dir)` checks, in this order, and refuses the first problem in one line naming the file or field:
+the manifest (JSON without duplicate keys, NaN or infinity, format), `files` (bare names, hashes, the files the facts
+name), the folder's entries (nothing unlisted, no symbolic link), every file's sha256, the facts maps.safetensors
+records against the manifest (compared by value), the hashes the facts record for the other tensor files, and then
+every tensor of every file, decoded as a runtime would use it. `verify_release` and `load_release` are it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ridgefill.artifacts.store import sha256_file
+from ridgefill.errors import BadInput
+from ridgefill.formats import int8, safetensors
+from ridgefill.formats.release.names import (BIAS, CODES, CORRECTIONS_FILE, DOWNLOAD_CACHE, FORMAT, GITATTRIBUTES,
+                                             HF_DIR, HUB_LEFTOVERS, LINEAR_KIND, MANIFEST, MAPS_FILE, META_FACTS,
+                                             META_FORMAT, OFFSET_RE, PROJECTOR_DTYPES, PROTECTED_FILE, PROTECTED_IDS,
+                                             SCALES, SHA256_RE, STATE_OFFSET, UNHASHED, WEIGHT, facts_of,
+                                             is_bare_name, layer_indices, parse_tensor_name, tensor_name)
+from ridgefill.numerics import bf16_bits_to_f32
+
+_READ_DTYPES = ("I8", "I32", "BF16", "F32")  # what a release's tensor files may hold
+
+
+@dataclass(frozen=True)
+class Release:
+    """A verified release, decoded."""
+
+    manifest: dict
+    maps: dict[int, dict[str, np.ndarray]]  # {layer: {"weight": float32 [d_out, d_in], "bias": float32 [d_out]}}
+    protected: np.ndarray | None  # int32 token ids, ascending
+    state_offsets: dict[int, np.ndarray] | None  # {layer: float32 [value heads, key dim, value dim]}
+
+
+def read_release(dir: Path) -> Release:
+    """Verify a release folder and decode every tensor it holds; BadInput names the first problem."""
+    dir = Path(dir)
+    manifest = _verified_manifest(dir)
+    return Release(manifest, _maps(dir, manifest), _protected(dir, manifest), _state_offsets(dir, manifest))
+
+
+def verify_release(dir: Path) -> dict:
+    """The manifest of a release folder that reads (`read_release`): what `ridgefill verify` checks."""
+    return read_release(dir).manifest
+
+
+def load_release(dir: Path) -> tuple[dict, dict[int, dict[str, np.ndarray]]]:
+    """(manifest, {layer: {"weight": float32 [d_out, d_in], "bias": float32}}) of a release that reads."""
+    rel = read_release(dir)
+    return rel.manifest, rel.maps
+
+
+# ------------------------------------------------------------------------------------------------ the manifest
+
+
+class _Duplicate(ValueError):
+    pass
+
+
+def _pairs(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Duplicate(key)
+        out[key] = value
+    return out
+
+
+def _no_constant(name):  # NaN, Infinity, -Infinity: Python's json reads them, JSON does not have them
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:  # 1e999 is a JSON number, but not one a float can hold
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows to infinity")
+    return value
+
+
+def parse_json(text: str, what: str):
+    """JSON as the format allows it: no duplicate keys, no NaN or infinity; BadInput naming `what`."""
+    try:
+        return json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant, parse_float=_finite)
+    except _Duplicate as e:
+        raise BadInput(f"{what}: invalid JSON (the key {e.args[0]!r} appears twice in one object)") from None
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{what}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except ValueError as e:
+        raise BadInput(f"{what}: invalid JSON ({e})") from None
+
+
+def read_manifest(dir: Path) -> dict:
+    """ridgefill.json of a folder, parsed (not verified); BadInput when it is missing or not a JSON object."""
+    mpath = Path(dir) / MANIFEST
+    if mpath.is_symlink():
+        raise BadInput(f"{MANIFEST}: a symbolic link (a release holds regular files only)")
+    if not mpath.is_file():
+        raise BadInput(f"{MANIFEST}: missing in {dir} (not a ridgefill release folder)")
+    try:
+        text = mpath.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{MANIFEST}: invalid JSON (not UTF-8: {e.reason})") from None
+    manifest = parse_json(text, MANIFEST)
+    if not isinstance(manifest, dict):
+        raise BadInput(f"{MANIFEST}: invalid manifest (top level is not a JSON object)")
+    return manifest
+
+
+def _named_files(manifest: dict) -> list[str]:
+    """The tensor files the facts name: `projector.files`, `protected_tokens.file`, `corrections.state.file`."""
+    proj = manifest.get("projector")
+    names = proj.get("files") if isinstance(proj, dict) else None
+    if names != [MAPS_FILE]:
+        raise BadInput(f"{MANIFEST}: 'projector.files' is {_show(names)}, expected [{MAPS_FILE!r}] (the maps are in "
+                       "one file, whose hash covers the facts)")
+    for key, field, name in (("protected_tokens", ("protected_tokens",), PROTECTED_FILE),
+                             ("corrections.state", ("corrections", "state"), CORRECTIONS_FILE)):
+        info = _get(manifest, field)
+        if info is not None:
+            if not isinstance(info, dict) or info.get("file") != name:
+                raise BadInput(f"{MANIFEST}: '{key}.file' must be {name!r}")
+            names = [*names, name]
+    return names
+
+
+def _get(manifest: dict, path: tuple[str, ...]):
+    node = manifest
+    for key in path:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def _verified_manifest(dir: Path) -> dict:
+    if not dir.is_dir():
+        raise BadInput(f"{dir}: not a directory")
+    manifest = read_manifest(dir)
+    if manifest.get("format") != FORMAT:
+        raise BadInput(f"{MANIFEST}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise BadInput(f"{MANIFEST}: 'files' must be a non-empty object of file name -> sha256")
+    for name in sorted(files):
+        if not is_bare_name(name):
+            raise BadInput(f"{MANIFEST}: files entry {name!r} is not a bare file name inside the release folder")
+        if name in UNHASHED or name in HUB_LEFTOVERS:
+            raise BadInput(f"{MANIFEST}: files entry {name!r} must not be listed (it is never hashed)")
+        if not isinstance(files[name], str) or not SHA256_RE.match(files[name]):
+            raise BadInput(f"{MANIFEST}: files entry {name!r} has no valid sha256 (64 lowercase hex digits)")
+    if MAPS_FILE not in files:
+        raise BadInput(f"{MANIFEST}: 'files' does not list {MAPS_FILE} (the file that records the release facts)")
+    named = _named_files(manifest)
+    for name in named:
+        if name not in files:
+            raise BadInput(f"{MANIFEST}: {name!r} is named by the manifest but not listed in 'files'")
+    for name in sorted(set(files) - set(named)):
+        raise BadInput(f"{MANIFEST}: 'files' lists {name!r}, which no field of the manifest names (a release holds "
+                       "only its tensor files)")
+    for name in sorted(files):
+        path = dir / name
+        if path.is_symlink():
+            raise BadInput(f"{name}: a symbolic link (a release holds regular files only)")
+        if not path.exists():
+            raise BadInput(f"{name}: listed in {MANIFEST} but missing from {dir}")
+        if not path.is_file():
+            raise BadInput(f"{name}: listed in {MANIFEST} but not a regular file")
+    for name in sorted(os.listdir(dir)):
+        if name in files or name == MANIFEST:
+            continue
+        if name in UNHASHED and (dir / name).is_symlink():
+            raise BadInput(f"{name}: a symbolic link (a release holds regular files only)")
+        if name not in UNHASHED and not _hub_leftover(dir / name):
+            raise BadInput(f"{name}: in the release folder but not listed in {MANIFEST}")
+    for name in sorted(files):
+        got = sha256_file(dir / name)
+        if got != files[name]:
+            raise BadInput(f"{name}: sha256 mismatch (expected {files[name]}, got {got})")
+    meta = safetensors.read_header(dir / MAPS_FILE)[1]
+    _check_format(MAPS_FILE, meta)
+    _check_facts(manifest, meta)
+    for key, field in (("protected_tokens", ("protected_tokens",)), ("corrections.state", ("corrections", "state"))):
+        info = _get(manifest, field)
+        if info is not None and info.get("sha256") != files[info["file"]]:
+            raise BadInput(f"{info['file']}: its sha256 is not the one the facts record ('{key}.sha256' is "
+                           f"{info.get('sha256')!r}): the file does not belong to this release")
+    return manifest
+
+
+def _check_format(name: str, meta: dict[str, str]) -> None:
+    if meta.get(META_FORMAT) != FORMAT:
+        raise BadInput(f"{name}: metadata '{META_FORMAT}' is {meta.get(META_FORMAT)!r}, expected {FORMAT!r}")
+
+
+def _hub_leftover(path: Path) -> bool:
+    """True for what `hf download --local-dir` adds to a folder: the regular file `.gitattributes`, and a
+    folder `.cache` whose only entry is the folder `huggingface` (symbolic links are never accepted)."""
+    if path.is_symlink():
+        return False
+    if path.name == GITATTRIBUTES:
+        return path.is_file()
+    if path.name == DOWNLOAD_CACHE and path.is_dir():
+        hf = path / HF_DIR
+        return os.listdir(path) == [HF_DIR] and hf.is_dir() and not hf.is_symlink()
+    return False
+
+
+# --------------------------------------------------------------------------------------------------- the facts
+
+
+def _check_facts(manifest: dict, meta: dict[str, str]) -> None:
+    """Refuse a manifest whose facts differ from those maps.safetensors records, naming the first field."""
+    raw = meta.get(META_FACTS)
+    if raw is None:
+        raise BadInput(f"{MAPS_FILE}: records no release facts (no '{META_FACTS}' metadata; written by an older "
+                       "ridgefill): export the release again")
+    recorded = parse_json(raw, f"{MAPS_FILE}: '{META_FACTS}' metadata")
+    if not isinstance(recorded, dict):
+        raise BadInput(f"{MAPS_FILE}: '{META_FACTS}' metadata is not a JSON object")
+    diff = _difference(facts_of(manifest), recorded, "")
+    if diff is not None:
+        raise BadInput(f"{MANIFEST}: {diff} (the manifest was edited)")
+
+
+_ABSENT = object()
+
+
+def _show(value) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _same_value(a, b) -> bool:
+    """JSON values equal by value: numbers by their value (20 and 20.0 are one number, as in JavaScript), booleans
+    only to booleans, strings and null to themselves."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def _difference(given, recorded, path: str) -> str | None:
+    """The first field (in sorted order) where the manifest's value differs from the recorded one, as a phrase;
+    None if they are the same JSON value."""
+    if isinstance(given, dict) and isinstance(recorded, dict):
+        for key in sorted(set(given) | set(recorded), key=str):
+            d = _difference(given.get(key, _ABSENT), recorded.get(key, _ABSENT), f"{path}.{key}" if path else key)
+            if d is not None:
+                return d
+        return None
+    if isinstance(given, list) and isinstance(recorded, list) and len(given) == len(recorded):
+        for i, (g, r) in enumerate(zip(given, recorded)):
+            d = _difference(g, r, f"{path}[{i}]")
+            if d is not None:
+                return d
+        return None
+    if given is _ABSENT:
+        return f"{path!r} is missing but {MAPS_FILE} records {_show(recorded)}"
+    if recorded is _ABSENT:
+        return f"{path!r} is {_show(given)} but {MAPS_FILE} records no such field"
+    if _same_value(given, recorded):
+        return None
+    return f"{path!r} is {_show(given)} but {MAPS_FILE} records {_show(recorded)}"
+
+
+# ------------------------------------------------------------------------------------------------- the tensors
+
+
+def read_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """A release tensor file: {name: (safetensors dtype, numpy array)}, bf16 as uint16 bit patterns; BadInput for
+    an unreadable file, a format other than the release's, or a dtype a release never holds."""
+    fname = Path(path).name
+    arrays, meta = safetensors.load(path)
+    _check_format(fname, meta)
+    out = {}
+    for name, a in arrays.items():
+        dtype = safetensors.dtype_of(a)
+        if dtype not in _READ_DTYPES:
+            raise BadInput(f"{fname}: tensor {name!r} has dtype {dtype}, expected {', '.join(_READ_DTYPES)}")
+        out[name] = (dtype, a.bits if isinstance(a, safetensors.BF16) else a)
+    return out
+
+
+def _maps(dir: Path, manifest: dict) -> dict[int, dict[str, np.ndarray]]:
+    proj = manifest["projector"]
+    if proj.get("dtype") not in PROJECTOR_DTYPES:
+        raise BadInput(f"{MANIFEST}: 'projector.dtype' is {proj.get('dtype')!r}, expected one of "
+                       f"{', '.join(PROJECTOR_DTYPES)}")
+    dtype, group = proj["dtype"], proj.get("group_size")
+    if dtype == "int8" and (not isinstance(group, int) or isinstance(group, bool) or group < 1):
+        raise BadInput(f"{MANIFEST}: 'projector.group_size' must be a positive integer, got {group!r}")
+    raw: dict[int, dict[str, tuple[str, np.ndarray]]] = {}
+    where: dict[str, str] = {}
+    for fname in proj["files"]:
+        for tname, (st_dtype, arr) in read_tensors(dir / fname).items():
+            parsed = parse_tensor_name(tname)
+            if parsed is None:
+                raise BadInput(f"{fname}: unexpected tensor {tname!r} (expected layer.<l>.codes|scales|bias|weight)")
+            if tname in where:
+                raise BadInput(f"{fname}: tensor {tname!r} already read from {where[tname]}")
+            where[tname] = fname
+            raw.setdefault(parsed[0], {})[parsed[1]] = (st_dtype, arr)
+    want = layer_indices(manifest)
+    if want is not None and want != set(raw):
+        raise BadInput(f"{', '.join(proj['files'])}: the tensors are of layers {sorted(raw)}, but 'layers' lists "
+                       f"{sorted(want)}")
+    if not raw:
+        raise BadInput(f"{MANIFEST}: the projector files hold no tensors")
+    return {layer: _decode_layer(layer, raw[layer], dtype, group, where, ", ".join(proj["files"]))
+            for layer in sorted(raw)}  # fmt: skip
+
+
+def _decode_layer(layer: int, parts: dict, dtype: str, group: int | None, where: dict,
+                  files: str) -> dict[str, np.ndarray]:
+    """One layer's tensors -> {"weight", "bias"} float32, refusing missing, extra or mistyped tensors."""
+
+    def get(kind: str, allowed: tuple[str, ...]) -> np.ndarray:
+        name = tensor_name(layer, kind)
+        if kind not in parts:
+            raise BadInput(f"{files}: tensor {name!r} is missing (needed in {_a(dtype)} release)")
+        st_dtype, arr = parts[kind]
+        if st_dtype not in allowed:
+            raise BadInput(f"{where[name]}: tensor {name!r} is {st_dtype}, expected {' or '.join(allowed)}")
+        return arr
+
+    def f32(arr: np.ndarray) -> np.ndarray:
+        return bf16_bits_to_f32(arr) if arr.dtype == np.uint16 else arr.astype(np.float32)
+
+    expected = {CODES, SCALES, BIAS} if dtype == "int8" else {WEIGHT, BIAS}
+    extra = sorted(set(parts) - expected)
+    if extra:
+        name = tensor_name(layer, extra[0])
+        raise BadInput(f"{where[name]}: tensor {name!r} does not belong in {_a(dtype)} release")
+    bias = f32(get(BIAS, ("BF16", "F32")))
+    if dtype == "int8":
+        codes, bits = get(CODES, ("I8",)), get(SCALES, ("BF16",))
+        try:
+            weight = int8.dequantize(codes, bits, group)
+        except ValueError as e:  # its message starts with the tensor at fault
+            name = tensor_name(layer, CODES if str(e).startswith("codes") else SCALES)
+            raise BadInput(f"{where[name]}: tensor {name!r}: {e}") from None
+    else:
+        weight = f32(get(WEIGHT, ("BF16",) if dtype == "bf16" else ("F32",)))
+        if weight.ndim != 2:
+            raise BadInput(f"{where[tensor_name(layer, WEIGHT)]}: layer {layer} weight is not 2-D")
+    name = tensor_name(layer, BIAS)
+    if bias.shape != (weight.shape[0],):
+        raise BadInput(f"{where[name]}: tensor {name!r} has shape {list(bias.shape)}, expected [{weight.shape[0]}]")
+    for kind, arr in ((WEIGHT if dtype != "int8" else SCALES, weight), (BIAS, bias)):
+        if not np.isfinite(arr).all():
+            name = tensor_name(layer, kind)
+            raise BadInput(f"{where[name]}: tensor {name!r} holds NaN or infinity")
+    return {"weight": weight, "bias": bias}
+
+
+def _a(word: str) -> str:
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+
+
+def _protected(dir: Path, manifest: dict) -> np.ndarray | None:
+    if manifest.get("protected_tokens") is None:
+        return None
+    got = read_tensors(Path(dir) / PROTECTED_FILE)
+    if set(got) != {PROTECTED_IDS} or got[PROTECTED_IDS][0] != "I32" or got[PROTECTED_IDS][1].ndim != 1:
+        raise BadInput(f"{PROTECTED_FILE}: expected one I32 vector {PROTECTED_IDS!r}, got {sorted(got)}")
+    ids = got[PROTECTED_IDS][1]
+    if len(ids) and (ids[0] < 0 or np.any(np.diff(ids) <= 0)):
+        raise BadInput(f"{PROTECTED_FILE}: {PROTECTED_IDS} must be strictly ascending token ids >= 0")
+    return ids
+
+
+def _state_offsets(dir: Path, manifest: dict) -> dict[int, np.ndarray] | None:
+    state = (manifest.get("corrections") or {}).get("state")
+    if state is None:
+        return None
+    offsets = {}
+    for tname, (st_dtype, arr) in read_tensors(Path(dir) / CORRECTIONS_FILE).items():
+        m = OFFSET_RE.match(tname)
+        if m is None:
+            raise BadInput(f"{CORRECTIONS_FILE}: unexpected tensor {tname!r} (expected layer.<l>.{STATE_OFFSET})")
+        if st_dtype != "F32" or arr.ndim != 3:
+            raise BadInput(f"{CORRECTIONS_FILE}: {tname} must be F32 [value heads, key dim, value dim], got "
+                           f"{st_dtype} {list(arr.shape)}")
+        if not np.isfinite(arr).all():
+            raise BadInput(f"{CORRECTIONS_FILE}: {tname} holds NaN/inf")
+        offsets[int(m.group(1))] = np.asarray(arr, dtype=np.float32)
+    linear = sorted(int(x["index"]) for x in manifest.get("layers") or [] if x.get("kind") == LINEAR_KIND)
+    if sorted(offsets) != linear or state.get("layers") != linear:
+        raise BadInput(f"{CORRECTIONS_FILE}: state offsets for layers {sorted(offsets)} (manifest: "
+                       f"{state.get('layers')}), but the release's Gated DeltaNet layers are {linear}")
+    return offsets
+
+
+def load_protected(dir: Path, manifest: dict) -> np.ndarray | None:
+    """The protected-token table of a verified release (int32 token ids, ascending), or None when it has none."""
+    return _protected(Path(dir), manifest)
+
+
+def load_state_offsets(dir: Path, manifest: dict) -> dict[int, np.ndarray] | None:
+    """The terminal-state offsets of a verified release ({layer: float32 [value heads, key dim, value dim]}), or
+    None when it has none; BadInput when they do not match its layers."""
+    return _state_offsets(Path(dir), manifest)
