@@ -15,7 +15,7 @@ from ridgefill.formats import safetensors
 from ridgefill.capture.artifact import COUNTS, DOCS, HELDOUT, STATS
 from ridgefill.capture.run import CaptureConfig, capture
 from ridgefill.capture.stats import Moments, merge, moments_of
-from ridgefill.errors import BadInput
+from ridgefill.errors import BadInput, RidgefillError
 from ridgefill.output import Output
 from clirun import cli
 
@@ -172,12 +172,264 @@ def test_resume_is_byte_identical(tmp_path, tiny_llama, corpus, stop_after):
         assert art.file(name).read_bytes() == ref_art.file(name).read_bytes(), name
 
 
+INSIDE = CaptureConfig(splits=(1, 2), chunk=16, held_out=2, held_out_rows=40)
+EVERY_CHUNK = 1e-9  # seconds: a checkpoint is due after every chunk (0 means after every document only)
+
+
+def chunk_ends(model, corpus, store, cfg=INSIDE, **kw):
+    """An uninterrupted capture (checkpoints after every document only) and the (unit, position) after each chunk
+    that ends inside its document."""
+    ends = []
+    art, _ = capture(store, str(model), [str(corpus)], cfg, quiet(), checkpoint_every=0,
+                     after_chunk=lambda i, pos: ends.append((i, pos)), **kw)
+    units = {i for i, _ in ends}
+    assert len(units) == art.manifest["summary"]["units"]
+    last = {i: max(p for j, p in ends if j == i) for i in units}
+    return art, [(i, p) for i, p in ends if p < last[i]]
+
+
+def interrupt_at(store, model, corpus, at, cfg=INSIDE, checkpoint_every=EVERY_CHUNK, **kw):
+    """Run the capture until it has passed (unit, position) `at`, interrupt it there; the (unit, position) pairs it
+    went through."""
+    went = []
+
+    def boom(i, pos):
+        went.append((i, pos))
+        if (i, pos) == at:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        capture(store, str(model), [str(corpus)], cfg, quiet(), checkpoint_every=checkpoint_every, after_chunk=boom,
+                **kw)
+    return went
+
+
+def state_file(store, art_id):
+    return store.root / "capture" / f".work-{art_id}" / "state.safetensors"
+
+
+def assert_same_artifact(art, ref_art):
+    for name in (STATS, HELDOUT, COUNTS, DOCS):
+        assert art.file(name).read_bytes() == ref_art.file(name).read_bytes(), name
+
+
+def check_saved_cache(arch, arrays, meta, pos, num_layers=4):
+    """What the checkpoint holds of the model's cache at document position `pos`, per architecture: only the layers
+    below the forward's stop point (the last decoder layer never runs), full-attention keys and values of every row
+    so far, a sliding-window layer's window and its count of rows seen, a linear-attention layer's conv and
+    recurrent states."""
+    layout = json.loads(meta["cache"])["layers"]
+    assert len(layout) == num_layers and int(meta["doc_pos"]) == pos
+    names = {n for n in arrays if n.startswith("cache.")}
+    assert not any(n.startswith(f"cache.{num_layers - 1}.") for n in names)  # the stop point's layer: empty
+    last = layout[num_layers - 1]
+    assert last.get("kv") is False or last.get("recurrent") == [False]
+    for l in range(num_layers - 1):
+        kind = layout[l]["type"]
+        if kind == "LinearAttentionLayer":  # the hybrids' Gated DeltaNet layers
+            assert {f"cache.{l}.conv.0", f"cache.{l}.recurrent.0"} <= names and f"cache.{l}.keys" not in names
+            assert layout[l]["previous"] == [True] and arrays[f"cache.{l}.conv.0"].shape[-1] == 4  # the conv kernel
+            continue
+        keys, values = arrays[f"cache.{l}.keys"], arrays[f"cache.{l}.values"]
+        assert keys.shape == values.shape and keys.shape[:2] == (1, 2)  # batch 1, 2 KV heads
+        if kind == "DynamicSlidingWindowLayer":  # gemma3's local layers: the window (8) less one row, all rows seen
+            assert keys.shape[2] == 7 and layout[l]["cumulative_length"] == pos
+        else:
+            assert kind == "DynamicLayer" and keys.shape[2] == pos
+    kinds = {layout[l]["type"] for l in range(num_layers)}
+    assert kinds == {"tiny_llama": {"DynamicLayer"}, "tiny_gemma3": {"DynamicLayer", "DynamicSlidingWindowLayer"},
+                     "tiny_qwen3_next": {"DynamicLayer", "LinearAttentionLayer"},
+                     "tiny_qwen3_5": {"DynamicLayer", "LinearAttentionLayer"}}[arch]
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3", "tiny_qwen3_next", "tiny_qwen3_5"])
+def test_resume_inside_a_document_is_byte_identical(tmp_path, corpus, request, arch):
+    """Checkpoints fall between two chunks of a document too: the position reached, the statistics and held-out
+    rows so far (the partial document's included) and the model's cache. Interrupted inside a calibration document,
+    resumed (the document continues at the next chunk, the cache restored), interrupted again inside a held-out
+    document, resumed to the end: the artifact is the uninterrupted run's, byte for byte."""
+    model = request.getfixturevalue(arch)
+    ref_art, ends = chunk_ends(model, corpus, Store(tmp_path / "ref"))
+    units = ref_art.manifest["summary"]["units"]
+    calib = [(i, p) for i, p in ends if i == 1]  # a calibration document (units 4, 5: the held-out ones)
+    held = [(i, p) for i, p in ends if i == units - 2]
+    first, second = calib[len(calib) // 2], held[len(held) // 2]
+    assert first[1] > 8  # past gemma3's window: its sliding layers hold only the window
+
+    store = Store(tmp_path / "store")
+    went = interrupt_at(store, model, corpus, first)
+    assert went[0] == ends[0] and went[-1] == first
+    arrays, meta = safetensors.load(state_file(store, ref_art.id))  # the strict reader reads it
+    assert meta["next_unit"] == str(first[0]) and int(arrays["part.raw.split1.n"][0]) == first[1] - 1  # row 0 unfitted
+    check_saved_cache(arch, arrays, meta, first[1])
+
+    went = interrupt_at(store, model, corpus, second)
+    assert went[0] == (first[0], first[1] + 16)  # the document went on at the chunk after the checkpoint
+    arrays, meta = safetensors.load(state_file(store, ref_art.id))
+    assert meta["next_unit"] == str(second[0]) and "partheld.pos" in arrays  # the held-out rows so far
+    assert arrays["partheld.pos"].max() < second[1]
+    check_saved_cache(arch, arrays, meta, second[1])
+
+    seen = []
+    art, cached = capture(store, str(model), [str(corpus)], INSIDE, quiet(), checkpoint_every=EVERY_CHUNK,
+                          after_chunk=lambda i, pos: seen.append((i, pos)))
+    assert not cached and seen[0] == (second[0], second[1] + 16)
+    assert art.manifest["summary"]["resumed_at_unit"] == second[0]
+    assert_same_artifact(art, ref_art)
+    assert not state_file(store, ref_art.id).parent.exists()
+
+
+@pytest.mark.parametrize("arch, placement", [("tiny_qwen3_next", "bfloat16"), ("tiny_gemma3", "bfloat16"),
+                                             ("tiny_llama", "disk offload")])
+def test_resume_inside_a_document_in_bfloat16_and_offloaded(tmp_path, corpus, request, arch, placement):
+    """The cache is saved in its own dtypes (bfloat16 keys and values as their bits, a Gated DeltaNet's float32
+    state beside them) and restored on each layer's device, also where accelerate offloads layers to disk."""
+    from ridgefill.models.device import where
+
+    if placement == "bfloat16":
+        place = where(device="cpu", dtype="bfloat16")
+    else:
+        place = where(device_map={"model.embed_tokens": "cpu", "lm_head": "cpu", "model.rotary_emb": "cpu",
+                                  "model.layers.0": "disk", "model.layers.1": "cpu", "model.layers.2": "disk",
+                                  "model.layers.3": "cpu", "model.norm": "cpu"})
+    model = request.getfixturevalue(arch)
+    ref_art, ends = chunk_ends(model, corpus, Store(tmp_path / "ref"), place=place)
+    at = [e for e in ends if e[0] == 1][6]
+    store = Store(tmp_path / "store")
+    interrupt_at(store, model, corpus, at, place=place)
+    entries, _ = safetensors.read_header(state_file(store, ref_art.id))
+    dtypes = {e.dtype for n, e in entries.items() if n.startswith("cache.")}
+    assert dtypes == {"bfloat16": {"BF16"} | ({"F32"} if arch == "tiny_qwen3_next" else set()),
+                      "disk offload": {"F32"}}[placement], dtypes
+    art, _ = capture(store, str(model), [str(corpus)], INSIDE, quiet(), checkpoint_every=EVERY_CHUNK, place=place)
+    assert art.manifest["summary"]["resumed_at_unit"] == 1
+    assert_same_artifact(art, ref_art)
+
+
+def test_resume_inside_a_document_in_a_block_of_several(tmp_path, monkeypatch):
+    """With more documents than blocks, a block holds several units: a checkpoint inside its second document holds
+    the first one's statistics and the second's so far together, and the resumed run is byte-identical."""
+    import ridgefill.capture.run as capture_run
+    from ridgefill.capture.units import MAX_BLOCKS
+    from tiny import make_tiny_model
+
+    made = []
+    blocks_of = capture_run.make_blocks
+    monkeypatch.setattr(capture_run, "make_blocks", lambda units: made.append(blocks_of(units)) or made[-1])
+    model = make_tiny_model(tmp_path / "llama", arch="llama", layers=3, hidden=32)
+    data = tmp_path / "many"
+    data.mkdir()
+    for i in range(MAX_BLOCKS + 8):
+        (data / f"d{i:03d}.txt").write_text(TEXTS[i % len(TEXTS)][: 60 + 7 * (i % 5)])
+    cfg = CaptureConfig(splits=(1,), chunk=8, held_out=2, held_out_rows=40)
+    ref_art, ends = chunk_ends(model, data, Store(tmp_path / "ref"), cfg)
+    b, a = next((b, a) for b, (a, z) in enumerate(made[0]) if z - a >= 2)
+    at = [e for e in ends if e[0] == a + 1][1]  # the block's second document, after its second chunk
+    store = Store(tmp_path / "store")
+    interrupt_at(store, model, data, at, cfg)
+    arrays, meta = safetensors.load(state_file(store, ref_art.id))
+    assert (meta["next_block"], meta["next_unit"], meta["doc_pos"]) == (str(b), str(a + 1), str(at[1]))
+    assert int(arrays["part.raw.split1.n"][0]) > at[1]  # the block's first document is in there too
+    art, _ = capture(store, str(model), [str(data)], cfg, quiet(), checkpoint_every=EVERY_CHUNK)
+    assert art.manifest["summary"]["resumed_at_unit"] == a + 1
+    assert_same_artifact(art, ref_art)
+
+
+def test_a_cache_that_cannot_be_saved_or_restored(tmp_path, tiny_gemma3, corpus, monkeypatch, capsys):
+    """A cache with a layer kvstate does not know: one warning, checkpoints between documents only, the same
+    artifact. A checkpoint whose cache layers are not the fresh cache's (another transformers, say): one line that
+    says to delete the work folder, nothing resumed wrongly."""
+    from ridgefill.capture import forward, kvstate
+
+    ref_art, ends = chunk_ends(tiny_gemma3, corpus, Store(tmp_path / "ref"))
+    at = [e for e in ends if e[0] == 1][4]
+    with monkeypatch.context() as m:
+        m.setattr(kvstate, "_classes", dict)  # no layer class known
+        store = Store(tmp_path / "plain")
+        saved_at = []  # the position inside its document each checkpoint there is records
+
+        def look(i, pos):
+            if state_file(store, ref_art.id).exists():
+                saved_at.append(safetensors.read_header(state_file(store, ref_art.id))[1]["doc_pos"])
+
+        art, _ = capture(store, str(tiny_gemma3), [str(corpus)], INSIDE, Output(), checkpoint_every=EVERY_CHUNK,
+                         after_chunk=look)
+    assert len(saved_at) > 20 and set(saved_at) == {"0"}
+    err = capsys.readouterr().err
+    assert err.count("capture checkpoints fall between documents only: the model's cache cannot be saved inside "
+                     "one (cache layer 0 is a DynamicSlidingWindowLayer)") == 1
+    assert_same_artifact(art, ref_art)
+
+    store = Store(tmp_path / "store")
+    interrupt_at(store, tiny_gemma3, corpus, at)
+    from transformers import DynamicCache
+
+    with monkeypatch.context() as m:
+        m.setattr(forward, "new_cache", lambda lm: DynamicCache())  # no config: every layer a DynamicLayer
+        with pytest.raises(RidgefillError, match=r"the capture checkpoint in .*\.work-.* stopped inside a document and "
+                           r"holds the model's cache, which cannot be restored here \(cache layer 0 was a "
+                           r"DynamicSlidingWindowLayer, is a DynamicLayer now\); delete .* to start the capture over"):
+            capture(store, str(tiny_gemma3), [str(corpus)], INSIDE, quiet(), checkpoint_every=EVERY_CHUNK)
+    art, _ = capture(store, str(tiny_gemma3), [str(corpus)], INSIDE, quiet(), checkpoint_every=EVERY_CHUNK)
+    assert_same_artifact(art, ref_art)  # the checkpoint was left as it was
+
+
+def test_a_checkpoint_holds_one_cache_tensor_on_the_host_at_a_time(tmp_path):
+    """The state file is written tensor by tensor: each cache tensor is fetched (copied to the host) only when its
+    turn comes and is let go before the next one; the strict safetensors reader reads the file, and `State.load`
+    gives the position and each cache tensor back, read only when asked for."""
+    import weakref
+
+    from ridgefill.capture.checkpoint import State
+    from ridgefill.capture.dist import World
+    from ridgefill.capture.kvstate import Lazy, Snapshot
+
+    alive = []
+
+    def lazy(i):
+        def fetch():
+            assert all(r() is None for r in alive), "a cache tensor was still held when the next one was fetched"
+            a = np.full((2, 3), i, dtype=np.float32)
+            alive.append(weakref.ref(a))
+            return a
+
+        return Lazy("F32", (2, 3), 24, fetch)
+
+    empty = lambda: {("raw", 1): Moments.empty(2, 3, 3)}  # noqa: E731
+    st = State(empty())
+    st.doc_pos, st.doc_cache = 5, Snapshot({"version": 1, "layers": []}, {f"cache.{i}.keys": lazy(i) for i in range(4)})
+    st.save(tmp_path, "the-id")
+    assert len(alive) == 4
+    arrays, meta = safetensors.load(tmp_path / "state.safetensors")
+    assert meta["doc_pos"] == "5" and json.loads(meta["cache"]) == {"version": 1, "layers": []}
+    assert [int(arrays[f"cache.{i}.keys"][0, 0]) for i in range(4)] == [0, 1, 2, 3]
+    back = State.load(tmp_path, "the-id", [("raw", 1)], empty, World())
+    assert back.doc_pos == 5 and set(back.doc_cache.tensors) == {f"cache.{i}.keys" for i in range(4)}
+    np.testing.assert_array_equal(back.doc_cache.tensors["cache.2.keys"].fetch(), np.full((2, 3), 2, np.float32))
+    assert State.load(tmp_path, "another-id", [("raw", 1)], empty, World()).doc_pos == 0
+
+
+def test_checkpoint_every_0_saves_no_cache(tmp_path, tiny_llama, corpus):
+    """`--checkpoint-every 0` checkpoints after every document (the CLI's promise), never inside one: interrupted
+    inside a document, the run resumes at that document's start."""
+    ref_art, ends = chunk_ends(tiny_llama, corpus, Store(tmp_path / "ref"))
+    store = Store(tmp_path / "store")
+    at = [e for e in ends if e[0] == 2][3]
+    interrupt_at(store, tiny_llama, corpus, at, checkpoint_every=0)
+    arrays, meta = safetensors.load(state_file(store, ref_art.id))
+    assert (meta["next_unit"], meta["doc_pos"]) == ("2", "0") and not any(n.startswith("cache.") for n in arrays)
+    seen = []
+    art, _ = capture(store, str(tiny_llama), [str(corpus)], INSIDE, quiet(), checkpoint_every=0,
+                     after_chunk=lambda i, pos: seen.append((i, pos)))
+    assert seen[0] == (2, 16)
+    assert_same_artifact(art, ref_art)
 
 
 # Runs `ridgefill ARGS...` in a child process that counts the documents it feeds through the model (one line per
 # call of capture.forward.document_chunks, appended to $COUNT_FILE as it happens) and, when $PAUSE_AT is set,
 # stops still right after the checkpoint that records PAUSE_AT finished units (touching $PAUSED), so that the test
-# can kill -9 it at a known place.
+# can kill -9 it at a known place; with $PAUSE_POS too, right after the checkpoint inside unit PAUSE_AT at that
+# position of its document.
 CHILD = """
 import os, sys, time
 from pathlib import Path
@@ -186,6 +438,7 @@ import ridgefill.capture.forward as forward
 import ridgefill.capture.checkpoint as checkpoint
 
 count, pause_at, paused = Path(os.environ["COUNT_FILE"]), int(os.environ.get("PAUSE_AT", "-1")), os.environ["PAUSED"]
+pause_pos = int(os.environ.get("PAUSE_POS", "0"))
 chunks, save = forward.document_chunks, checkpoint.State.save
 
 def counted(lm, ids, *a, **k):
@@ -195,7 +448,7 @@ def counted(lm, ids, *a, **k):
 
 def pausing(self, work, run_id):
     save(self, work, run_id)
-    if self.next_unit == pause_at:
+    if self.next_unit == pause_at and self.doc_pos == pause_pos:
         Path(paused).write_text(str(self.next_unit))
         time.sleep(600)
 
@@ -279,6 +532,42 @@ def test_kill_9_resumes_where_it_stopped_and_is_byte_identical(tmp_path, tiny_ll
     assert not state.parent.exists()  # the resumable work is gone once the artifact is in place
     for name in (STATS, HELDOUT, COUNTS, DOCS):
         assert final.file(name).read_bytes() == ref_art.file(name).read_bytes(), name
+
+
+def test_kill_9_inside_a_document_resumes_there(tmp_path, tiny_gemma3, corpus):
+    """kill -9 right after a checkpoint inside a document (the state file renamed into place, the cache in it),
+    then the same command: it continues that document from the checkpoint's chunk and the artifact is the
+    uninterrupted run's, byte for byte."""
+    ref_art, ends = chunk_ends(tiny_gemma3, corpus, Store(tmp_path / "ref"))
+    n = ref_art.manifest["summary"]["units"]
+    unit, pos = [e for e in ends if e[0] == 2][5]
+    store = tmp_path / "store"
+    args = ["capture", tiny_gemma3, "--data", corpus, "--split", 1, "--split", 2, "--chunk", 16, "--held-out", 2,
+            "--held-out-rows", 40, "--checkpoint-every", EVERY_CHUNK, "--store", store]
+    (tmp_path / "child.py").write_text(CHILD)
+    env = {**os.environ, "COUNT_FILE": str(tmp_path / "count"), "PAUSED": str(tmp_path / "paused"),
+           "OMP_NUM_THREADS": "1"}
+    child = [sys.executable, tmp_path / "child.py", *map(str, args)]
+    p = subprocess.Popen(child, env={**env, "PAUSE_AT": str(unit), "PAUSE_POS": str(pos)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while not (tmp_path / "paused").exists():
+        assert p.poll() is None, f"the run ended before its checkpoint inside unit {unit}: {p.communicate()[1]}"
+        assert time.time() < deadline, "no checkpoint inside the document in 180 s"
+        time.sleep(0.005)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    meta = safetensors.read_header(state_file(Store(store), ref_art.id))[1]
+    assert (meta["next_unit"], meta["doc_pos"]) == (str(unit), str(pos))
+    (tmp_path / "count").write_text("")
+    p = subprocess.Popen(child, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert (f"resuming capture {ref_art.id} at unit {unit}/{n} (block {unit + 1} of {n}), "  # a unit a block here
+            f"inside its document at token {pos} of ") in err
+    assert out.strip() == ref_art.id
+    assert len((tmp_path / "count").read_text().split()) == n - unit  # that document on, none before
+    assert_same_artifact(Store(store).get(ref_art.id, stage="capture"), ref_art)
 
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3"])

@@ -39,21 +39,32 @@ def exact_float32() -> Iterator[None]:
         torch.set_float32_matmul_precision(before)
 
 
-def document_chunks(lm, ids: np.ndarray, layers: list[int], chunk: int, device) -> Iterator[tuple[int, dict]]:
+def new_cache(lm):
+    """The cache a document starts with: a DynamicCache built from the model's config (sliding-window layers keep
+    only their window, linear-attention layers their conv and recurrent states)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=lm.model.config)
+
+
+def document_chunks(lm, ids: np.ndarray, layers: list[int], chunk: int, device, *, first: int = 0,
+                    cache=None) -> Iterator[tuple[int, dict]]:
     """Feed one document through the model chunk by chunk; yield (start, {l: h_l [rows, d]}) per chunk.
 
     The tensors stay where the model put them (any device, the model's dtype). Positions continue across
-    chunks through a DynamicCache built from the model's config (sliding-window layers keep only their window).
+    chunks through `cache` (default: `new_cache(lm)`). A document resumed from a checkpoint starts at `first`, a
+    chunk boundary, with the cache restored as it was there (capture/kvstate.py); the caller that made the cache
+    may read it between two chunks.
     """
     import torch
-    from transformers import DynamicCache
 
     from ridgefill.models.hooks import StopForward, layer_inputs
 
     x = torch.from_numpy(np.asarray(ids, dtype=np.int64))  # [N]
-    cache = DynamicCache(config=lm.model.config)
+    if cache is None:
+        cache = new_cache(lm)
     with torch.inference_mode():
-        for start in range(0, len(x), chunk):
+        for start in range(first, len(x), chunk):
             piece = x[start : start + chunk][None].to(device)  # [1, rows]
             with layer_inputs(lm.adapter.layers, layers) as seen:
                 try:

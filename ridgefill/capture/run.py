@@ -11,8 +11,10 @@ block order. Under torchrun the ranks compute blocks round-robin and rank 0 merg
 (capture/dist.py), so the artifact is the same bytes whatever the number of processes.
 
 Every `checkpoint_every` seconds the totals, the current block's partial statistics and the position reached go
-to `.work-<id>/state.safetensors` (capture/checkpoint.py); after a crash (even `kill -9`) the same command resumes
-there (a torchrun run at its last finished round) and writes statistics byte-identical to an uninterrupted run.
+to `.work-<id>/state.safetensors` (capture/checkpoint.py): between documents, or between two chunks of a long one,
+with the model's cache there (capture/kvstate.py); after a crash (even `kill -9`) the same command resumes there,
+inside the document if it stopped in one (a torchrun run at its last finished round), and writes statistics
+byte-identical to an uninterrupted run.
 The artifact's files are capture/artifact.py's; units and blocks, capture/units.py's.
 """
 
@@ -64,10 +66,14 @@ def capture(
     after_unit: Callable[[int], None] | None = None,
     *,
     place=None,
+    after_chunk: Callable[[int, int], None] | None = None,
 ) -> tuple[Artifact | None, bool]:
     """Run (or find cached) the capture. Returns the artifact and whether it was a cache hit. `place` (a
     ridgefill.models.device.Where; default: `where()`, the first GPU or the CPU) is where the model runs; the recipe
     records its device kind and dtype.
+
+    `after_unit(i)` and `after_chunk(i, pos)` (tests) are called after unit i, and after each of its chunks with the
+    position reached in its document, once any checkpoint due there is written (a single process only).
 
     Under torchrun every rank calls this; rank 0 returns the artifact, the others return (None, cached)."""
     from ridgefill.models import resolve_model
@@ -131,7 +137,7 @@ def capture(
             world.close()
             return hit, True
         result = _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, place, world, out,
-                      checkpoint_every, after_unit)
+                      checkpoint_every, after_unit, after_chunk)
     except BaseException:
         world.close(failed=True)
         raise
@@ -140,8 +146,10 @@ def capture(
 
 
 def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, place, world, out, checkpoint_every,
-         after_unit):
-    from ridgefill.capture.forward import document_chunks, exact_float32, fitted_moments, release_workspace
+         after_unit, after_chunk):
+    from ridgefill.capture import kvstate
+    from ridgefill.capture.forward import (document_chunks, exact_float32, fitted_moments, new_cache,
+                                           release_workspace)
     from ridgefill.models import load_model
 
     t0 = time.perf_counter()
@@ -168,27 +176,36 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, plac
     tokens_done = 0
     units_run = 0  # documents this process fed through the model
 
-    def run_unit(u: Unit, part: dict, held_rows: dict) -> dict:
-        """Feed one document; merge its chunks into `part` (per (variant, split)); collect kept rows."""
+    def run_unit(u: Unit, part: dict, held_rows: dict, first: int = 0, cache=None, on_chunk=None) -> dict:
+        """Feed one document (from token `first`, with `cache` as it was there, when resumed inside it); merge its
+        chunks into `part` (per (variant, split)); collect kept rows into `held_rows`. `on_chunk(pos, cache)` after
+        each chunk, `pos` the position reached."""
         nonlocal t_fwd, tokens_done, units_run
         units_run += 1
         t = time.perf_counter()
         doc_ids = ids[u.variant][u.doc]
-        for start, hs in document_chunks(lm, doc_ids, layers, cfg.chunk, in_device):
+        if cache is None:
+            cache = new_cache(lm)
+        for start, hs in document_chunks(lm, doc_ids, layers, cfg.chunk, in_device, first=first, cache=cache):
             rows = len(hs[lo])
             if u.held:
                 keep = [p - start for p in u.keep if start <= p < start + rows]
                 if keep:
                     for l in layers:
-                        held_rows[f"hidden.{l}"].append(hs[l][keep].float().cpu().numpy())
-                    held_rows["doc"].append(np.full(len(keep), u.doc, dtype=np.int32))
-                    held_rows["pos"].append(np.asarray(keep, dtype=np.int32) + start)
-                continue
-            fitted = fitted_moments(hs, start, splits, ref.num_layers, cfg.outlier_ratio, cfg.product_dtype)
-            for s, m in fitted.items():
-                part[(u.variant, s)] = merge_into(part[(u.variant, s)], m)
+                        held_rows.setdefault(f"hidden.{l}", []).append(hs[l][keep].float().cpu().numpy())
+                    held_rows.setdefault("doc", []).append(np.full(len(keep), u.doc, dtype=np.int32))
+                    held_rows.setdefault("pos", []).append(np.asarray(keep, dtype=np.int32) + start)
+            else:
+                fitted = fitted_moments(hs, start, splits, ref.num_layers, cfg.outlier_ratio, cfg.product_dtype)
+                for s, m in fitted.items():
+                    part[(u.variant, s)] = merge_into(part[(u.variant, s)], m)
+            del hs
+            if on_chunk is not None:
+                t_fwd += time.perf_counter() - t
+                on_chunk(start + rows, cache)
+                t = time.perf_counter()
         t_fwd += time.perf_counter() - t
-        tokens_done += u.tokens
+        tokens_done += u.tokens - first
         return part
 
     def new_held() -> dict:
@@ -200,9 +217,11 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, plac
         if world.distributed:  # a torchrun run restarts the unfinished block from its beginning
             state.drop_partial(empty(), blocks)
         resumed_at = state.next_unit  # 0 for a fresh run; units before it come from the checkpoint
-        if resumed_at and world.writer:
+        if (resumed_at or state.doc_pos) and world.writer:
+            inside = (f", inside its document at token {state.doc_pos} of {units[resumed_at].tokens}"
+                      if state.doc_pos else "")
             out.info(f"resuming capture {build.id} at unit {resumed_at}/{len(units)} "
-                     f"(block {state.next_block + 1} of {len(blocks)})")
+                     f"(block {state.next_block + 1} of {len(blocks)}){inside}")
         last_ckpt = time.perf_counter()
 
         def checkpoint(force: bool = False) -> None:
@@ -211,13 +230,45 @@ def _run(store, model, data, ref, corpus, calib, held, splits, recipe, cfg, plac
                 state.save(build.work, build.id)
                 last_ckpt = time.perf_counter()
 
+        not_saved: list[str] = []  # why this model's cache cannot be saved (then checkpoints fall between documents)
+
+        def inside_document(i: int):
+            """The per-chunk step of unit i: a checkpoint with the document's position and cache when one is due
+            (`checkpoint_every` > 0; with 0 they fall after every document only), then `after_chunk`."""
+
+            def on_chunk(pos: int, cache) -> None:
+                nonlocal last_ckpt
+                if (0 < checkpoint_every <= time.perf_counter() - last_ckpt and pos < units[i].tokens
+                        and not not_saved):
+                    try:
+                        snap = kvstate.snapshot(cache)
+                    except kvstate.NotSaved as e:
+                        not_saved.append(str(e))
+                        out.warn(f"capture checkpoints fall between documents only: the model's cache cannot be "
+                                 f"saved inside one ({e})")
+                    else:
+                        state.doc_pos, state.doc_cache = pos, snap
+                        try:
+                            state.save(build.work, build.id)
+                        finally:
+                            state.doc_pos, state.doc_cache = 0, None
+                        last_ckpt = time.perf_counter()
+                if after_chunk is not None:
+                    after_chunk(i, pos)
+
+            return on_chunk
+
         with (out if world.writer else Output(quiet=True)).progress("capture", total=len(units)) as bar:
             if not world.distributed:
                 for b in range(state.next_block, len(blocks)):
                     for i in range(max(blocks[b][0], state.next_unit), blocks[b][1]):
-                        held_rows = new_held()
-                        run_unit(units[i], state.part, held_rows)
-                        state.add_held(held_rows, partial=True)
+                        first, cache = 0, None
+                        if state.doc_pos:  # resumed inside unit i: its document continues from the checkpoint
+                            first = state.doc_pos
+                            cache = kvstate.restore(lm, state.doc_cache, lambda: new_cache(lm), str(build.work))
+                            state.doc_pos, state.doc_cache = 0, None
+                        # the document's held-out rows go straight to the block's, so a checkpoint inside it has them
+                        run_unit(units[i], state.part, state.part_held, first, cache, inside_document(i))
                         state.next_unit = i + 1
                         if i + 1 == blocks[b][1]:
                             state.finish_block(empty())
