@@ -385,13 +385,46 @@ def test_pull_errors(hub, home, published, tmp_path):
     assert hub.requests_since(n) == [] and (tmp_path / "docs" / "keep.txt").read_text() == "mine"
 
 
-def test_unreachable_hub_names_the_endpoint(hub, home, published, tmp_path):
+def test_unreachable_hub_is_a_failure_that_names_the_endpoint(hub, home, published, tmp_path):
+    """No network (nothing listens at HF_ENDPOINT): exit 1, as for a model download with nothing cached -- the
+    input is fine and the same command works once the Hub answers; one line, nothing written."""
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     folder, _, _ = published
-    for args in (("push", folder, "--repo", "acme/maps"), ("pull", "acme/maps", "--out", tmp_path / "x")):
+    before = files_of(folder)
+    for args, where in ((("push", folder, "--repo", "acme/maps"), "acme/maps@main"),
+                        (("pull", "acme/maps", "--out", tmp_path / "out" / "x"), "acme/maps@main"),
+                        (("pull", "acme/maps@v9", "--out", tmp_path / "out" / "x", "--json"), "acme/maps@v9")):
         r = run(hub, home, *args, endpoint=dead)
-        assert r.returncode == 1
-        assert f"cannot reach the Hub at {dead}" in one_line_error(r)
-    assert not (tmp_path / "x").exists()
+        assert r.returncode == 1 and r.stdout == ""
+        line = one_line_error(r)
+        assert line.startswith(f"Error: cannot reach the Hub at {dead} (ConnectError: ") and line.endswith(
+            f") for {where}"), line
+    assert not (tmp_path / "out").exists()
+    assert files_of(folder) == before
+    r = run(hub, home, "pull", "acme/maps", "--out", tmp_path / "out" / "x")  # the same command, Hub back
+    assert r.returncode == 0, r.stderr
+    assert files_of(tmp_path / "out" / "x") == before
+
+
+@pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_offline_pull_and_push_are_bad_input_before_any_request(hub, home, published, tmp_path, variable):
+    """pull and push keep no cache, so with HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set there is nothing they can
+    do: the user's own setting refuses what was asked, exit 2 as a model download offline with nothing cached is;
+    one line, not one request, nothing written."""
+    folder, _, _ = published
+    before = files_of(folder)
+    env = {**hub_env(hub, home), variable: "1"}
+    n = len(hub.requests)
+    for args, where in ((("pull", "acme/maps", "--out", tmp_path / "out" / "x"), "acme/maps@main"),
+                        (("pull", "acme/maps@dev", "--out", tmp_path / "out" / "x", "--json"), "acme/maps@dev"),
+                        (("push", folder, "--repo", "acme/offline"), "acme/offline@main")):
+        r = cli(*args, env=env)
+        assert r.returncode == 2 and r.stdout == ""
+        command = args[0]
+        assert one_line_error(r) == (f"Error: {where}: {variable} is set, and {command} needs the Hub at {hub.url} "
+                                     f"({command} keeps no cache); unset {variable} to {command}")
+    assert hub.requests_since(n) == [] and "acme/offline" not in hub.repos
+    assert not (tmp_path / "out").exists()
+    assert files_of(folder) == before

@@ -7,9 +7,11 @@ and `HF_HUB_OFFLINE` (or `TRANSFORMERS_OFFLINE`) decides here whether the Hub is
 never printed or written: it is scrubbed from every message.
 
 Failures, for model downloads, push and pull alike (exit code in brackets):
-- a missing repo, revision or gated access, a refused token (401) or access (403), a snapshot that is not
-  cached while offline [2];
-- an unreachable Hub, the Hub's other errors, a branch that moved during a push [1].
+- a missing repo, revision or gated access, a refused token (401) or access (403), a snapshot that is not (or
+  only partly) cached while HF_HUB_OFFLINE is set (push and pull keep no cache: HF_HUB_OFFLINE alone refuses
+  them) [2]: what was asked, or the user's own setting, must change;
+- an unreachable Hub (with nothing, or only part of the snapshot, cached, for a model download), the Hub's other
+  errors, a branch that moved during a push or a download [1]: the same command may work when it is run again.
 
 huggingface_hub is imported inside the functions (`import ridgefill` stays light).
 """
@@ -41,6 +43,12 @@ def offline() -> bool:
     """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as it is now, with huggingface_hub's notion of true."""
     value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
     return value.upper() in _TRUE
+
+
+def offline_variable() -> str:
+    """The variable that makes `offline()` true, for messages: HF_HUB_OFFLINE unless only TRANSFORMERS_OFFLINE is."""
+    return "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") or not os.environ.get("TRANSFORMERS_OFFLINE") \
+        else "TRANSFORMERS_OFFLINE"
 
 
 def token(given: str | None = None) -> str | None:
@@ -122,6 +130,16 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def incomplete(where: str, cache: Path | None, offline_now: bool, missing: str | None = None) -> RidgefillError:
+    """A cached snapshot that lacks files it needs: bad input while HF_HUB_OFFLINE is set (the user's setting must
+    change), a failure when the Hub cannot be reached (the same command works once it answers)."""
+    what = f"{where}: the cached snapshot in {cache} is incomplete" + (f" ({missing} is missing)" if missing else "")
+    if offline_now:
+        return BadInput(f"{what} and HF_HUB_OFFLINE is set; run again with network access to finish the download")
+    return RidgefillError(f"{what} and the Hub at {endpoint()} cannot be reached; run again when it answers to finish "
+                          "the download")
+
+
 @contextlib.contextmanager
 def hub_errors(repo_id: str, where: str, token: str | None, *, cache: Path | None = None,
                offline_now: bool = False, unreachable=lambda: None):
@@ -156,14 +174,13 @@ def hub_errors(repo_id: str, where: str, token: str | None, *, cache: Path | Non
             raise BadInput(f"{repo_id}: repository not found on {at}, or the token has no access to it") from None
         raise BadInput(f"{repo_id}: repository not found on {at}; if it is private, {LOGIN}") from None
     except IncompleteSnapshotError:
-        why = "HF_HUB_OFFLINE is set" if offline_now else f"the Hub at {at} cannot be reached"
-        raise BadInput(f"{where}: the cached snapshot in {cache} is incomplete and {why}; run again with network "
-                       "access to finish the download") from None
+        raise incomplete(where, cache, offline_now) from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
         cached = f" and {where} is not in the local Hugging Face cache ({cache})" if cache is not None else ""
         if offline_now:
             if cache is None:
-                raise BadInput(f"HF_HUB_OFFLINE is set; cannot reach the Hub at {at}") from None
+                raise BadInput(f"{where}: {offline_variable()} is set, and this needs the Hub at {at}; unset it "
+                               "to go on") from None
             raise BadInput(f"{where} is not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set; "
                            "unset HF_HUB_OFFLINE to download it") from None
         cause = unreachable() or network_cause(e) or e

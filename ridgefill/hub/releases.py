@@ -20,7 +20,9 @@ throw-away download cache is used each time, so what is verified is what the Hub
 
 huggingface_hub is imported inside the functions (`import ridgefill` stays light). Hub failures become one-line
 errors through `ridgefill.hub.client.hub_errors`, the mapping model downloads use too (the token never appears in
-a message).
+a message). The offline rule is theirs as well: with `HF_HUB_OFFLINE` set and nothing cached a model download is
+refused as bad input (exit 2), and push and pull, which keep no cache, are refused so before any request; a Hub
+that cannot be reached is a failure (exit 1), and nothing is written.
 """
 
 from __future__ import annotations
@@ -56,13 +58,16 @@ def push(folder: Path, repo_id: str, *, revision: str = DEFAULT_REVISION, privat
         if local[name]["sha256"] != manifest["files"][name]:
             raise BadInput(f"{name}: changed while preparing the push (sha256 no longer matches {release.MANIFEST})")
 
+    _check_online("push", f"{repo_id}@{revision}")
+
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
     token = client.token(token)
     if not token:
         raise RidgefillError("no Hub token: pass --token, set HF_TOKEN or run `hf auth login`")
     api = HfApi(endpoint=client.endpoint(), token=token)
-    with client.hub_errors(repo_id, f"{repo_id}@{revision}", token), client.session(client.offline()):
+    with client.hub_errors(repo_id, f"{repo_id}@{revision}", token, offline_now=client.offline()), \
+            client.session(client.offline()):
         api.create_repo(repo_id, repo_type="model", private=True if private else None, exist_ok=True)
         if private and not getattr(api.repo_info(repo_id), "private", True) and out is not None:
             out.warn(f"{repo_id} already exists and is public; --private only applies when the repo is created")
@@ -167,12 +172,14 @@ def pull(spec: str, out_dir: Path, *, token: str | None = None, force: bool = Fa
     repo_id, revision = parse_spec(spec)
     out_dir = Path(out_dir)
     release.check_out_dir(out_dir)  # before any network: a mistyped --out fails fast
+    _check_online("pull", f"{repo_id}@{revision}")
 
     from huggingface_hub import HfApi
 
     token = client.token(token)
     api = HfApi(endpoint=client.endpoint(), token=token)
-    with client.hub_errors(repo_id, f"{repo_id}@{revision}", token), client.session(client.offline()):
+    with client.hub_errors(repo_id, f"{repo_id}@{revision}", token, offline_now=client.offline()), \
+            client.session(client.offline()):
         sha = api.repo_info(repo_id, revision=revision).sha
         where = f"{repo_id}@{revision}" + ("" if revision == sha else f" (commit {sha[:12]})")
         work = release.sibling(out_dir, "pull")  # a killed pull's is removed by the next (folder.recover)
@@ -248,6 +255,16 @@ def _place(stage: Path, out_dir: Path, force: bool) -> bool:
             raise BadInput(f"--out {out_dir} holds a different release; pass --force to replace it")
     release.move_into_place(stage, out_dir)  # swap, with the old folder restored if the rename fails
     return False
+
+
+def _check_online(command: str, where: str) -> None:
+    """push and pull talk to the Hub and keep no cache: HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) refuses them
+    before any request, as bad input (exit 2) -- the user's own setting forbids what was asked, and running again
+    changes nothing -- where an unreachable Hub is a failure (exit 1)."""
+    if client.offline():
+        var = client.offline_variable()
+        raise BadInput(f"{where}: {var} is set, and {command} needs the Hub at {client.endpoint()} ({command} keeps "
+                       f"no cache); unset {var} to {command}")
 
 
 def _check_branch(revision: str) -> None:
