@@ -327,6 +327,31 @@ def test_fingerprint_cache_is_shared_by_path_and_survives_damage(tiny_llama, tmp
     assert list(cache_entries(store)) == [str((model / "model.safetensors").resolve())]
 
 
+def test_a_wrong_remembered_hash_is_corrected_not_blamed_on_the_model(tiny_llama, tmp_path, hashed):
+    """A poisoned fingerprint cache (a wrong sha256 for an unchanged file) gives another fingerprint; a caller that
+    expects the true one gets the files hashed again, the cache repaired, and no "different model" refusal."""
+    from ridgefill.models.spec import FINGERPRINT_CACHE
+
+    model, store = shutil.copytree(tiny_llama, tmp_path / "m"), tmp_path / "store"
+    store.mkdir()
+    age(model)
+    true = resolve_model(str(model), store_root=store).fingerprint
+    path = store / "models" / FINGERPRINT_CACHE
+    doc = json.loads(path.read_text())
+    key = str((model / "model.safetensors").resolve())
+    doc["files"][key]["sha256"] = "0" * 64
+    path.write_text(json.dumps(doc))
+    assert resolve_model(str(model), store_root=store).fingerprint != true  # without an expectation: as cached
+    hashed.clear()
+    assert resolve_model(str(model), store_root=store, expect=true).fingerprint == true
+    assert hashed.count("model.safetensors") == 1
+    assert cache_entries(store)[key]["sha256"] == sha((model / "model.safetensors").read_bytes())
+    hashed.clear()
+    assert resolve_model(str(model), store_root=store).fingerprint == true and "model.safetensors" not in hashed
+    # a model that really differs is still refused by the caller: hashed again once, and still different
+    assert resolve_model(str(model), store_root=store, expect="f" * 64).fingerprint == true
+
+
 def test_resolving_makes_no_store_and_loading_remembers_the_hashes(tiny_llama, tmp_path, hashed):
     """Resolving a model never creates a store (a command refused after it leaves nothing behind); the hashes are
     remembered once the model is loaded, which is the store's first write."""

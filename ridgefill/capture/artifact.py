@@ -154,7 +154,7 @@ def captured_model(cap: Artifact, store: Store, model: str | None = None):
     from ridgefill.models.spec import pinned_spec
 
     spec = model or pinned_spec(cap.info["model_spec"], cap.info["model"].get("revision"))
-    ref = resolve_model(spec, store_root=store.root)
+    ref = resolve_model(spec, store_root=store.root, expect=cap.recipe["model"])
     if ref.fingerprint != cap.recipe["model"]:
         raise BadInput(
             f"capture {cap.id} was made with a different model ({cap.info['model']['name']}, fingerprint "

@@ -89,7 +89,7 @@ def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output
                            "(measure them with solve --state-data)")
         if a.selector == "protected" and src.protected is None:
             raise BadInput(f"arm '{a.name}' needs a protected-token table, and '{source}' has none")
-    ref = resolve_model(model, store_root=store.root)
+    ref = resolve_model(model, store_root=store.root, expect=src.fingerprint)
     if ref.fingerprint != src.fingerprint:
         raise BadInput(f"'{source}' was fitted on a different model (fingerprint {src.fingerprint[:12]}) "
                        f"than '{model}' ({ref.fingerprint[:12]})")

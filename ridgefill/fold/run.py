@@ -63,7 +63,7 @@ def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: st
         return hit, True
     store.verify(comp)
     spec = model or pinned_spec(comp.info["model_spec"], comp.info["model"].get("revision"))
-    ref = resolve_model(spec, store_root=store.root)
+    ref = resolve_model(spec, store_root=store.root, expect=comp.recipe["model"])
     if ref.fingerprint != comp.recipe["model"]:
         raise BadInput(f"compact {comp.id} was made with a different model (fingerprint {comp.recipe['model'][:12]}) "
                        f"than '{spec}' ({ref.fingerprint[:12]})")  # fmt: skip

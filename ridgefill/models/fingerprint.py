@@ -123,10 +123,16 @@ class FileHashCache:
     VERSION = 1
     RACY_S = 2.0
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, *, remembered: bool = True):
         self.path = path
-        self._entries: dict | None = None
+        self._entries: dict | None = None if remembered else {}
         self._new: dict[str, dict] = {}
+        self._forget: set[str] = set()  # hashed again but too new to remember: drop what was remembered
+        self.reused = False  # whether a remembered hash was returned
+
+    def fresh(self) -> "FileHashCache":
+        """The same cache file, with every file hashed again (what is hashed now replaces what was remembered)."""
+        return FileHashCache(self.path, remembered=False)
 
     def sha256(self, file: Path) -> str:
         real = os.path.realpath(file)
@@ -134,11 +140,14 @@ class FileHashCache:
         known = self._load().get(real)
         if known is not None and _stat_key(before).items() <= known.items() and SHA256_NAME.match(
                 str(known.get("sha256"))):
+            self.reused = True
             return known["sha256"]
         digest = sha256_file(Path(real))
         after = os.stat(real)
         if _stat_key(after) == _stat_key(before) and time.time_ns() - after.st_mtime_ns > self.RACY_S * 1e9:
             self._new[real] = {**_stat_key(after), "sha256": digest}
+        else:
+            self._forget.add(real)
         return digest
 
     def _load(self) -> dict:
@@ -157,10 +166,10 @@ class FileHashCache:
         return {k: v for k, v in files.items() if isinstance(v, dict)} if isinstance(files, dict) else {}
 
     def save(self) -> None:
-        if self.path is None or not self._new:
+        if self.path is None or not (self._new or self._forget):
             return
         entries = {**self._read(), **self._new}
-        entries = {k: v for k, v in entries.items() if os.path.exists(k)}
+        entries = {k: v for k, v in entries.items() if os.path.exists(k) and k not in self._forget - set(self._new)}
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -171,7 +180,7 @@ class FileHashCache:
             pass  # a read-only store: hashing again next time is the only cost
         finally:
             tmp.unlink(missing_ok=True)
-        self._entries, self._new = entries, {}
+        self._entries, self._new, self._forget = entries, {}, set()
 
 
 def _stat_key(st: os.stat_result) -> dict:

@@ -106,23 +106,36 @@ class ModelRef:
         return self.num_layers // 2
 
 
-def resolve_model(spec: str, *, store_root: Path) -> ModelRef:
-    """Turn a model spec into a ModelRef, or raise BadInput with a one-line reason."""
+def resolve_model(spec: str, *, store_root: Path, expect: str | None = None) -> ModelRef:
+    """Turn a model spec into a ModelRef, or raise BadInput with a one-line reason.
+
+    `expect`: the fingerprint the caller will compare with (an artifact's or a release's). When the fingerprint
+    differs and came partly from remembered file hashes (`FileHashCache`), the files are hashed again, so that a
+    wrong remembered hash (a file rewritten within the cache's timestamp granularity, a hand-edited or copied
+    cache) is corrected here, and a mismatch left is a different model, never the cache's doing."""
     spec = str(spec)
     hashes = FileHashCache(Path(store_root) / "models" / FINGERPRINT_CACHE)
+    ref = _resolve(spec, Path(store_root), hashes)
+    if expect is not None and ref.fingerprint != expect and hashes.reused:
+        hashes = hashes.fresh()
+        ref = _resolve(spec, Path(store_root), hashes)
+    if Path(store_root).is_dir():  # only after success: a refused spec writes nothing
+        hashes.save()
+    else:  # nor is the store made here: a command refused after this (a split out of range) leaves none behind
+        ref = replace(ref, pending_hashes=hashes)
+    return ref
+
+
+def _resolve(spec: str, store_root: Path, hashes: FileHashCache) -> ModelRef:
     path = Path(spec).expanduser()
     if spec.startswith("builtin:"):
-        ref = _resolve_builtin(spec, Path(store_root), hashes)
+        ref = _resolve_builtin(spec, store_root, hashes)
     elif path.exists():
         ref = _resolve_local(spec, path, hashes, kind="gguf" if path.is_file() else "dir")
     elif HUB_ID.match(spec) and not spec.endswith(".gguf"):
         ref = _resolve_hub(spec, hashes)
     else:
         raise BadInput(f"model path '{spec}' does not exist")
-    if Path(store_root).is_dir():  # only after success: a refused spec writes nothing
-        hashes.save()
-    else:  # nor is the store made here: a command refused after this (a split out of range) leaves none behind
-        ref = replace(ref, pending_hashes=hashes)
     return ref
 
 

@@ -148,14 +148,14 @@ def sweep(
 
     place = place or where()
     check_config(cfg)
-    ref = resolve_model(model, store_root=store.root)
+    cap = store.get(capture_ref, stage="capture") if capture_ref is not None else None
+    ref = resolve_model(model, store_root=store.root, expect=cap.recipe["model"] if cap else None)
     splits = check_splits(cfg, ref.num_layers)
     cfg = replace(cfg, splits=splits)
-    if capture_ref is not None:
-        cap = store.get(capture_ref, stage="capture")
+    if cap is not None:
         if cap.recipe["model"] != ref.fingerprint:
-            raise BadInput(f"capture {cap.id} was made with a different model ({cap.info['model']['name']}) "
-                           f"than '{model}'")
+            raise BadInput(f"capture {cap.id} was made with a different model (fingerprint {cap.recipe['model'][:12]}) "
+                           f"than '{model}' ({ref.fingerprint[:12]})")
         missing = [s for s in splits if s not in cap.recipe["splits"]]
         if missing:
             flags = " ".join(f"--split {s}" for s in splits)
