@@ -83,6 +83,10 @@ def builtin_sources() -> list[Path]:
 
 
 def read_corpus(paths: list[str]) -> Corpus:
+    """The documents of `--data` paths (files, folders searched for text files, or `builtin`), in order. A document
+    is named by what the path holds, never by how it was typed: a file by its name, a file found in a folder by the
+    folder's name and its path inside it (`data/sub/a.txt` whether the folder was given as `data`, `./data` or an
+    absolute path), a JSON Lines record by its file's name and line."""
     docs: list[Document] = []
     replaced = files_bad = 0
     for spec in paths:
@@ -98,7 +102,7 @@ def read_corpus(paths: list[str]) -> Corpus:
             if bad:
                 replaced += bad
                 files_bad += 1
-            name = f.name if spec == BUILTIN else str(f)
+            name = f.name if spec == BUILTIN or f == p else f"{p.resolve().name}/{f.relative_to(p).as_posix()}"
             if f.suffix == ".jsonl":
                 docs += _jsonl(name, text)
             else:
