@@ -335,7 +335,7 @@ def test_protected_token_table(chain, tiny_llama, verified_release):
     got = safetensors.load(sol.file("protected.safetensors"))[0]["token_ids"]
     counts = safetensors.load(chain["cap"].file(COUNTS))[0]["counts"]
     tok = AutoTokenizer.from_pretrained(tiny_llama)
-    special = set(tok.all_special_ids)
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
     eligible = [i for i in range(len(counts)) if i not in special
                 and token_class(tok.convert_tokens_to_string([tok.convert_ids_to_tokens(i)])) in ELIGIBLE]
     total, vocab = int(counts.sum()), len(counts)
@@ -350,6 +350,22 @@ def test_protected_token_table(chain, tiny_llama, verified_release):
     assert any(counts[i] > 0 for i in want)  # seen types too, not only the unseen ones
     rel = verified_release
     assert load_protected(rel, verify_release(rel)).tolist() == got.tolist()
+
+
+def test_added_special_tokens_are_special(tiny_llama):
+    """Added tokens flagged special (as SmolLM2's `<file_sep>` ... `<empty_output>`, ids 3-16, are) are never
+    eligible for the protected-token table, like the named special tokens; an added token not flagged is text."""
+    from transformers import AutoTokenizer
+
+    from ridgefill.solve.protected import token_classes
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tok.add_tokens(["<file_sep>", "<jupyter_code>"], special_tokens=True)
+    tok.add_tokens(["Zebrafish"])
+    ids = tok.convert_tokens_to_ids(["<file_sep>", "<jupyter_code>", "Zebrafish"])
+    classes = token_classes(tok, len(tok))
+    assert [classes[i] for i in ids] == ["special", "special", "cap_piece"]
+    assert all(classes[i] == "special" for i in tok.all_special_ids)
 
 
 @pytest.mark.parametrize("piece, cls", [(" The", "cap_word_start"), (" the", "lower_word_start"), ("The", "cap_piece"),

@@ -44,9 +44,16 @@ def token_class(piece: str, special: bool = False) -> str:
     return "mixed"
 
 
+def special_ids(tokenizer) -> set[int]:
+    """The tokenizer's special tokens: its named ones (bos, eos, ...) and every added token flagged special
+    (SmolLM2's `<file_sep>`, `<jupyter_code>`, ...; Gemma 3's `<unusedN>`), which calibration text never holds."""
+    flagged = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return set(tokenizer.all_special_ids) | {int(i) for i, t in flagged.items() if getattr(t, "special", False)}
+
+
 def token_classes(tokenizer, vocab: int) -> list[str]:
     """The class of every token id below `vocab` (ids the tokenizer does not know are "special")."""
-    special = set(tokenizer.all_special_ids)
+    special = special_ids(tokenizer)
     pieces = tokenizer.convert_ids_to_tokens(list(range(vocab)))
     out = []
     for i, t in enumerate(pieces):

@@ -14,7 +14,8 @@ from ridgefill.output import Output
 from ridgefill.solve import artifact
 from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose, lam, maps_at, maps_per_layer, search, search_per_layer
 
-FORMAT_VERSION = 3  # 2: the grid is extended past an open edge (ridge.search); 3: the protected-token table
+FORMAT_VERSION = 4  # 2: the grid is extended past an open edge (ridge.search); 3: the protected-token table;
+# 4: added tokens flagged special are special (never protected)
 METRIC_CHOICES = ("kv", "input")
 
 
