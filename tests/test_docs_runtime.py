@@ -10,6 +10,7 @@ prefill's logits, and the printed continuation must be the stock model's own gre
 import contextlib
 import io
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,13 @@ def test_example_runs_and_prints_the_exact_continuation(lm_of, tiny_llama, tmp_p
     want = stock_greedy(lm, ids, MAX_NEW)
     assert want, "the tiny model should continue the prompt with at least one token"
     assert rest == lm.tokenizer.decode(want) + "\n"
+
+    # "Continuing with transformers' generate": the page's two lines, run on the example's cache
+    lines = re.search(r"\*\*Continuing with transformers' `generate`\.\*\*.*?\n\n((?:    [^\n]+\n)+)", DOC.read_text(),
+                      flags=re.S).group(1)
+    before = res.cache.get_seq_length()
+    more = {**scope, "torch": torch}
+    exec(compile(textwrap.dedent(lines), str(DOC), "exec"), more)
+    new = more["out"][0, n:].tolist()
+    assert new[: len(want)] == want  # the stock model's own continuation (generate may go on past end-of-sequence)
+    assert res.cache.get_seq_length() > before  # generate extended the cache in place, as the page says

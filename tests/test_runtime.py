@@ -5,6 +5,7 @@ of the stock model for the "nofill" arm, and maps fitted by least squares on the
 """
 
 import copy
+import shutil
 
 import numpy as np
 import pytest
@@ -482,16 +483,17 @@ def test_refusals(lm_of):
 # -- maps from a release folder -------------------------------------------------------------------------------------
 
 
-def write_tiny_release(lm, folder, maps, split, tail, layers=None):
+def write_tiny_release(lm, folder, maps, split, tail, layers=None, fit=None):
     """A `ridgefill-maps/1` folder (f32 weights) holding `maps` {l: (W, b)} for the loaded model `lm`, through the
-    release writer itself; `layers` (default: the maps' keys) go into the manifest."""
+    release writer itself; `layers` (default: the maps' keys) and `fit` go into the manifest."""
     from ridgefill.formats.release import write_release
 
     ref, ad = lm.ref, lm.adapter
     manifest = {"model": {"name": ref.name, "revision": ref.revision, "architecture": ref.model_type,
                           "num_layers": ad.num_layers, "hidden_size": ad.hidden_size, "fingerprint": ref.fingerprint},
                 "split": split, "tail_default": tail,
-                "layers": [{"index": l, "kind": ad.layer_kinds[l]} for l in sorted(layers or maps)]}  # fmt: skip
+                "layers": [{"index": l, "kind": ad.layer_kinds[l]} for l in sorted(layers or maps)],
+                **({"fit": fit} if fit is not None else {})}  # fmt: skip
     arrays = {l: {"weight": np.asarray(W, np.float32), "bias": np.asarray(b, np.float32)} for l, (W, b) in maps.items()}
     return write_release(folder, arrays, manifest, "tiny release\n", weight_dtype="f32")
 
@@ -512,6 +514,31 @@ def test_load_release_maps(lm_of, tmp_path):
     a = prefill(lm, ids, "ridgefill", split=rel.split, tail=rel.tail, maps=rel.maps)
     b = prefill(lm, ids, "ridgefill", split=1, tail=5, maps=maps)
     assert torch.equal(a.logits, b.logits)
+
+
+def test_a_release_prescribes_the_rows_its_fit_left_out(lm_of, tmp_path):
+    """`rel.options()` carries the fit's rules: the first `fit.skip_first_rows` rows and the outliers by
+    `fit.outlier_ratio` run exactly (null: a fit that kept the outliers, so none), as eval applies them too."""
+    from ridgefill.evaluate.source import load_source
+    from ridgefill.runtime import load_release_maps
+
+    lm = lm_of("llama")
+    maps, ids = random_maps(lm, 1, seed=3), tokens(24, seed=4)
+    h = exact_run(lm, ids, splits=[1]).states[1]
+    norms = h.float().norm(dim=-1)[:19]
+    ratio = float(norms.max() / norms.median()) * 0.999  # the largest row is just over the ratio
+    big = int(norms.argmax())
+    for fit, anchor, outliers, rows in (({"skip_first_rows": 3, "outlier_ratio": ratio}, 3, ratio, {0, 1, 2, big}),
+                                        ({"skip_first_rows": 1, "outlier_ratio": None}, 1, 0.0, {0})):
+        write_tiny_release(lm, tmp_path / "rel", maps, 1, 5, fit=fit)
+        rel = load_release_maps(lm, tmp_path / "rel")
+        assert (rel.anchor, rel.outliers) == (anchor, outliers)
+        assert rel.options() == {"split": 1, "tail": 5, "maps": rel.maps, "anchor": anchor, "outliers": outliers}
+        res = prefill(lm, ids, "ridgefill", **rel.options())
+        assert set(res.exact_rows) == rows
+        src = load_source(None, str(tmp_path / "rel"))
+        assert (src.anchor, src.outliers) == (anchor, outliers)
+        shutil.rmtree(tmp_path / "rel")
 
 
 def test_load_release_maps_refusals(lm_of, tmp_path):

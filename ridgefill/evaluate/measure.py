@@ -54,7 +54,8 @@ class _Rows:
 
 def fill_args(src: MapsSource, arm: Arm, tail: int) -> dict:
     """prefill / prefill_from options of a fill arm."""
-    args = {"split": src.split, "tail": tail, "maps": src.maps if arm.base == "ridgefill" else None}
+    args = {"split": src.split, "tail": tail, "maps": src.maps if arm.base == "ridgefill" else None,
+            "anchor": src.anchor, "outliers": src.outliers}
     if arm.corrections:
         args["corrections"] = arm.corrections
         if "state" in arm.corrections:

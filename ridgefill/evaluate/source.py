@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ridgefill.artifacts import Store, recipe_id
 from ridgefill.errors import BadInput
+from ridgefill.runtime.rows import ANCHOR_ROWS, OUTLIER_RATIO
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,14 @@ class MapsSource:
     release_dir: Path | None
     state_offsets: dict | None = None  # a hybrid's terminal-state offsets {layer: float32 array}
     protected: frozenset | None = None  # the protected-token table: token ids
+    anchor: int = ANCHOR_ROWS  # leading rows run exactly: the rows the fit left out (`fit.skip_first_rows`)
+    outliers: float = OUTLIER_RATIO  # the fit's outlier rule (`fit.outlier_ratio`; 0: a fit that kept them)
+
+
+def fit_rows(skip_first, outlier_ratio) -> dict:
+    """The fill options that follow from how the maps were fitted: the rows the fit left out run exactly (the
+    first `skip_first`, and the outliers by `outlier_ratio`; none when the fit kept them, null)."""
+    return {"anchor": int(skip_first), "outliers": float(outlier_ratio or 0)}
 
 
 def load_source(store: Store, source: str) -> MapsSource:
@@ -34,7 +43,9 @@ def load_source(store: Store, source: str) -> MapsSource:
         return MapsSource({l: (m["weight"], m["bias"]) for l, m in rel.maps.items()}, int(manifest["split"]),
                           manifest["model"]["fingerprint"], "release:" + recipe_id(manifest["files"]),
                           frozenset(manifest.get("fit", {}).get("calibration_sha256", [])), p, rel.state_offsets,
-                          None if rel.protected is None else frozenset(rel.protected))
+                          None if rel.protected is None else frozenset(rel.protected),
+                          **fit_rows(manifest["fit"].get("skip_first_rows", ANCHOR_ROWS),
+                                     manifest["fit"].get("outlier_ratio")))
     art = store.get(source)
     if art.stage not in ("solve", "quantize"):
         raise BadInput(f"artifact {art.id} is a {art.stage} artifact; eval takes a release folder, solve or quantize artifact")
@@ -43,9 +54,11 @@ def load_source(store: Store, source: str) -> MapsSource:
     from ridgefill.solve.artifact import load_extras
 
     maps = float_maps(art)  # int8 decoded with the artifact's own group size
-    calib = calibration_hashes(store.upstream(art, "capture"))
+    cap = store.upstream(art, "capture")
+    calib = calibration_hashes(cap)
     sol = art if art.stage == "solve" else store.upstream(art, "solve")
     offsets, table = load_extras(sol)
     # the split and the model from the recipes, which the ids cover (never from an artifact's `info`)
     return MapsSource(maps, int(sol.recipe["split"]), sol.recipe["model"], f"{art.stage}:{art.id}", calib, None, offsets,
-                      None if table is None else frozenset(table))
+                      None if table is None else frozenset(table),
+                      **fit_rows(cap.recipe["skip_first"], cap.recipe.get("outlier_ratio")))

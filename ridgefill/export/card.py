@@ -161,7 +161,11 @@ def _usage(manifest: dict) -> list[str]:
         f'lm = load_model(resolve_model("{spec}", store_root=store), store_root=store)',
         'rel = load_release_maps(lm, "DIR")  # verified; refuses maps made for another model',
         'ids = lm.tokenizer(Path("prompt.txt").read_text(), return_tensors="pt").input_ids[0]',
-        'res = prefill(lm, ids, "ridgefill", split=rel.split, tail=min(rel.tail, len(ids)), maps=rel.maps)',
+        "opts = rel.options()  # the release's split, exact tail and maps; the rows its fit left out run exactly",
+        'if len(ids) <= opts["tail"]:  # no prefix before the exact tail: nothing to fill, the prompt runs exactly',
+        '    print(f"{len(ids)} tokens, not more than the exact tail ({opts[\'tail\']}): nothing is filled")',
+        '    opts["tail"] = len(ids)',
+        'res = prefill(lm, ids, "ridgefill", **opts)',
         "print(lm.tokenizer.decode(greedy(lm, res, max_new=40)))",
         "```",
     ]

@@ -4,6 +4,7 @@
     rel = load_release_maps(lm, "release/smollm2-135m")   # verified; refuses maps made for another model
     rel.maps    # {layer: (W float32 [d, d], b float32 [d])} on each late layer's device
     rel.split, rel.tail, rel.manifest
+    prefill(lm, ids, "ridgefill", **rel.options())   # its split, tail and maps; the rows its fit left out run exactly
     rel.state_offsets   # a hybrid's terminal-state offsets {layer: [value heads, key dim, value dim]}, or None
 
 The folder is read only through `ridgefill.formats.release.read_release`, which checks every file against the
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ridgefill.errors import BadInput
+from ridgefill.runtime.rows import ANCHOR_ROWS, OUTLIER_RATIO
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,16 @@ class ReleaseMaps:
     manifest: dict  # the verified `ridgefill.json`
     folder: Path
     state_offsets: dict | None = None  # {layer: float32 tensor} for prefill(corrections=("state",)), or None
+    anchor: int = ANCHOR_ROWS  # leading rows the fit left out (`fit.skip_first_rows`): run exactly
+    outliers: float = OUTLIER_RATIO  # the fit's outlier ratio (`fit.outlier_ratio`; 0: the fit kept such rows)
+
+    def options(self) -> dict:
+        """The fill options the release prescribes: `prefill(lm, ids, "ridgefill", **rel.options())` fills with its
+        split, default tail and maps, and runs exactly the rows its fit left out (the first `anchor` rows and the
+        outliers by norm). Any of them may be overridden: `prefill(..., **rel.options(), tail=256)` is an error,
+        `prefill(..., **{**rel.options(), "tail": 256})` is not."""
+        return {"split": self.split, "tail": self.tail, "maps": self.maps, "anchor": self.anchor,
+                "outliers": self.outliers}
 
 
 def maps_on_devices(lm, maps: dict, layers) -> dict:
@@ -84,4 +96,6 @@ def load_release_maps(lm, folder) -> ReleaseMaps:
         except BadInput as e:
             raise BadInput(f"{folder}: {e}") from None
         offsets = {l: torch.as_tensor(o).to(ad.layer_device(l)) for l, o in offsets.items()}
-    return ReleaseMaps(maps_on_devices(lm, late, range(split, L)), split, tail, manifest, folder, offsets)
+    fit = manifest.get("fit") or {}
+    return ReleaseMaps(maps_on_devices(lm, late, range(split, L)), split, tail, manifest, folder, offsets,
+                       anchor=int(fit.get("skip_first_rows", ANCHOR_ROWS)), outliers=float(fit.get("outlier_ratio") or 0))
