@@ -205,8 +205,8 @@ def test_usage_section_names_the_cli_and_the_runtime_api():
         assert cmd in usage, cmd
     snippet = re.search(r"```python\n(.*?)```", usage, re.S).group(1)
     assert 'resolve_model("builtin:smollm2-135m"' in snippet and "load_release_maps" in snippet
-    import ridgefill.models
-    import ridgefill.runtime
+    import ridgefill.models  # noqa: F401
+    import ridgefill.runtime  # noqa: F401  (loaded for sys.modules below)
 
     for mod, names in re.findall(r"^from (ridgefill\.\w+) import (.+)$", snippet, re.M):
         public = set(getattr(sys.modules[mod], "__all__", ()))

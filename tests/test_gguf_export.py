@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from ridgefill.artifacts import Store
-from ridgefill.formats import safetensors
 from ridgefill.artifacts.store import sha256_file
 from ridgefill.errors import BadInput
 from ridgefill.formats import gguf as G

@@ -39,7 +39,7 @@ def chain(request, tmp_path_factory):
     for i, t in enumerate(STATE_TEXTS):
         (state / f"s{i}.txt").write_text(t)
     store = tmp / "store"
-    ids = {}
+    ids, prev = {}, None
     for stage, args in (("capture", [model, "--data", data, "--split", "2", "--chunk", "64", "--held-out", "2"]),
                         ("solve", ["--state-data", state, "--state-chunk", "32"]), ("quantize", [])):  # fmt: skip
         args = args if stage == "capture" else [ids[prev], *args]
