@@ -53,9 +53,9 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
             maps, group = load_quant(src), {"group_size": group_size(src)}
         else:
             maps, group = _float_maps(src), {"weight_dtype": "f32"}
-        lm = captured.captured_model(cap, store, model)
-        manifest = _manifest(src, sol, cap, rep, captured.documents(cap), tail, lm,
-                             captured.captured_kinds(cap, store, lm), sorted(maps))
+        model_ref = captured.captured_model(cap, store, model)  # a ModelRef: nothing is loaded
+        manifest = _manifest(src, sol, cap, rep, captured.documents(cap), tail, model_ref,
+                             captured.captured_kinds(cap, store, model_ref), sorted(maps))
         extras = _extras(sol, rep)
         with store.build("export", recipe) as build:
             release.write_release(build.path / RELEASE_DIR, maps, manifest, model_card, **group, **extras)
