@@ -23,6 +23,7 @@ from ridgefill.models import fingerprint as fingerprint_mod
 from ridgefill.models import spec as spec_mod
 from ridgefill.models.spec import ModelRef, read_gguf_header
 from tiny import ARCHS, HYBRIDS, make_tiny_gguf, make_tiny_model
+from conftest import TINY_FIXTURES
 
 FIXTURES = {"llama": "tiny_llama", "gemma3_text": "tiny_gemma3", "qwen2": "tiny_qwen2", "qwen3": "tiny_qwen3",
             "qwen3_next": "tiny_qwen3_next", "qwen3_5": "tiny_qwen3_5"}
@@ -740,3 +741,17 @@ def test_builtin_loads_and_caches(spec, model_type, layers, hidden, qk_norm, spl
     if model_type == "gemma3_text":
         assert ad.layer_kinds.count("full_attention") == 3 and ad.layer_kinds[5] == "full_attention"
         assert ad.attention_scaling(0) == pytest.approx(256**-0.5)
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_FIXTURES))
+def test_layer_kinds_from_the_config_are_the_loaded_models(arch, lm_of, tmp_path, monkeypatch):
+    """export describes the layers from the configuration alone: config.json's `layer_types` (llama: none, all full
+    attention), else transformers' config class; both equal the loaded model's adapter."""
+    from ridgefill.models import load as load_mod
+    from ridgefill.models.load import layer_kinds
+
+    lm = lm_of(arch)
+    store = tmp_path / "store"
+    assert layer_kinds(lm.ref, store_root=store) == lm.adapter.layer_kinds
+    monkeypatch.setattr(load_mod, "_listed_kinds", lambda *a: None)  # the transformers path
+    assert layer_kinds(lm.ref, store_root=store) == lm.adapter.layer_kinds

@@ -105,13 +105,16 @@ def layer_kinds(ref: ModelRef, *, store_root: Path, trust_remote_code: bool = Fa
     """The kind of each decoder layer of `ref` (`full_attention`, `sliding_attention`, `linear_attention`), read
     from its configuration as transformers loads it, without loading weights: the same list as the loaded model's
     adapter has. A stage that must describe the model reads it here, from the files the fingerprint covers."""
-    from transformers import AutoConfig
-
     from ridgefill.models.kinds import kinds_of
+
+    source = gguf_cache_dir(ref, store_root=Path(store_root))[0] if ref.is_gguf else ref.path
+    listed = _listed_kinds(source / "config.json", ref.num_layers)
+    if listed is not None:  # what transformers' config would hold, read without importing it (seconds)
+        return listed
+    from transformers import AutoConfig
 
     check_transformers()
     check_architecture(ref.model_type)
-    source = gguf_cache_dir(ref, store_root=Path(store_root))[0] if ref.is_gguf else ref.path
     extra = {"trust_remote_code": True} if trust_remote_code else {}
     _quiet_transformers()
     try:
@@ -123,6 +126,24 @@ def layer_kinds(ref: ModelRef, *, store_root: Path, trust_remote_code: bool = Fa
     if len(kinds) != ref.num_layers:
         raise RidgefillError(f"{source}: the configuration has {len(kinds)} layer kinds for {ref.num_layers} layers")
     return kinds
+
+
+def _listed_kinds(config_path: Path, num_layers: int) -> list[str] | None:
+    """The layer kinds a config.json states: its (text part's) `layer_types` when it lists one per layer, or full
+    attention for llama, whose configuration has none. None when transformers' config class would compute them."""
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    types = text.get("layer_types")
+    if isinstance(types, list) and len(types) == num_layers and all(isinstance(t, str) for t in types):
+        return list(types)
+    if config.get("model_type") == "llama" and types is None:
+        from ridgefill.models.kinds import FULL
+
+        return [FULL] * num_layers
+    return None
 
 
 def load_model(
