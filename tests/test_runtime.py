@@ -5,6 +5,7 @@ of the stock model for the "nofill" arm, and maps fitted by least squares on the
 """
 
 import copy
+import re
 import shutil
 
 import numpy as np
@@ -538,6 +539,12 @@ def test_a_release_prescribes_the_rows_its_fit_left_out(lm_of, tmp_path):
         assert set(res.exact_rows) == rows
         src = load_source(None, str(tmp_path / "rel"))
         assert (src.anchor, src.outliers) == (anchor, outliers)
+        shutil.rmtree(tmp_path / "rel")
+    for fit, wording in (({"skip_first_rows": "1"}, "'fit.skip_first_rows' is '1', not a number of rows"),
+                         ({"skip_first_rows": 1, "outlier_ratio": 0.5}, "'fit.outlier_ratio' is 0.5, not null, 0 or")):
+        write_tiny_release(lm, tmp_path / "rel", maps, 1, 5, fit=fit)
+        with pytest.raises(BadInput, match=re.escape(wording)):
+            load_release_maps(lm, tmp_path / "rel")
         shutil.rmtree(tmp_path / "rel")
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ridgefill.artifacts import Store, recipe_id
 from ridgefill.errors import BadInput
-from ridgefill.runtime.rows import ANCHOR_ROWS, OUTLIER_RATIO
+from ridgefill.runtime.rows import ANCHOR_ROWS, OUTLIER_RATIO, fit_rows
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,6 @@ class MapsSource:
     outliers: float = OUTLIER_RATIO  # the fit's outlier rule (`fit.outlier_ratio`; 0: a fit that kept them)
 
 
-def fit_rows(skip_first, outlier_ratio) -> dict:
-    """The fill options that follow from how the maps were fitted: the rows the fit left out run exactly (the
-    first `skip_first`, and the outliers by `outlier_ratio`; none when the fit kept them, null)."""
-    return {"anchor": int(skip_first), "outliers": float(outlier_ratio or 0)}
-
 
 def load_source(store: Store, source: str) -> MapsSource:
     """A release folder, or a solve / quantize artifact of the store."""
@@ -44,8 +39,8 @@ def load_source(store: Store, source: str) -> MapsSource:
                           manifest["model"]["fingerprint"], "release:" + recipe_id(manifest["files"]),
                           frozenset(manifest.get("fit", {}).get("calibration_sha256", [])), p, rel.state_offsets,
                           None if rel.protected is None else frozenset(rel.protected),
-                          **fit_rows(manifest["fit"].get("skip_first_rows", ANCHOR_ROWS),
-                                     manifest["fit"].get("outlier_ratio")))
+                          **fit_rows((manifest.get("fit") or {}).get("skip_first_rows", ANCHOR_ROWS),
+                                     (manifest.get("fit") or {}).get("outlier_ratio"), str(p)))
     art = store.get(source)
     if art.stage not in ("solve", "quantize"):
         raise BadInput(f"artifact {art.id} is a {art.stage} artifact; eval takes a release folder, solve or quantize artifact")
@@ -61,4 +56,4 @@ def load_source(store: Store, source: str) -> MapsSource:
     # the split and the model from the recipes, which the ids cover (never from an artifact's `info`)
     return MapsSource(maps, int(sol.recipe["split"]), sol.recipe["model"], f"{art.stage}:{art.id}", calib, None, offsets,
                       None if table is None else frozenset(table),
-                      **fit_rows(cap.recipe["skip_first"], cap.recipe.get("outlier_ratio")))
+                      **fit_rows(cap.recipe["skip_first"], cap.recipe.get("outlier_ratio"), f"capture {cap.id}"))

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ridgefill.errors import BadInput
-from ridgefill.runtime.rows import ANCHOR_ROWS, OUTLIER_RATIO
+from ridgefill.runtime.rows import ANCHOR_ROWS, OUTLIER_RATIO, fit_rows
 
 
 @dataclass(frozen=True)
@@ -97,5 +97,5 @@ def load_release_maps(lm, folder) -> ReleaseMaps:
             raise BadInput(f"{folder}: {e}") from None
         offsets = {l: torch.as_tensor(o).to(ad.layer_device(l)) for l, o in offsets.items()}
     fit = manifest.get("fit") or {}
-    return ReleaseMaps(maps_on_devices(lm, late, range(split, L)), split, tail, manifest, folder, offsets,
-                       anchor=int(fit.get("skip_first_rows", ANCHOR_ROWS)), outliers=float(fit.get("outlier_ratio") or 0))
+    rows = fit_rows(fit.get("skip_first_rows", ANCHOR_ROWS), fit.get("outlier_ratio"), str(folder / MANIFEST))
+    return ReleaseMaps(maps_on_devices(lm, late, range(split, L)), split, tail, manifest, folder, offsets, **rows)

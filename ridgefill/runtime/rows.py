@@ -23,6 +23,21 @@ ANCHOR_ROWS = 1  # the first prompt row (the attention sink) runs every layer in
 ROW_SHARE, PROBE_ROWS = 0.1, 64  # "+rows": 10 % of the prompt, by attention from its last 64 rows
 
 
+def fit_rows(skip_first, outlier_ratio, what: str = "the release") -> dict:
+    """The fill options that follow from how maps were fitted (a release's `fit.skip_first_rows` and
+    `fit.outlier_ratio`, or a capture's): the rows the fit left out run exactly, the first `skip_first` (`anchor`)
+    and the outliers by `outlier_ratio` (`outliers`; null: the fit kept them, so 0). BadInput naming `what` for
+    values that are not such numbers."""
+    from ridgefill.errors import BadInput
+
+    if not (isinstance(skip_first, int) and not isinstance(skip_first, bool) and skip_first >= 0):
+        raise BadInput(f"{what}: 'fit.skip_first_rows' is {skip_first!r}, not a number of rows")
+    if outlier_ratio is not None and not (isinstance(outlier_ratio, (int, float)) and not isinstance(
+            outlier_ratio, bool) and (outlier_ratio == 0 or outlier_ratio > 1)):
+        raise BadInput(f"{what}: 'fit.outlier_ratio' is {outlier_ratio!r}, not null, 0 or a ratio above 1")
+    return {"anchor": skip_first, "outliers": float(outlier_ratio or 0)}
+
+
 def outlier_rows(h, ratio: float = OUTLIER_RATIO):
     """Rows of h [n, d] whose norm exceeds `ratio` x the median row norm: [n] bool (all False when ratio is 0)."""
     import torch
