@@ -120,17 +120,18 @@ class Entry:
     end: int
 
 
-def _no_duplicates(pairs):
+class DuplicateKey(ValueError):
+    """A JSON object names a key twice (its args[0]); Python's json would keep the last silently."""
+
+
+def no_duplicates(pairs):
+    """json's `object_pairs_hook` that refuses a key named twice in one object (DuplicateKey)."""
     obj = {}
     for key, value in pairs:
         if key in obj:
-            raise _Duplicate(key)
+            raise DuplicateKey(key)
         obj[key] = value
     return obj
-
-
-class _Duplicate(ValueError):
-    pass
 
 
 def parse_header(raw: bytes, data_size: int, name: str) -> tuple[dict[str, Entry], dict[str, str]]:
@@ -141,8 +142,8 @@ def parse_header(raw: bytes, data_size: int, name: str) -> tuple[dict[str, Entry
         return BadInput(f"{name}: not a readable safetensors file ({why})")
 
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except _Duplicate as e:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except DuplicateKey as e:
         raise bad(f"the header names {e.args[0]!r} twice") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad(f"header is not JSON: {e}") from None

@@ -62,19 +62,6 @@ def load_release(dir: Path) -> tuple[dict, dict[int, dict[str, np.ndarray]]]:
 # ------------------------------------------------------------------------------------------------ the manifest
 
 
-class _Duplicate(ValueError):
-    pass
-
-
-def _pairs(pairs):
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise _Duplicate(key)
-        out[key] = value
-    return out
-
-
 def _no_constant(name):  # NaN, Infinity, -Infinity: Python's json reads them, JSON does not have them
     raise ValueError(f"{name} is not JSON")
 
@@ -89,8 +76,9 @@ def _finite(text: str) -> float:  # 1e999 is a JSON number, but not one a float 
 def parse_json(text: str, what: str):
     """JSON as the format allows it: no duplicate keys, no NaN or infinity; BadInput naming `what`."""
     try:
-        return json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant, parse_float=_finite)
-    except _Duplicate as e:
+        return json.loads(text, object_pairs_hook=safetensors.no_duplicates, parse_constant=_no_constant,
+                          parse_float=_finite)
+    except safetensors.DuplicateKey as e:
         raise BadInput(f"{what}: invalid JSON (the key {e.args[0]!r} appears twice in one object)") from None
     except json.JSONDecodeError as e:
         raise BadInput(f"{what}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
