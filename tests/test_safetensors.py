@@ -75,3 +75,30 @@ def test_read_header_refuses_what_decode_refuses(tmp_path):
     with pytest.raises(BadInput, match=r"^t.safetensors: not a readable safetensors file \(the tensors end at byte "
                                        r"12 of 8 data bytes\)$"):
         safetensors.read_header(p)
+
+
+def test_streamed_writing_and_lazy_reading_are_the_plain_format(tmp_path):
+    """save_streamed writes the bytes `save` writes (tensors fetched one at a time); LazyFile reads each back."""
+    import numpy as np
+
+    from ridgefill.formats import safetensors as st
+
+    rng = np.random.default_rng(0)
+    arrays = {"b.f32": rng.standard_normal((3, 5)).astype(np.float32), "a.i8": np.arange(7, dtype=np.int8),
+              "c.bf16": st.BF16(np.arange(6, dtype=np.uint16).reshape(2, 3)), "d.f64": np.zeros(0)}
+    meta = {"z": "1", "a": "2"}
+    st.save(tmp_path / "plain.safetensors", arrays, meta)
+    fetched = []
+    lazy = {n: st.Lazy(l.dtype, l.shape, l.nbytes, lambda n=n, l=l: (fetched.append(n), l.fetch())[1])
+            for n, l in ((n, st.lazy_array(a)) for n, a in arrays.items())}
+    st.save_streamed(tmp_path / "streamed.safetensors", lazy, meta)
+    assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
+    assert sorted(fetched) == sorted(arrays)  # each fetched once
+    f = st.LazyFile(tmp_path / "streamed.safetensors")
+    assert f.metadata == meta and sorted(f.names) == sorted(arrays)
+    for n, a in arrays.items():
+        got = f[n]
+        if isinstance(a, st.BF16):
+            assert isinstance(got, st.BF16) and np.array_equal(got.bits, a.bits)
+        else:
+            assert got.dtype == a.dtype and np.array_equal(got, a)

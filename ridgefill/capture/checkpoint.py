@@ -16,8 +16,6 @@ checkpoint between documents takes."""
 from __future__ import annotations
 
 import json
-import os
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +28,7 @@ from ridgefill.errors import BadInput
 from ridgefill.formats import safetensors
 
 STATE = "state.safetensors"
-# the safetensors dtypes a state file holds -> numpy dtype (bfloat16 as its bits)
-_NUMPY = {"F64": "<f8", "I64": "<i8", "F32": "<f4", "I32": "<i4", "F16": "<f2", "BF16": "<u2"}
+_DTYPES = ("F64", "I64", "F32", "I32", "F16", "BF16")  # what a state file holds
 
 
 def concat(held_rows: dict) -> dict[str, np.ndarray]:
@@ -132,63 +129,14 @@ class State:
 
 
 def _write(path: Path, arrays: dict[str, np.ndarray], lazy: dict[str, Lazy], meta: dict[str, str]) -> None:
-    """A safetensors file of `arrays` and `lazy` (each fetched only when its turn comes, then dropped), written to a
-    temporary file and renamed, so a crash never leaves a half-written state."""
-    entries: dict[str, Lazy] = {}
-    for name, a in arrays.items():
-        a = np.ascontiguousarray(a)
-        entries[name] = Lazy(safetensors.dtype_of(a), a.shape, a.nbytes, lambda a=a: a)
-    entries |= lazy
-    width = lambda n: -(entries[n].nbytes // max(1, int(np.prod(entries[n].shape))))  # noqa: E731 (wider first)
-    order = sorted(entries, key=lambda n: (width(n), n))
-    header: dict = {"__metadata__": dict(sorted(meta.items()))}
-    at = 0
-    for name in order:
-        e = entries[name]
-        header[name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [at, at + e.nbytes]}
-        at += e.nbytes
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
-    text += b" " * (-len(text) % 8)
-    tmp = Path(path).with_name(Path(path).name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        for name in order:
-            e = entries[name]
-            a = e.fetch()
-            data = np.ascontiguousarray(a.bits if isinstance(a, safetensors.BF16) else a)
-            data = data.astype(data.dtype.newbyteorder("<"), copy=False)  # safetensors is little-endian
-            if data.nbytes != e.nbytes or tuple(data.shape) != tuple(e.shape):
-                raise RuntimeError(f"capture checkpoint: {name} changed while it was written")
-            if data.size:
-                f.write(memoryview(data.reshape(-1)).cast("B"))
-            del a, data
-    os.replace(tmp, path)
+    """The state file: `arrays` and the `lazy` cache tensors, tensor by tensor (safetensors.save_streamed)."""
+    safetensors.save_streamed(path, {n: safetensors.lazy_array(a) for n, a in arrays.items()} | lazy, meta)
 
 
-class _Read:
-    """The tensors of a state file, each read from its byte range when asked for."""
-
-    def __init__(self, path: Path, entries, base: int):
-        self.path, self.entries, self.base = path, entries, base
-
-    def __getitem__(self, name: str):
-        e = self.entries[name]
-        count = int(np.prod(e.shape))
-        a = np.fromfile(self.path, dtype=_NUMPY[e.dtype], count=count, offset=self.base + e.start).reshape(e.shape)
-        return safetensors.BF16(a) if e.dtype == "BF16" else a
-
-    def lazy(self, name: str) -> Lazy:
-        e = self.entries[name]
-        return Lazy(e.dtype, e.shape, e.end - e.start, lambda: self[name])
-
-
-def _reader(path: Path) -> tuple[_Read, list[str], dict[str, str]]:
-    """(tensors by name, read on demand; their names; the metadata) of a state file, its header checked by
-    `safetensors.read_header`."""
-    entries, meta = safetensors.read_header(path)
-    for name, e in entries.items():
-        if e.dtype not in _NUMPY:
+def _reader(path: Path) -> tuple[safetensors.LazyFile, list[str], dict[str, str]]:
+    """(tensors by name, read on demand; their names; the metadata) of a state file, its header checked."""
+    f = safetensors.LazyFile(path)
+    for name, e in f.entries.items():
+        if e.dtype not in _DTYPES:
             raise BadInput(f"{path.name}: tensor {name!r} has dtype {e.dtype}, which no capture state holds")
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-    return _Read(path, entries, 8 + n), list(entries), meta
+    return f, f.names, f.metadata

@@ -44,15 +44,7 @@ class NotSaved(Exception):
     """This cache holds something `snapshot` cannot save exactly (the message says what)."""
 
 
-@dataclass(frozen=True)
-class Lazy:
-    """One tensor of a checkpoint, fetched on demand: its safetensors dtype and shape, its size, and `fetch()`, which
-    returns it as a host array (a `safetensors.BF16` for bfloat16)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    fetch: Callable[[], object]
+Lazy = safetensors.Lazy  # a tensor copied to the host only when the checkpoint writer reaches it
 
 
 @dataclass

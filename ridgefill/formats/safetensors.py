@@ -22,6 +22,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -223,3 +224,77 @@ def load_zst(path: Path) -> tuple[dict[str, np.ndarray | BF16], dict[str, str]]:
     import zstandard
 
     return decode(zstandard.ZstdDecompressor().decompress(Path(path).read_bytes()), Path(path).name)
+
+
+# ------------------------------------------------------------------------------------ tensor by tensor
+
+
+@dataclass(frozen=True)
+class Lazy:
+    """One tensor to write or read on demand: its safetensors dtype and shape, its size in bytes, and `fetch()`,
+    which returns it as a host array (a `BF16` for bfloat16)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    fetch: Callable[[], object]
+
+
+def save_streamed(path: Path, tensors: dict[str, Lazy], metadata: dict[str, str]) -> None:
+    """A safetensors file written tensor by tensor (each fetched only when its turn comes, then dropped: a file of
+    device tensors never holds more than one on the host), to a temporary file renamed into place. The layout is
+    `save`'s: wider dtypes first, then by name."""
+    order = sorted(tensors, key=lambda n: (-_SIZE[tensors[n].dtype], n))
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))}
+    at = 0
+    for name in order:
+        e = tensors[name]
+        header[name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [at, at + e.nbytes]}
+        at += e.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
+    text += b" " * (-len(text) % 8)
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name in order:
+            e = tensors[name]
+            a = e.fetch()
+            data = np.ascontiguousarray(a.bits if isinstance(a, BF16) else a)
+            data = data.astype(data.dtype.newbyteorder("<"), copy=False)
+            if data.nbytes != e.nbytes or tuple(data.shape) != tuple(e.shape):
+                raise RuntimeError(f"{Path(path).name}: tensor {name} changed while it was written")
+            if data.size:
+                f.write(memoryview(data.reshape(-1)).cast("B"))
+            del a, data
+    os.replace(tmp, path)
+
+
+def lazy_array(a: np.ndarray | BF16) -> Lazy:
+    """A host array as a Lazy (nothing to fetch)."""
+    a = a if isinstance(a, BF16) else np.ascontiguousarray(a)
+    raw = a.bits if isinstance(a, BF16) else a
+    return Lazy(dtype_of(a), tuple(raw.shape), raw.nbytes, lambda: a)
+
+
+class LazyFile:
+    """The tensors of a safetensors file (header checked by `read_header`), each read from its byte range only when
+    asked for: `f[name]` (an array, `BF16` for bfloat16), `f.lazy(name)`, `f.names`, `f.metadata`."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.entries, self.metadata = read_header(self.path)
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        self.base = 8 + n
+        self.names = list(self.entries)
+
+    def __getitem__(self, name: str):
+        e = self.entries[name]
+        dt = np.dtype(np.uint16 if e.dtype == "BF16" else _NP[e.dtype]).newbyteorder("<")
+        a = np.fromfile(self.path, dtype=dt, count=int(np.prod(e.shape)), offset=self.base + e.start)
+        a = a.reshape(e.shape)
+        return BF16(a) if e.dtype == "BF16" else a
+
+    def lazy(self, name: str) -> Lazy:
+        e = self.entries[name]
+        return Lazy(e.dtype, tuple(e.shape), e.end - e.start, lambda: self[name])
