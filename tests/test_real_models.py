@@ -53,9 +53,11 @@ def broken_release(store: Path, solve_id: str, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("model, split, layers, broken", [("builtin:smollm2-135m", 20, 30, True),
-                                                           ("builtin:gemma3-270m", 11, 18, False)])
-def test_chain_on_real_model(tmp_path, small_corpus, model, split, layers, broken):
+# SmolLM2 also runs the +rows arm and the broken-release gate; on Gemma (the slower model) the chain and its gate
+# are enough: those arms' mechanics do not depend on the model.
+@pytest.mark.parametrize("model, split, layers, full", [("builtin:smollm2-135m", 20, 30, True),
+                                                         ("builtin:gemma3-270m", 11, 18, False)])
+def test_chain_on_real_model(tmp_path, small_corpus, model, split, layers, full):
     store = tmp_path / "store"
     r = cli("capture", model, "--data", small_corpus, "--held-out", 2, "--held-out-rows", 256,
             "--chunk", 512, "--store", store, "--json")
@@ -86,26 +88,27 @@ def test_chain_on_real_model(tmp_path, small_corpus, model, split, layers, broke
     # eval, gated by the model's shipped gate: the fresh release passes it (identity and nofill are left to the
     # tiny-model tests: each would cost as much as the ridgefill arm here)
     gate = GATES / f"{model.removeprefix('builtin:')}.toml"
-    arms = [a for arm in ("exact", "ridgefill", "ridgefill+rows") for a in ("--arms", arm)]
+    names = ("exact", "ridgefill", "ridgefill+rows") if full else ("exact", "ridgefill")
+    arms = [a for arm in names for a in ("--arms", arm)]
     r = cli("eval", model, out, *arms, *GATED, "--gate", gate, "--store", store, "--json")
     s = json.loads(r.stdout)["summary"] if r.stdout else None
     assert r.returncode == 0, (r.stderr, s)
     assert json.loads(r.stdout)["gate"] == {"passed": True, "failed": []}
     assert s["documents"] == 2 and s["samples"] == 1  # one single needle at depth 0.4
     assert s["arms"]["exact"]["needle"] == 100.0  # the exact model retrieves it: the needle test can be passed
-    for arm in ("ridgefill", "ridgefill+rows"):
+    for arm in names[1:]:
         a = s["arms"][arm]
         assert 0 <= a["needle"] <= 100 and a["kl"] > 0 and 0 < a["top1"] < 1 and a["prefill_s"] > 0
+    assert cli("verify", out).returncode == 0
+    if not full:
+        return
     # exact rows remove error: the same maps with 10 % of the rows exact are closer to exact
     assert s["arms"]["ridgefill+rows"]["kl"] < s["arms"]["ridgefill"]["kl"]
     assert json.loads((out / "ridgefill.json").read_text())["eval"]["arms"]["ridgefill+rows"]["top1"] > 0
-    assert cli("verify", out).returncode == 0
 
     # the same gate fails a release whose maps are broken: exit 3, naming the thresholds (on one model: the gate's
     # mechanics are the same for both). One document, and depth 0.9 puts the needle in the exact tail, where it is
     # not sampled: a gate on needles then also fails for want of the figure.
-    if not broken:
-        return
     bad = broken_release(store, solved["id"], tmp_path / "broken")
     one = [*GATED[: GATED.index("--documents")], "--documents", 1, "--lengths", 1024, "--depths", 0.9,
            "--tasks", "single"]

