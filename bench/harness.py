@@ -71,6 +71,8 @@ FIGURES = {
                      "nats", None),
     "eval": Figure("eval_bench.py", "default `ridgefill eval` / an eval of the exact arm alone: wall, CPU", "ratio",
                    None),
+    "engine_ttft": Figure("engine_ttft.py", "time to first token in vLLM (CPU, float32): full prefill, exact prefix "
+                          "injected, RidgeFill prefix injected (ridgefill's prefix compute included)", "s", None),
     "sweep": Figure("sweep_bench.py", "default `ridgefill sweep` (given its capture) / one default eval: wall, CPU",
                     "ratio", None),
 }

@@ -22,6 +22,8 @@ Every figure of bench/harness.py's FIGURES (which holds their targets) is one sc
     eval      eval_bench.py      default eval / exact-only eval                      (only with --only)
     sweep     sweep_bench.py     default sweep / one default eval                    (only with --only)
 
+engine_ttft (bench/engine_ttft.py, vLLM's time to first token) needs the engine environment and is run by itself.
+
 solve, prefill, anchor, eval and sweep need a capture or a release: for each model one is built first with the CLI
 (`ridgefill capture` of the bench corpus with one held-out document, then solve, quantize, export) in a temporary
 store, outside every timing; with sweep the capture also has the splits it sweeps. Their quality figures (anchor)
@@ -51,6 +53,7 @@ from harness import (BENCH, FIGURES, MODEL_CACHE, MODELS, OUT, Parser, command, 
 
 DEFAULT = ("capture", "rss", "torchrun", "naive", "cli", "chunk", "solve", "prefill")
 NAMES = {"builtin:smollm2-135m": "SmolLM2-135M", "builtin:gemma3-270m": "Gemma-3-270M"}
+STANDALONE = {"engine_ttft"}  # run by itself: it needs an engine's environment
 NEEDS_CAPTURE, NEEDS_RELEASE = {"solve", "sweep"}, {"prefill", "anchor", "eval", "sweep"}
 
 
@@ -136,8 +139,9 @@ def table(results: list[dict], models: list[str]) -> str:
 def main() -> None:
     ap = Parser(__doc__)
     ap.add_argument("--models", nargs="+", default=list(MODELS))
-    ap.add_argument("--only", nargs="+", default=list(DEFAULT), choices=list(FIGURES), metavar="FIGURE",
-                    help=f"figures to run, of: {', '.join(FIGURES)} (default: {' '.join(DEFAULT)})")
+    runnable = [f for f in FIGURES if f not in STANDALONE]
+    ap.add_argument("--only", nargs="+", default=list(DEFAULT), choices=runnable, metavar="FIGURE",
+                    help=f"figures to run, of: {', '.join(runnable)} (default: {' '.join(DEFAULT)})")
     ap.add_argument("--tokens", type=positive, default=8192)
     ap.add_argument("--doc-tokens", type=positive, default=2048)
     ap.add_argument("--chunk", type=positive, default=1024)

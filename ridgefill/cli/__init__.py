@@ -19,6 +19,7 @@ from typer.core import TyperGroup
 from ridgefill.cli import (
     artifacts,
     capture,
+    engine,
     eval,
     export,
     fold,
@@ -86,6 +87,7 @@ COMMANDS = {  # in pipeline order, as `ridgefill --help` lists them
 for _name, _command in COMMANDS.items():
     app.command(_name)(_command)
 app.add_typer(artifacts.app, name="artifacts")
+app.add_typer(engine.app, name="engine")
 
 
 def main() -> None:

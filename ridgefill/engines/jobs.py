@@ -5,12 +5,13 @@ A job file is JSON: {"model": <engine model path>, "jobs": [job, ...]}; a job is
     {"name": str, "ids": [int, ...],            # the whole prompt sent to the engine
      "cache": str | null,                      # an engine cache file: its P positions are loaded, not computed
      "forced": [int, ...],                     # teacher-forced continuation (may be empty)
-     "max_new": int}                           # greedy tokens to generate
+     "max_new": int,                           # greedy tokens to generate
+     "measure_only": bool}                     # optional: only the time to the first token
 
 and its result {"name", "greedy": [int, ...], "forced_top1": [int, ...], "forced_margin": [float, ...],
-"seconds": float}: `forced_top1[i]` is the engine's top-1 token after ids + forced[:i] (len(forced) + 1 entries),
-`forced_margin[i]` its log-probability margin over the engine's second choice, and `seconds` the time to the
-first token of the greedy run. Standard library only.
+"seconds": float} (a measure_only job: "name" and "seconds"): `forced_top1[i]` is the engine's top-1 token after
+ids + forced[:i] (len(forced) + 1 entries), `forced_margin[i]` its log-probability margin over the engine's second
+choice, and `seconds` the time to the first token (cache loading included). Standard library only.
 """
 
 from __future__ import annotations

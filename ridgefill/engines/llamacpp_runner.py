@@ -49,6 +49,9 @@ def main() -> None:
         p = start(job)
         llm.eval(ids[p:])
         seconds = time.perf_counter() - t0
+        if job.get("measure_only"):
+            results.append({"name": job["name"], "seconds": seconds})
+            continue
         greedy = []
         while len(greedy) < job.get("max_new", 16):
             greedy.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))

@@ -20,7 +20,6 @@ never import it.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from ridgefill.formats import cache as cache_format
 from ridgefill.formats import safetensors
 from ridgefill.models.kinds import FULL
 
-PROMPT = "prompt.safetensors"
+from ridgefill.engines.request import PROMPT
 
 
 @dataclass
@@ -52,20 +51,6 @@ class EngineCache:
         safetensors.save(out / PROMPT, {"ids": self.ids.astype(np.int32)},
                          {"cached": str(self.cached), "kind": self.kind})  # fmt: skip
         return out / cache_format.FILE, out / PROMPT
-
-
-def read_prompt(path: Path) -> tuple[np.ndarray, int]:
-    """(ids int64, cached) of a prompt.safetensors."""
-    arrays, meta = safetensors.load(path)
-    return arrays["ids"].astype(np.int64), int(meta["cached"])
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _engine_ready(lm) -> None:

