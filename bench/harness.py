@@ -73,6 +73,8 @@ FIGURES = {
                    None),
     "engine_ttft": Figure("engine_ttft.py", "time to first token in vLLM (CPU, float32): full prefill, exact prefix "
                           "injected, RidgeFill prefix injected (ridgefill's prefix compute included)", "s", None),
+    "vllm_fill": Figure("vllm_fill_bench.py", "prefill (time to first token) in vLLM, stock model / the same model "
+                        "running the fill in vLLM's forward (prototype plugin), and the ceiling", "x", None),
     "sweep": Figure("sweep_bench.py", "default `ridgefill sweep` (given its capture) / one default eval: wall, CPU",
                     "ratio", None),
 }

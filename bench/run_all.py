@@ -22,7 +22,8 @@ Every figure of bench/harness.py's FIGURES (which holds their targets) is one sc
     eval      eval_bench.py      default eval / exact-only eval                      (only with --only)
     sweep     sweep_bench.py     default sweep / one default eval                    (only with --only)
 
-engine_ttft (bench/engine_ttft.py, vLLM's time to first token) needs the engine environment and is run by itself.
+engine_ttft and vllm_fill (bench/engine_ttft.py, bench/vllm_fill_bench.py: vLLM's time to first token with injected
+caches, and with the fill inside vLLM) need the engine environment and are run by themselves.
 
 solve, prefill, anchor, eval and sweep need a capture or a release: for each model one is built first with the CLI
 (`ridgefill capture` of the bench corpus with one held-out document, then solve, quantize, export) in a temporary
@@ -53,7 +54,7 @@ from harness import (BENCH, FIGURES, MODEL_CACHE, MODELS, OUT, Parser, command, 
 
 DEFAULT = ("capture", "rss", "torchrun", "naive", "cli", "chunk", "solve", "prefill")
 NAMES = {"builtin:smollm2-135m": "SmolLM2-135M", "builtin:gemma3-270m": "Gemma-3-270M"}
-STANDALONE = {"engine_ttft"}  # run by itself: it needs an engine's environment
+STANDALONE = {"engine_ttft", "vllm_fill"}  # run by itself: it needs an engine's environment
 NEEDS_CAPTURE, NEEDS_RELEASE = {"solve", "sweep"}, {"prefill", "anchor", "eval", "sweep"}
 
 

@@ -17,6 +17,8 @@ calibration corpus does not use), the engine computing the last T:
   cache after the original context (`SlotCache`). Same rule.
 - control: the ridgefill prefix with its late layers' values zeroed must change the answer: top-1 agreement with
   the reference falls below CONTROL_MAX.
+- vLLM only, the fill inside vLLM's forward (ridgefill.engines.vllm_fill): the same prompts against the same
+  reference, and the first token's margin equal to the reference's, not to the exact model's.
 
 Figures go to $RIDGEFILL_ENGINE_REPORT_DIR/engines_<engine>.json when that is set.
 """
@@ -61,7 +63,7 @@ def served(tmp_path_factory):
         pytest.skip("no engine environment is built: run scripts/setup-engines.sh")
     import torch
 
-    from ridgefill.engines.prepare import prefix_cache, present_fold
+    from ridgefill.engines.prepare import fill_model_dir, prefix_cache, present_fold
     from ridgefill.evaluate.texts import haystack_documents
     from ridgefill.models import load_model, resolve_model
     from ridgefill.runtime import load_release_maps, prefill
@@ -96,7 +98,7 @@ def served(tmp_path_factory):
         path = rf.save(work / f"control{i}")[0]
         jobs["control"].append(job | {"name": f"control{i}", "cache": str(path)})
     for c, (_, text) in enumerate(haystack_documents("prose")[PROMPTS : PROMPTS + FOLD_CONTEXTS]):
-        folded, n = fold_of(text, work / "fold-store", c)
+        folded, n = fold_of(text, store, work, c)  # compact and fold artifacts are cached in the store
         for q, question in enumerate(QUESTION_TEXTS[:QUESTIONS]):
             qids = tok(question, add_special_tokens=False)["input_ids"]
             ec = present_fold(lm, folded, n, qids)
@@ -107,7 +109,9 @@ def served(tmp_path_factory):
                                  "cached": ec.cached, "forced": answer[:-1], "max_new": NEW})  # fmt: skip
     hf = work / "smollm2-hf"
     lm.model.save_pretrained(hf)
-    return {"jobs": jobs, "refs": refs, "work": work, "hf": hf, "gguf": builtin_gguf(), "split": rel.split}
+    fill_model_dir(lm, rel, work / "smollm2-fill", tail=T)
+    return {"jobs": jobs, "refs": refs, "work": work, "hf": hf, "fill": work / "smollm2-fill", "gguf": builtin_gguf(),
+            "split": rel.split}
 
 
 def builtin_gguf() -> Path:
@@ -142,13 +146,13 @@ def margin(logits) -> float:
     return float(top[0] - top[1])
 
 
-def fold_of(text: str, store: Path, c: int):
+def fold_of(text: str, store: Path, work: Path, c: int):
     """The folded cache of `text` (about N tokens of it) through `ridgefill compact` and `ridgefill fold`, float32."""
     from ridgefill.artifacts import Store
     from ridgefill.fold import artifact
     from clirun import cli
 
-    ctx = store.parent / f"context{c}.txt"
+    ctx = work / f"context{c}.txt"
     ctx.write_text(text[: 4 * N])
     r = cli("compact", "builtin:smollm2-135m", "--context", ctx, "--cache-dtype", "float32", "--store", store)
     assert r.returncode == 0, r.stderr
@@ -230,3 +234,30 @@ def test_engine_serves_ridgefill_caches(engine, served):
     for kind in ("ridgefill", "fold"):
         assert figures[kind]["prompts"] >= 20 and figures[kind]["misses"] == 0, figures
     assert figures["control"]["top1"] < CONTROL_MAX, figures  # the injected late layers are what the engine reads
+
+
+def test_vllm_fill_plugin(served):
+    """The fill inside vLLM's forward (ridgefill.engines.vllm_fill) against ridgefill's reference prefill of the same
+    prompts: top-1 along the reference's answer (near-ties apart), and the first token's top-2 margin, which must be
+    the reference's (filled), not the exact model's."""
+    py = engine_python("vllm")
+    jobs = [j | {"name": f"fill{i}", "model": "fill", "cache": None} for i, j in enumerate(served["jobs"]["ridgefill"])]
+    own = [j | {"model": "stock"} for j in served["jobs"]["own"]]
+    spec, out = served["work"] / "jobs-fill.json", served["work"] / "results-fill.json"
+    spec.write_text(json.dumps({"models": {"stock": str(served["hf"]), "fill": str(served["fill"])},
+                                "fill_plugin": True, "jobs": jobs + own}))  # fmt: skip
+    r = subprocess.run([py, "-m", ENGINES["vllm"], spec, out], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(out.read_text())
+    res = {x["name"]: x for x in got["results"]}
+    refs = served["refs"]["ridgefill"]
+    fig = agreement(res, jobs, refs)
+    first = [(res[j["name"]]["forced_margin"][0], ref["margin"][0], res[o["name"]]["forced_margin"][0])
+             for j, ref, o in zip(jobs, refs, own)]  # fmt: skip
+    fig["first_margin_vs_reference"] = max(abs(a - b) for a, b, _ in first)
+    fig["first_margin_vs_exact"] = max(abs(a - c) for a, _, c in first)
+    fig["engine_stats"] = got["model_stats"]
+    report("vllm_fill", fig)
+    assert fig["misses"] == 0 and fig["prompts"] == PROMPTS, fig
+    assert got["model_stats"]["fill"]["filled_steps"] >= PROMPTS and got["model_stats"]["stock"] == {}, fig
+    assert fig["first_margin_vs_reference"] < 1e-3 < fig["first_margin_vs_exact"], fig

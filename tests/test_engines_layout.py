@@ -115,7 +115,7 @@ def test_connectors_import_only_what_an_engine_has():
     own engine-side ones, and nothing of ridgefill's requirements but numpy, torch and safetensors."""
     allowed = {"__future__", "ast", "ctypes", "dataclasses", "json", "os", "re", "struct", "sys", "time", "typing",
                "pathlib", "hashlib", "numpy", "torch", "safetensors", "vllm", "llama_cpp", "transformers"}  # fmt: skip
-    engine_side = {"layout", "jobs", "request", "vllm", "vllm_runner", "llamacpp", "llamacpp_runner"}
+    engine_side = {"layout", "jobs", "request", "vllm", "vllm_fill", "vllm_runner", "llamacpp", "llamacpp_runner"}
     for name in engine_side:
         tree = ast.parse((ENGINES / f"{name}.py").read_text())
         for node in ast.walk(tree):
@@ -170,6 +170,8 @@ def test_prefix_cache_refusals(lm_of, tmp_path):
         prefix_cache(lm, tokens(10), "nofill", tail=2, split=1)
     with pytest.raises(BadInput, match="tail must be in 1..10"):
         prefix_cache(lm, tokens(10), "exact", tail=0)
+    with pytest.raises(BadInput, match="corrections are measured on the tail rows, which a prefix does not run"):
+        prefix_cache(lm, tokens(10), "ridgefill", tail=2, split=1, maps=random_maps(lm, 1), corrections=("vscale",))
     with pytest.raises(BadInput, match="engine caches need full attention in every layer"):
         prefix_cache(lm_of("gemma3_text"), tokens(10), "exact", tail=2)
 

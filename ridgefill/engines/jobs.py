@@ -1,6 +1,7 @@
 """The job and result files between ridgefill and an engine runner (`python -m ridgefill.engines.<engine>_runner`).
 
-A job file is JSON: {"model": <engine model path>, "jobs": [job, ...]}; a job is
+A job file is JSON: {"model": <engine model path>, "jobs": [job, ...]} (vLLM also takes {"models": {key: path},
+"fill_plugin": true}: several engines in one process, a job's "model" naming its key); a job is
 
     {"name": str, "ids": [int, ...],            # the whole prompt sent to the engine
      "cache": str | null,                      # an engine cache file: its P positions are loaded, not computed
@@ -33,8 +34,8 @@ def cached_of(job: dict) -> int:
     return int(job.get("cached", 0))
 
 
-def write_results(path, results: list[dict]) -> None:
-    Path(path).write_text(json.dumps({"results": results}, indent=1))
+def write_results(path, results: list[dict], extra: dict | None = None) -> None:
+    Path(path).write_text(json.dumps({"results": results, **(extra or {})}, indent=1))
 
 
 def main_args() -> tuple[Path, Path]:

@@ -61,43 +61,23 @@ def _engine_ready(lm) -> None:
                        f"engine keeps one position range for all layers")  # fmt: skip
 
 
-def prefix_cache(lm, ids, arm: str, *, tail: int, split: int = 0, maps=None, anchor: int | None = None,
-                 outliers: float | None = None) -> EngineCache:
+def prefix_cache(lm, ids, arm: str, **options) -> EngineCache:
     """The first N - tail rows of `ids` [N] as an engine cache, computed by `arm` ("exact", "ridgefill",
-    "identity"); `seconds` is that computation's wall time (the model's forward over the prefix, or the fill)."""
+    "identity") with the fill options (`tail` required; `split`, `maps`, `anchor`, `outliers`): the rows a prefill
+    of all N rows writes there (`runtime.prefix_prefill`). `seconds` is that computation's wall time."""
     import torch
 
-    from ridgefill.runtime import FillOptions
-    from ridgefill.runtime.api import _plan, _sync
-    from ridgefill.runtime.fill import fill
+    from ridgefill.runtime import prefix_prefill
 
     _engine_ready(lm)
-    ids = torch.as_tensor(np.asarray(ids), dtype=torch.long).reshape(-1)
-    n = int(ids.shape[0])
     if arm not in ("exact", "ridgefill", "identity"):
         raise BadInput(f"an engine prefix is 'exact', 'ridgefill' or 'identity', not '{arm}'")
-    kw = {k: v for k, v in (("anchor", anchor), ("outliers", outliers)) if v is not None}
-    o = FillOptions(split=split, tail=tail, maps=maps, **kw)
-    plan = _plan(lm, n, arm, o)  # the reference runtime's own checks (tail in 1..N, maps for every late layer, ...)
-    p = n - tail
-    ad = lm.adapter
-    prefix = ids[:p].to(ad.device)
-    if arm.startswith("ridgefill"):
-        from ridgefill.runtime import maps_on_devices
-
-        maps = maps_on_devices(lm, maps, range(split, ad.num_layers))
-    _sync()
-    start = time.perf_counter()
-    with torch.no_grad():
-        if arm == "exact":
-            cache = lm.model(input_ids=prefix[None], use_cache=True, logits_to_keep=1).cache
-        else:  # the prefix alone, no tail: its rows are filled exactly as in a prefill of all N rows
-            _, cache, _ = fill(lm, prefix, arm, split, 0, maps, plan.rows, None, 1, o.outliers, plan.fix)
-    _sync()
-    seconds = time.perf_counter() - start
+    ids = torch.as_tensor(np.asarray(ids), dtype=torch.long).reshape(-1)
+    res = prefix_prefill(lm, ids, arm, **({"split": 0} | options))
+    cache, p = res.cache, res.num_rows - res.tail
     layers = {l: {"keys": cache.layers[l].keys[0].float().cpu().numpy(),
-                  "values": cache.layers[l].values[0].float().cpu().numpy()} for l in range(ad.num_layers)}  # fmt: skip
-    return EngineCache(layers, ids.numpy(), p, arm, seconds)
+                  "values": cache.layers[l].values[0].float().cpu().numpy()} for l in range(lm.adapter.num_layers)}  # fmt: skip
+    return EngineCache(layers, ids.numpy(), p, arm, res.seconds)
 
 
 def present_fold(lm, folded: dict[int, dict[str, np.ndarray]], context_tokens: int, question, *,
@@ -124,3 +104,28 @@ def present_fold(lm, folded: dict[int, dict[str, np.ndarray]], context_tokens: i
         layers[l] = {"keys": k.transpose(0, 1).numpy(), "values": np.asarray(d["values"], np.float32)}
     ids = np.concatenate([np.full(r, placeholder, np.int64), np.asarray(question, np.int64)])
     return EngineCache(layers, ids, r, "fold")
+
+
+def fill_model_dir(lm, rel, out: Path, *, tail: int | None = None) -> Path:
+    """A model folder for the vLLM fill plugin (`ridgefill.engines.vllm_fill`): the model's float weights, the
+    release's maps as float32 (`ridgefill/maps-f32.safetensors`: `layer.<l>.weight`, `layer.<l>.bias`) and config.json's
+    architecture and `ridgefill` entry (split, tail, anchor, outlier ratio: the release's options)."""
+    import json
+
+    _engine_ready(lm)
+    if lm.model.config.model_type != "llama":
+        raise BadInput(f"the vLLM fill plugin runs llama-family models, not '{lm.model.config.model_type}'")
+    out.mkdir(parents=True, exist_ok=True)
+    lm.model.save_pretrained(out)
+    arrays = {}
+    for l, (W, b) in sorted(rel.maps.items()):
+        arrays[f"layer.{l}.weight"] = np.asarray(W, np.float32)
+        arrays[f"layer.{l}.bias"] = np.asarray(b, np.float32)
+    (out / "ridgefill").mkdir(exist_ok=True)  # not beside the weights: vLLM loads every top-level *.safetensors
+    safetensors.save(out / "ridgefill" / "maps-f32.safetensors", arrays)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["architectures"] = ["RidgefillLlamaForCausalLM"]
+    cfg["ridgefill"] = {"maps": "ridgefill/maps-f32.safetensors", "split": rel.split, "tail": int(tail or rel.tail),
+                        "anchor": rel.anchor, "outliers": rel.outliers}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

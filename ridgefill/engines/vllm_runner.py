@@ -3,9 +3,9 @@
     python -m ridgefill.engines.vllm_runner JOBS.json RESULTS.json
 
 The model runs in float32 with prefix caching off, in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that each
-request's time is the engine's own. Per job: a 1-token request timed (time to first token), a greedy run of
-`max_new` tokens, and one teacher-forced request whose prompt logprobs give the engine's top-2 at every forced
-position.
+request's time is the engine's own. Per job: a 1-token request timed (time to first token), and a greedy run whose
+per-step top-2 gives the teacher-forced figures while its answer follows the forced one; past the first
+difference, one request per forced position.
 """
 
 from __future__ import annotations
@@ -30,15 +30,24 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    if spec.get("fill_plugin"):  # a model folder may run the fill in vLLM's forward (ridgefill.engines.vllm_fill)
+        from ridgefill.engines.vllm_fill import register
+
+        register()
+
     longest = max(len(j["ids"]) + len(j.get("forced", [])) + j.get("max_new", 1) for j in spec["jobs"])
-    llm = LLM(spec["model"], dtype="float32", skip_tokenizer_init=True, enforce_eager=True, seed=0,
-              max_model_len=max(256, longest + 16), enable_prefix_caching=False, max_num_seqs=1,
-              kv_transfer_config=KVTransferConfig(kv_connector="RidgefillConnector", kv_role="kv_consumer",
-                                                  kv_connector_module_path="ridgefill.engines.vllm"))  # fmt: skip
+    models = spec.get("models") or {"model": spec["model"]}
+    llms = {key: LLM(path, dtype="float32", skip_tokenizer_init=True, enforce_eager=True, seed=0,
+                     max_model_len=max(256, longest + 16), enable_prefix_caching=False, max_num_seqs=1,
+                     max_num_batched_tokens=max(2048, longest + 16),  # a whole prompt in one step: no chunking
+                     kv_transfer_config=KVTransferConfig(kv_connector="RidgefillConnector", kv_role="kv_consumer",
+                                                         kv_connector_module_path="ridgefill.engines.vllm"))
+            for key, path in models.items()}  # fmt: skip
 
     def run(job, ids, **sp):
         extra = {"kv_transfer_params": {"ridgefill_cache": job["cache"]}} if job.get("cache") else None
         params = SamplingParams(temperature=0.0, detokenize=False, extra_args=extra, **sp)
+        llm = llms[job.get("model", next(iter(llms)))]
         return llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)[0]
 
     results = []
@@ -49,14 +58,23 @@ def main() -> None:
         if job.get("measure_only"):
             results.append({"name": job["name"], "seconds": seconds})
             continue
-        greedy = list(run(job, job["ids"], max_tokens=job.get("max_new", 16)).outputs[0].token_ids)
-        forced = list(job.get("forced", []))
-        o = run(job, job["ids"] + forced, max_tokens=1, logprobs=2, prompt_logprobs=2 if forced else None)
-        tops = [_top2(o.prompt_logprobs[len(job["ids"]) + i]) for i in range(len(forced))]
-        tops.append(_top2(o.outputs[0].logprobs[0]))
-        results.append({"name": job["name"], "greedy": greedy, "forced_top1": [t for t, _ in tops],
+        # One greedy request with the top-2 at every step; a forced position after the engine's own answer has
+        # left the forced one gets a request of its own. (Prompt logprobs cannot teacher-force here: vLLM computes
+        # the whole prompt of a request that asks for them, loading no external KV.)
+        max_new, forced = job.get("max_new", 16), list(job.get("forced", []))
+        o = run(job, job["ids"], max_tokens=max(max_new, len(forced) + 1), logprobs=2).outputs[0]
+        greedy, steps = list(o.token_ids), [_top2(lp) for lp in o.logprobs]
+        tops = []
+        for i in range(len(forced) + 1):
+            if i < len(steps) and greedy[:i] == forced[:i]:
+                tops.append(steps[i])
+            else:
+                tops.append(_top2(run(job, job["ids"] + forced[:i], max_tokens=1, logprobs=2).outputs[0].logprobs[0]))
+        results.append({"name": job["name"], "greedy": greedy[:max_new], "forced_top1": [t for t, _ in tops],
                         "forced_margin": [m for _, m in tops], "seconds": seconds})  # fmt: skip
-    write_results(out_path, results)
+    # what a fill model did (RidgefillLlamaForCausalLM.rf_stats): steps that filled, and rows filled
+    stats = {key: llm.apply_model(lambda model: dict(getattr(model, "rf_stats", {})))[0] for key, llm in llms.items()}
+    write_results(out_path, results, {"model_stats": stats})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from ridgefill.lazy import exports
 
 __getattr__, __all__ = exports(__name__, {
     "ARMS": "api", "ExactRun": "api", "FillOptions": "api", "PrefillResult": "api", "ceiling": "api",
-    "exact_run": "api", "prefill": "api", "prefill_from": "api",
+    "exact_run": "api", "prefill": "api", "prefill_from": "api", "prefix_prefill": "api",
     "OUTLIER_RATIO": "rows", "outlier_rows": "rows",
     "SlotCache": "cache", "greedy": "cache", "greedy_batch": "cache",
     "ReleaseMaps": "maps", "load_release_maps": "maps", "maps_on_devices": "maps",

@@ -25,7 +25,9 @@ Arms (N rows, L layers, split S, tail T, prefix P = N - T):
   prompt rows), summed over the heads of every layer below the split, run every layer exactly. The selection
   happens inside the prefill, after the early layers, and its cost is part of the measured time.
 
-Options (`FillOptions`, keyword arguments of `prefill` and `prefill_from`): `split`, `tail`, `maps`, `exact_rows`,
+`prefix_prefill` computes the first N - T rows' cache alone, for an engine that computes the tail itself.
+
+Options (`FillOptions`, keyword arguments of `prefill`, `prefill_from` and `prefix_prefill`): `split`, `tail`, `maps`, `exact_rows`,
 `row_share`, `probe`, `anchor`, `logits_rows`, `outliers`, `corrections`, `state_offsets`, `correction_rows`.
 
 How it runs (fill.py). The layers are the model's own decoder-layer modules, called one at a time with the model's own
@@ -207,6 +209,36 @@ def prefill(lm, input_ids: torch.Tensor, arm: str, **options) -> PrefillResult:
     seconds = time.perf_counter() - start
     return PrefillResult(logits=logits, cache=cache, seconds=seconds, arm=arm, split=o.split, tail=o.tail,
                          num_rows=n, exact_rows=rows)  # fmt: skip
+
+
+def prefix_prefill(lm, input_ids: torch.Tensor, arm: str, **options) -> PrefillResult:
+    """The cache `prefill(lm, input_ids, arm, **options)` writes for the first P = N - tail rows, computed from those
+    rows alone: the tail is left to whoever continues from it (a serving engine, docs/engines.md). The filled rows
+    and the exact rows (anchor, outliers) are those of a prefill of all N rows. Arms "exact", "ridgefill",
+    "identity"; corrections, measured on the tail, are refused. `logits` is empty; `seconds` the computation."""
+    o = FillOptions(**options)
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+    n = int(ids.shape[0])
+    if arm not in ("exact", "ridgefill", "identity"):
+        raise BadInput(f"a prefix is 'exact', 'ridgefill' or 'identity', not '{arm}'")
+    if o.corrections:
+        raise BadInput("corrections are measured on the tail rows, which a prefix does not run")
+    plan = _plan(lm, n, arm, o)
+    p = n - o.tail
+    ad = lm.adapter
+    prefix = ids[:p].to(ad.device)
+    maps = maps_on_devices(lm, o.maps, range(o.split, ad.num_layers)) if arm == "ridgefill" else None
+    _sync()
+    start = time.perf_counter()
+    with torch.no_grad():
+        if arm == "exact":
+            cache = lm.model(input_ids=prefix[None], use_cache=True, logits_to_keep=1).cache
+            rows = []
+        else:  # tail 0: the late layers' query rows are the exact rows alone
+            _, cache, rows = fill(lm, prefix, arm, o.split, 0, maps, plan.rows, None, 1, o.outliers, plan.fix)
+    _sync()
+    return PrefillResult(logits=torch.zeros(0), cache=cache, seconds=time.perf_counter() - start, arm=arm,
+                         split=o.split, tail=o.tail, num_rows=n, exact_rows=rows)
 
 
 @dataclass
