@@ -20,7 +20,6 @@ never import it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ridgefill.engines.layout import vllm_slots
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -121,12 +122,10 @@ class RidgefillConnector(KVConnectorBase_V1):
             if isinstance(cache, torch.Tensor) and cache.numel() and m and hasattr(layer, "impl"):
                 layers[int(m.group(1))] = layer
         for job in meta.loads:
-            pos = torch.arange(job.start, job.stop)
-            blocks = torch.tensor(job.block_ids, dtype=torch.long)
+            slots = torch.from_numpy(vllm_slots(job.block_ids, self._block_size, job.start, job.stop))
             with safe_open(job.path, framework="pt") as f:
                 for l, layer in sorted(layers.items()):
                     cache = layer.kv_cache
-                    slots = (blocks[pos // self._block_size] * self._block_size + pos % self._block_size)
                     k = f.get_slice(f"layer.{l}.keys")[:, job.start : job.stop]  # [kv_heads, n, head_dim]
                     v = f.get_slice(f"layer.{l}.values")[:, job.start : job.stop]
                     k = k.transpose(0, 1).contiguous().to(cache.device, self._dtype)

@@ -12,14 +12,14 @@ float32), "split": S, "tail": T, "anchor": A, "outliers": ratio}; `ridgefill.eng
 writes it.
 
 In a step where a request's whole prompt is scheduled at once and is longer than T + A, its rows split as in the
-reference runtime: layers 0..S-1 run every row; in each late layer the prefix rows between the anchor and the
-tail only write keys and values, from `W_l h_S + b_l` through the layer's own input norm, k/v projection and
-RoPE, into their cache slots (`impl.do_kv_cache_update`); the anchor rows and the tail run the whole layer, the
-anchor as its own sequence of length A, the tail attending to every slot before it. The late layers' attention
-metadata is rebuilt for those query rows (the CPU backend's scheduler metadata included) and swapped in per layer.
-A request with an outlier row (split-state norm above `outliers` x the prefix median) other than the anchor, a
-chunked prompt, a decode step, or a backend other than the CPU one runs the stock forward: that prototype limit is
-correct, never faster. Imports: vLLM, torch, safetensors and the standard library.
+reference runtime: layers 0..S-1 run every row; in each late layer the filled prefix rows only write keys and
+values, from `W_l h_S + b_l` through the layer's own input norm, qkv projection and RoPE, into their cache slots
+(`impl.do_kv_cache_update`); the exact rows (the anchor, and prefix rows whose split-state norm is above `outliers`
+x the prefix median) and the tail run the whole layer, each run of exact rows as a sequence of its own ending at
+its last row, so that it attends to exactly the slots before it. The late layers' attention metadata is rebuilt
+for those query rows (the CPU backend's scheduler metadata included) and swapped in per layer. A chunked prompt, a
+decode step, or a backend other than the CPU one runs the stock forward: correct, never faster. Imports: vLLM,
+torch, safetensors and the standard library.
 """
 
 from __future__ import annotations
@@ -90,25 +90,34 @@ class RidgefillLlamaForCausalLM(LlamaForCausalLM):
 
     def _rows(self, qsl, seq, fills, h_split):
         """Per request: its pseudo-requests for the late layers ((token rows, kv length), in order) and its filled
-        token rows. A request with an outlier row beyond the anchor runs every row (stock, for that request)."""
+        token rows. A filling request's exact rows (the anchor, and prefix rows whose split state is an outlier by
+        norm, as in `runtime.rows.outlier_rows`) run every layer: each run of consecutive exact rows is a sequence
+        of its own, ending at its last row, so that it attends to exactly the slots before it; then the tail."""
         T, A = self.rf_tail, self.rf_anchor
         pseudo, filled = [], []
         for i in range(len(seq)):
             start, n = qsl[i], qsl[i + 1] - qsl[i]
-            if i in fills:
-                prefix = torch.arange(start, start + n - T)
-                fill = prefix[A:]
-                if self.rf_outliers:
-                    norms = h_split[prefix].float().norm(dim=-1)
-                    if bool((norms[A:] > self.rf_outliers * norms.median()).any()):
-                        fill = None
-                if fill is not None:
-                    if A:
-                        pseudo.append((torch.arange(start, start + A), A))
-                    pseudo.append((torch.arange(start + n - T, start + n), seq[i]))
-                    filled.append(fill)
-                    continue
-            pseudo.append((torch.arange(start, start + n), seq[i]))
+            if i not in fills:
+                pseudo.append((torch.arange(start, start + n), seq[i]))
+                continue
+            p = n - T
+            exact = set(range(min(A, p)))
+            if self.rf_outliers:
+                norms = h_split[start : start + p].float().norm(dim=-1)
+                exact |= set(torch.nonzero(norms > self.rf_outliers * norms.median()).flatten().tolist())
+            runs: list[list[int]] = []
+            for j in sorted(exact):
+                if runs and runs[-1][-1] == j - 1:
+                    runs[-1].append(j)
+                else:
+                    runs.append([j])
+            for run in runs:
+                pseudo.append((start + torch.tensor(run), run[-1] + 1))
+            pseudo.append((torch.arange(start + p, start + n), seq[i]))
+            keep = torch.ones(p, dtype=torch.bool)
+            keep[sorted(exact)] = False
+            filled.append(start + torch.nonzero(keep).flatten())
+            self.rf_stats["exact_rows"] = self.rf_stats.get("exact_rows", 0) + len(exact)
         return pseudo, (torch.cat(filled) if filled else torch.zeros(0, dtype=torch.long))
 
     def _late_metadata(self, m, pseudo, attn):
