@@ -24,24 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import REPO, Bench, load, parser, positive  # noqa: E402
+from harness import REPO, Bench, load, vllm_arguments  # noqa: E402
 
 MODEL = "builtin:smollm2-135m"
 ARMS = ("full", "exact", "ridgefill")
 
 
 def main() -> None:
-    ap = parser(__doc__)
-    ap.add_argument("release", type=Path, nargs="?", default=REPO / "release" / "smollm2-135m")
-    ap.add_argument("--length", type=positive, default=2048)
-    ap.add_argument("--tail", type=positive, default=512)
-    ap.add_argument("--repeat", type=positive, default=3)
-    args = ap.parse_args()
-    py = REPO / ".engines" / "vllm" / "bin" / "python"
-    if not (REPO / ".engines" / "vllm" / ".done").is_file():
-        ap.error("the vLLM environment is not built: run scripts/setup-engines.sh vllm")
-    if args.tail >= args.length:
-        ap.error(f"--tail ({args.tail}) must be shorter than --length ({args.length})")
+    args, py = vllm_arguments(__doc__)
 
     with Bench("engine_ttft", args, MODEL) as bench:
         from ridgefill.engines.prepare import prefix_cache

@@ -118,6 +118,21 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
+def vllm_arguments(doc: str, extra: dict | None = None) -> tuple[argparse.Namespace, Path]:
+    """The options of a vLLM figure (release, --length, --tail, --repeat, and `extra` {flag: default}, positive
+    integers), checked, and the vLLM environment's python (scripts/setup-engines.sh vllm)."""
+    ap = parser(doc)
+    ap.add_argument("release", type=Path, nargs="?", default=REPO / "release" / "smollm2-135m")
+    for flag, default in {"--length": 2048, "--tail": 512, "--repeat": 3, **(extra or {})}.items():
+        ap.add_argument(flag, type=positive, default=default)
+    args = ap.parse_args()
+    if not (REPO / ".engines" / "vllm" / ".done").is_file():
+        ap.error("the vLLM environment is not built: run scripts/setup-engines.sh vllm")
+    if args.tail >= args.length:
+        ap.error(f"--tail ({args.tail}) must be shorter than --length ({args.length})")
+    return args, REPO / ".engines" / "vllm" / "bin" / "python"
+
+
 def count(text: str) -> int:
     """argparse type: an integer >= 0."""
     n = int(text)
