@@ -57,10 +57,10 @@ def engine_python(engine: str) -> Path:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """Everything the engines are given and what they are compared with: {kind: [job]}, references and models."""
+    if not any((ROOT / ".engines" / e / ".done").is_file() for e in ENGINES):
+        pytest.skip("no engine environment is built (.engines/): run scripts/setup-engines.sh, or scripts/test-engines.sh")
     if not (RELEASE / "ridgefill.json").is_file():
         pytest.skip(f"no release at {RELEASE}: run scripts/main.sh (or set RIDGEFILL_ENGINE_RELEASE)")
-    if not any((ROOT / ".engines" / e / ".done").is_file() for e in ENGINES):
-        pytest.skip("no engine environment is built: run scripts/setup-engines.sh")
     import torch
 
     from ridgefill.engines.prepare import fill_model_dir, prefix_cache, present_fold
