@@ -17,6 +17,7 @@ calibration corpus does not use), the engine computing the last T:
   cache after the original context (`SlotCache`). Same rule.
 - control: the ridgefill prefix with its late layers' values zeroed must change the answer: top-1 agreement with
   the reference falls below CONTROL_MAX.
+- llama.cpp with flash attention (values stored untransposed): exact and ridgefill on 5 prompts.
 - vLLM only, the fill inside vLLM's forward (ridgefill.engines.vllm_fill): the same prompts against the same
   reference, and the first token's margin equal to the reference's, not to the exact model's.
 
@@ -178,15 +179,15 @@ def fold_reference(lm, folded, n, question):
     return answer, [margin(r) for r in rows]
 
 
-def run_engine(engine: str, served, kinds) -> dict:
+def run_engine(engine: str, served, kinds, *, flash_attn: bool = False, prompts: int = PROMPTS) -> dict:
     py = engine_python(engine)
     model = served["hf"] if engine == "vllm" else served["work"] / "smollm2-f32.gguf"
     if engine == "llamacpp" and not model.is_file():
         subprocess.run([py, "-m", "ridgefill.engines.llamacpp", "f32", served["gguf"], model], check=True,
                        capture_output=True, cwd=ROOT)  # fmt: skip
-    jobs = [j for k in kinds for j in served["jobs"][k]]
+    jobs = [j for k in kinds for j in served["jobs"][k][:prompts]]
     spec, out = served["work"] / f"jobs-{engine}.json", served["work"] / f"results-{engine}.json"
-    spec.write_text(json.dumps({"model": str(model), "jobs": jobs}))
+    spec.write_text(json.dumps({"model": str(model), "jobs": jobs, "flash_attn": flash_attn}))
     r = subprocess.run([py, "-m", ENGINES[engine], spec, out], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-4000:]
     return {x["name"]: x for x in json.loads(out.read_text())["results"]}
@@ -234,6 +235,16 @@ def test_engine_serves_ridgefill_caches(engine, served):
     for kind in ("ridgefill", "fold"):
         assert figures[kind]["prompts"] >= 20 and figures[kind]["misses"] == 0, figures
     assert figures["control"]["top1"] < CONTROL_MAX, figures  # the injected late layers are what the engine reads
+
+
+def test_llamacpp_flash_attention_layout(served):
+    """With flash attention llama.cpp keeps values untransposed (v_trans 0, read by the probe): the same caches serve
+    the same answers (5 prompts)."""
+    res = run_engine("llamacpp", served, ["own", "exact", "ridgefill"], flash_attn=True, prompts=5)
+    jobs, refs = served["jobs"], served["refs"]
+    assert all(res[e["name"]]["greedy"] == res[o["name"]]["greedy"] for e, o in zip(jobs["exact"][:5], jobs["own"]))
+    fig = agreement(res, jobs["ridgefill"][:5], refs["ridgefill"][:5])
+    assert fig["misses"] == 0 and fig["greedy_equal"] == 5, fig
 
 
 def test_vllm_fill_plugin(served):
