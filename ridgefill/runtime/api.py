@@ -27,8 +27,9 @@ Arms (N rows, L layers, split S, tail T, prefix P = N - T):
 
 `prefix_prefill` computes the first N - T rows' cache alone, for an engine that computes the tail itself.
 
-Options (`FillOptions`, keyword arguments of `prefill`, `prefill_from` and `prefix_prefill`): `split`, `tail`, `maps`, `exact_rows`,
-`row_share`, `probe`, `anchor`, `logits_rows`, `outliers`, `corrections`, `state_offsets`, `correction_rows`.
+Options (`FillOptions`, keyword arguments of `prefill`, `prefill_from` and `prefix_prefill`): `split`, `tail`,
+`maps`, `exact_rows`, `row_share`, `probe`, `anchor`, `logits_rows`, `outliers`, `corrections`, `state_offsets`,
+`correction_rows`.
 
 How it runs (fill.py). The layers are the model's own decoder-layer modules, called one at a time with the model's own
 embeddings, rotary embeddings and final norm / head. Masks are built here from explicit query and key positions
