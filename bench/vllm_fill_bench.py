@@ -47,8 +47,8 @@ def main() -> None:
         refs = []
         for ids in prompts:
             row = {}
-            for arm in ("ridgefill", "exact"):
-                logits = prefill(lm, torch.tensor(ids), arm, **(opts if arm == "ridgefill" else {"split": 0, "tail": args.tail})).logits[-1]
+            for arm, o in (("ridgefill", opts), ("exact", {"split": 0, "tail": args.tail})):
+                logits = prefill(lm, torch.tensor(ids), arm, **o).logits[-1]
                 lp = logits.double().log_softmax(-1)
                 top = lp.topk(2)
                 row[arm] = {"top1": int(top.indices[0]), "margin": float(top.values[0] - top.values[1])}
@@ -60,7 +60,8 @@ def main() -> None:
                 for i, ids in enumerate(prompts)]  # fmt: skip
         for rep in range(args.repeat + 1):  # round 0 warms up
             for key in ("stock", "fill"):
-                jobs.append({"name": f"{key}{rep}", "model": key, "ids": prompts[0], "cache": None, "measure_only": True})
+                jobs.append({"name": f"{key}{rep}", "model": key, "ids": prompts[0], "cache": None,
+                             "measure_only": True})
         spec, out = bench.scratch / "jobs.json", bench.scratch / "results.json"
         spec.write_text(json.dumps({"models": {"stock": str(stock), "fill": str(fill)}, "fill_plugin": True,
                                     "jobs": jobs}))  # fmt: skip
@@ -75,10 +76,11 @@ def main() -> None:
         checks = []
         for i, ref in enumerate(refs):
             e = res[f"check{i}"]
-            checks.append({"engine_top1": e["forced_top1"][0], "engine_margin": round(e["forced_margin"][0], 5),
+            m = e["forced_margin"][0]
+            checks.append({"engine_top1": e["forced_top1"][0], "engine_margin": round(m, 5),
                            "reference": ref["ridgefill"], "exact": ref["exact"],
-                           "margin_diff_vs_reference": round(abs(e["forced_margin"][0] - ref["ridgefill"]["margin"]), 5),
-                           "margin_diff_vs_exact": round(abs(e["forced_margin"][0] - ref["exact"]["margin"]), 5)})  # fmt: skip
+                           "margin_diff_vs_reference": round(abs(m - ref["ridgefill"]["margin"]), 5),
+                           "margin_diff_vs_exact": round(abs(m - ref["exact"]["margin"]), 5)})  # fmt: skip
         L = lm.adapter.num_layers
         value = {"speedup": round(med["stock"] / med["fill"], 3),
                  "ceiling": round(1 / ceiling(args.length, args.tail, rel.split, L), 3)}  # fmt: skip
