@@ -25,13 +25,9 @@ from pathlib import Path
 def read_jobs(path) -> dict:
     spec = json.loads(Path(path).read_text())
     for j in spec["jobs"]:
-        if j.get("cache") and not 0 < cached_of(j) < len(j["ids"]):
+        if j.get("cache") and not 0 < int(j.get("cached", 0)) < len(j["ids"]):
             raise ValueError(f"job {j['name']}: the cache must leave the engine at least one position")
     return spec
-
-
-def cached_of(job: dict) -> int:
-    return int(job.get("cached", 0))
 
 
 def write_results(path, results: list[dict], extra: dict | None = None) -> None:

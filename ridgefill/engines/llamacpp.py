@@ -11,7 +11,7 @@ back the state of a one-token decode (`probe`), converts the cache (`layout.llam
 llama.cpp's rotation order where the model's RoPE is the interleaved kind) and hands it to
 `llama_state_seq_set_data`. Also `python -m ridgefill.engines.llamacpp f32 IN.gguf OUT.gguf`: a GGUF dequantized to
 F32 by llama.cpp's own quantizer (so that the engine and a float32 Hugging Face model run the same weights).
-Imports: llama_cpp, numpy, safetensors and the standard library.
+Imports: llama_cpp, numpy, the standard library and ridgefill's numpy-only cache format.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ridgefill.engines.layout import llama_state_from_cache, read_seq_state, write_seq_state
+from ridgefill.formats.cache import read_cache
 
 
 @dataclass(frozen=True)
@@ -63,27 +64,12 @@ def probe(llm) -> StateLayout:
     return StateLayout(state.v_trans, k_type, v_type, rope == llama_cpp.LLAMA_ROPE_TYPE_NORM)
 
 
-def read_cache_layers(path) -> dict[int, dict[str, np.ndarray]]:
-    """{layer: {"keys", "values"}} float32 from a ridgefill-cache/1 file (F32 or F16; BF16 is widened)."""
-    from safetensors import safe_open
-
-    layers: dict[int, dict[str, np.ndarray]] = {}
-    with safe_open(str(path), framework="np") as f:
-        if (f.metadata() or {}).get("format") != "ridgefill-cache/1":
-            raise ValueError(f"{path}: not a ridgefill-cache/1 file")
-        for name in f.keys():
-            _, l, field = name.split(".")
-            if field in ("keys", "values"):
-                layers.setdefault(int(l), {})[field] = f.get_tensor(name).astype(np.float32)
-    return dict(sorted(layers.items()))
-
-
 def inject(llm, cache_path, ids, layout: StateLayout | None = None) -> int:
     """Load the cache's P positions as sequence 0 of `llm` (cleared first), with ids[:P] as its tokens; returns P."""
     import llama_cpp
 
     layout = layout or probe(llm)
-    state = llama_state_from_cache(read_cache_layers(cache_path), rope_interleaved=layout.rope_interleaved,
+    state = llama_state_from_cache(read_cache(cache_path), rope_interleaved=layout.rope_interleaved,
                                    v_trans=layout.v_trans)  # fmt: skip
     blob = write_seq_state(state, layout.k_type, layout.v_type)
     clear(llm)

@@ -12,20 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from ridgefill.errors import BadInput
-from ridgefill.formats.release.folder import move_into_place, recover, staging_dir
+from ridgefill.formats.release.folder import check_out_dir, move_into_place, staging_dir
 from ridgefill.engines.prepare import PROMPT, EngineCache, present_fold, prefix_cache
 
 
 def check_out(out: Path, force: bool) -> None:
     """Refuse an --out that is a file, a non-empty folder other than an engine cache, or (without --force) one."""
-    recover(out)
-    if out.exists() and not out.is_dir():
-        raise BadInput(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not (out / PROMPT).is_file():
-            raise BadInput(f"--out {out} exists, is not empty and is not an engine cache folder")
-        if not force:
-            raise BadInput(f"--out {out} already holds an engine cache (--force replaces it)")
+    check_out_dir(out, PROMPT, "an engine cache folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise BadInput(f"--out {out} already holds an engine cache (--force replaces it)")
 
 
 def check_dtype(dtype: str) -> None:

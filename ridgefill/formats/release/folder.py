@@ -23,14 +23,15 @@ from ridgefill.formats.release.names import MANIFEST
 KINDS = ("tmp", "old", "pull")  # a staging folder, an old folder moved aside, a pull's download folder
 
 
-def check_out_dir(out_dir: Path) -> None:
-    """Refuse an --out that a release may not go to: a file, or a non-empty folder that is not a release (even
-    --force only ever replaces a release folder, so a mistyped --out never deletes other files)."""
+def check_out_dir(out_dir: Path, marker: str = MANIFEST, what: str = "a release folder") -> None:
+    """Refuse an --out that a release (or another folder this module puts in place, told by its `marker` file) may
+    not go to: a file, or a non-empty folder without the marker (even --force only ever replaces such a folder, so
+    a mistyped --out never deletes other files)."""
     recover(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise BadInput(f"--out {out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
-        raise BadInput(f"--out {out_dir} exists, is not empty and is not a release folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / marker).is_file():
+        raise BadInput(f"--out {out_dir} exists, is not empty and is not {what}")
 
 
 def sibling(out_dir: Path, kind: str) -> Path:
