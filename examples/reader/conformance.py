@@ -354,6 +354,12 @@ CASES = [
     Case("valid-manifest-reformatted", int8_release, _text(lambda t: json.dumps(json.loads(t), indent=4)), 0),
     Case("valid-number-by-value", int8_release, _split_float, 0),
     Case("valid-eval-added", int8_release, edit(lambda m: m.update(eval={"samples": 12, "arms": {}})), 0),
+    Case("valid-configured-rows", int8_release, facts(lambda m: m.update(configuration={
+        "arm": "ridgefill+rows", "sweep": "0123456789abcdef", "row_share": 0.2})), 0),
+    Case("valid-configured-protected", protected_release, facts(lambda m: m.update(configuration={
+        "arm": "ridgefill+protected", "sweep": None})), 0),
+    Case("valid-configured-plain", int8_release, facts(lambda m: m.update(configuration={
+        "arm": "ridgefill", "sweep": None})), 0),
     Case("valid-facts-not-canonical", int8_release, lambda d: (tensors(MAPS, _unsorted_facts, resealed=False)(d),
                                                                _fix_maps_sha(d)), 0),
     Case("manifest-missing", int8_release, lambda d: (d / MANIFEST).unlink(), 1, MANIFEST),
@@ -466,6 +472,16 @@ CASES = [
          ("'projector.dtype'",)),
     Case("group-size-zero", int8_release, facts(lambda m: m["projector"].update(group_size=0)), 10, MANIFEST,
          ("'projector.group_size'",)),
+    Case("configuration-not-object", int8_release, facts(lambda m: m.update(configuration="ridgefill+rows")), 10,
+         MANIFEST, ("'configuration'",)),
+    Case("configuration-unknown-arm", int8_release, facts(lambda m: m.update(configuration={
+        "arm": "ridgefill+vscale", "sweep": None})), 10, MANIFEST, ("'configuration.arm'",)),
+    Case("configuration-row-share", int8_release, facts(lambda m: m.update(configuration={
+        "arm": "ridgefill+rows", "sweep": None, "row_share": 1.5})), 10, MANIFEST, ("'configuration.row_share'",)),
+    Case("configuration-row-share-elsewhere", int8_release, facts(lambda m: m.update(configuration={
+        "arm": "ridgefill+kscale", "sweep": None, "row_share": 0.1})), 10, MANIFEST, ("'configuration'",)),
+    Case("configuration-protected-without-table", int8_release, facts(lambda m: m.update(configuration={
+        "arm": "ridgefill+protected", "sweep": None})), 10, MANIFEST, ("'configuration.arm'",)),
     Case("protected-not-ascending", protected_release, tensors(PROTECTED, lambda ts, m: _set(
         ts["protected_token_ids"], 0, struct.pack("<i", 9))), 10, PROTECTED),
     Case("protected-wrong-dtype", protected_release, tensors(PROTECTED, lambda ts, m: ts[

@@ -31,6 +31,7 @@ ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "
 NUMPY = {"I8": "<i1", "I32": "<i4", "BF16": "<u2", "F32": "<f4"}       # the dtypes a release may hold
 KINDS = {"int8": {"codes": "I8", "scales": "BF16", "bias": "BF16"},
          "f32": {"weight": "F32", "bias": "F32"}, "bf16": {"weight": "BF16", "bias": "BF16"}}
+CONFIGURATIONS = ("ridgefill", "ridgefill+rows", "ridgefill+kscale", "ridgefill+protected")
 MAP_TENSOR = re.compile(r"layer\.(0|[1-9][0-9]*)\.(codes|scales|bias|weight)")
 MISSING = object()
 
@@ -259,7 +260,28 @@ def read_release(folder):
     for name, (_, tensors) in parsed.items():
         for t, (dtype, _, _) in sorted(tensors.items()):
             need(dtype in NUMPY, name, f"tensor {q(t)} has dtype {dtype}, not one of I8, I32, BF16, F32")
+    check_configuration(manifest)
     return manifest, tensor_checks(manifest, parsed, pfiles, named)
+
+
+def check_configuration(manifest):
+    """Rule 10's `configuration`: absent, or {"arm", "sweep"} (+ "row_share" for ridgefill+rows) as the spec says."""
+    conf = manifest.get("configuration", MISSING)
+    if conf is MISSING:
+        return
+    need(isinstance(conf, dict), MANIFEST, f"'configuration' is {show(conf)}, not an object")
+    arm = conf.get("arm", MISSING)
+    need(arm in CONFIGURATIONS, MANIFEST, f"'configuration.arm' is {show(arm)}, not one of {', '.join(CONFIGURATIONS)}")
+    keys = {"arm", "sweep", "row_share"} if arm == "ridgefill+rows" else {"arm", "sweep"}
+    need(set(conf) == keys, MANIFEST, f"'configuration' has the keys {show(sorted(conf))}, not {show(sorted(keys))}")
+    sweep = conf["sweep"]
+    need(sweep is None or (isinstance(sweep, str) and sweep.strip() != ""), MANIFEST,
+         f"'configuration.sweep' is {show(sweep)}, not a string or null")
+    share = conf.get("row_share", 0.5)
+    need(type(share) in (int, float) and 0 < share < 1, MANIFEST,
+         f"'configuration.row_share' is {show(share)}, not a number in (0, 1)")
+    need(arm != "ridgefill+protected" or "protected_tokens" in manifest, MANIFEST,
+         "'configuration.arm' is ridgefill+protected, but the release has no 'protected_tokens'")
 
 
 def tensor_checks(manifest, parsed, pfiles, named):

@@ -14,7 +14,7 @@ from ridgefill.cli.common import ModelArg, done, output, placed, store
 def eval_(
     model: ModelArg,
     source: Annotated[str, typer.Argument(help="Release folder, or a solve / quantize artifact id.")],
-    arms: Annotated[Optional[list[str]], typer.Option("--arms", help="exact, ridgefill, identity, nofill, or a fill arm with +corrections (vscale, kscale, kshift, state) and a +selector (rows, protected; its :random and :tail controls are added); repeatable; default: the first four.")] = None,
+    arms: Annotated[Optional[list[str]], typer.Option("--arms", help="exact, ridgefill, identity, nofill, or a fill arm with +corrections (vscale, kscale, kshift, state) and a +selector (rows, protected; its :random and :tail controls are added); repeatable; default: the first four, and the release's configured arm.")] = None,
     tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = 512,
     lengths: Annotated[Optional[list[int]], typer.Option("--lengths", help="Needle context lengths (repeatable).")] = None,
     depths: Annotated[Optional[list[float]], typer.Option("--depths", help="Needle depths in the context (repeatable).")] = None,
@@ -24,20 +24,25 @@ def eval_(
     doc_tokens: Annotated[int, typer.Option("--doc-tokens", help="Length of each long document.")] = 2048,
     scored: Annotated[int, typer.Option("--scored", help="Scored stretch: the last tokens of each document.")] = 256,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    gate: Annotated[Optional[Path], typer.Option("--gate", help="TOML thresholds; exit 3 when one fails.")] = None,
+    gate: Annotated[Optional[Path], typer.Option("--gate", help="TOML thresholds (on the file's arm, default the release's configured arm); exit 3 when one fails.")] = None,
     place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
 ) -> None:
     """Measure the fill arms against exact (needles, ΔNLL, KL) and gate the release."""
     from ridgefill.errors import GateFailed
     from ridgefill.evaluate import DEFAULT_ARMS, EvalConfig, check, evaluate, record
     from ridgefill.evaluate.gate import load_gate
+    from ridgefill.evaluate.source import configuration_of
 
     out = output()
     default = EvalConfig()
     cfg = EvalConfig(arms=tuple(arms or DEFAULT_ARMS), tail=tail, lengths=tuple(lengths or default.lengths),
                      depths=tuple(depths or default.depths), tasks=tuple(tasks or default.tasks), samples=samples,
                      documents=documents, doc_tokens=doc_tokens, scored=scored, seed=seed)
-    rules = load_gate(gate, [a.name for a in check(cfg)]) if gate else None  # before any work: a gate it cannot pass
+    if gate:  # before any work: a gate it cannot pass (its default arm is the release's configured one)
+        configured = configuration_of(source)
+        rules = load_gate(gate, [a.name for a in check(cfg, configured)], default_arm=configured)
+    else:
+        rules = None
     st = store()
     art, cached = evaluate(st, model, source, cfg, out, place=place)
     s = art.manifest["summary"]

@@ -24,6 +24,16 @@ def export(
     force: Annotated[bool, typer.Option("--force", help="Replace a different release or GGUF file in --out.")] = False,
     model: Annotated[Optional[str], typer.Option(
         "--model", help="The captured model, where it now is (default: where it was captured; must match it).")] = None,
+    configuration: Annotated[Optional[str], typer.Option(
+        "--configuration", help="How the release is applied, recorded in its manifest: ridgefill (the plain fill, "
+        "the default), ridgefill+rows (the most-attended prompt rows run exactly), ridgefill+kscale (a per-request "
+        "key rescale), ridgefill+protected (prompt rows whose token is in the protected-token table run "
+        "exactly).")] = None,
+    row_share: Annotated[Optional[float], typer.Option(
+        "--row-share", help="With --configuration ridgefill+rows: the share of the prompt's rows run exactly "
+        "(default 0.1).")] = None,
+    sweep: Annotated[Optional[str], typer.Option(
+        "--sweep", help="The sweep artifact that recommended the split and configuration, recorded with it.")] = None,
 ) -> None:
     """Write a release folder (ridgefill.json, maps.safetensors, model card) or, with --format gguf, one .gguf file."""
     from ridgefill.errors import BadInput
@@ -36,7 +46,8 @@ def export(
         from ridgefill.export import export as run
 
     out = output()
-    art, cached, copied = run(store(), artifact, out_dir, out, tail=tail, force=force, model=model)
+    art, cached, copied = run(store(), artifact, out_dir, out, tail=tail, force=force, model=model,
+                              configuration=configuration, sweep=sweep, row_share=row_share)
     if copied is not None:
         out.info(f"{'GGUF file' if fmt == 'gguf' else 'release folder'}: {copied}")
     done(out, "export", art, cached, {"out": str(copied) if copied else None, "format": fmt})

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ridgefill.errors import BadInput
 from ridgefill.formats.release.folder import check_out_dir, move_into_place, staging_dir
+from ridgefill.formats.release.names import KSCALE_CONFIGURATION, ROWS_CONFIGURATION
 from ridgefill.engines.prepare import PROMPT, EngineCache, present_fold, prefix_cache
 
 
@@ -37,7 +38,9 @@ def write(ec: EngineCache, out: Path, dtype: str) -> None:
 def make_prefix(store, model: str, release: Path, prompt: Path, out: Path, *, arm: str = "ridgefill",
                 tail: int | None = None, dtype: str = "float32", force: bool = False, place=None) -> EngineCache:
     """The prefix of `prompt` (a text file, tokenized with the tokenizer's default special tokens) computed by
-    `arm` with the release's maps and options, all but the last `tail` tokens (default: the release's tail)."""
+    `arm` with the release's maps and options, all but the last `tail` tokens (default: the release's tail). A
+    release configured ridgefill+rows or ridgefill+kscale is refused for the fill arms: both need the tail, which the
+    engine computes (a ridgefill+protected release's protected rows run exactly in the prefix)."""
     from ridgefill.models import load_model, resolve_model
     from ridgefill.models.device import where
     from ridgefill.runtime import load_release_maps
@@ -52,6 +55,9 @@ def make_prefix(store, model: str, release: Path, prompt: Path, out: Path, *, ar
     place = place or where()
     lm = load_model(resolve_model(model, store_root=store.root), store_root=store.root, **place.load_args())
     rel = load_release_maps(lm, release)
+    if arm != "exact" and rel.configuration in (ROWS_CONFIGURATION, KSCALE_CONFIGURATION):
+        raise BadInput(f"{release} is configured {rel.configuration}, which a prefix cannot apply (it needs the tail, "
+                       "which the engine computes); --arm exact serves its prefix exactly")
     opts = {**rel.options(), **({"tail": tail} if tail is not None else {})}
     ids = lm.tokenizer(text)["input_ids"]
     if not 0 < opts["tail"] < len(ids):

@@ -10,6 +10,9 @@
     ridgefill+<selector>:random | :tail    its equal-cost controls: the same number of rows, chosen at random
                                            among the filled rows, or added to the exact tail
 
+A release's configuration (`formats.release.CONFIGURATIONS`: ridgefill, ridgefill+rows, ridgefill+kscale,
+ridgefill+protected) is one of these arms, named canonically; eval measures it beside its default arms.
+
 Corrections combine with each other and with a selector or control (`ridgefill+rows+vscale`). Modifiers may be
 given in any order; an arm is named by its canonical spelling (base, then the corrections in the order above,
 then the selector). Every selected-rows arm is measured with its two controls: eval adds them.

@@ -1,6 +1,7 @@
 """The release gate: thresholds from a TOML file, checked against an eval summary (exit 3 on failure).
 
-    arm = "ridgefill"            # the arm the thresholds apply to (default ridgefill)
+    arm = "ridgefill"            # the arm the thresholds apply to (default: the release's configured arm, which is
+                                 # ridgefill for a plain release, a solve or a quantize artifact)
     [thresholds]
     needle_drop_max = 5.0        # needle accuracy may be at most 5 points below exact
     dnll_key_max = 0.5           # mean ΔNLL on key tokens (nats)
@@ -28,9 +29,16 @@ CHECKS = {
 }
 
 
-def load_gate(path: Path, arms=None) -> dict:
+def gate_arm(gate: dict, default_arm: str = DEFAULT_ARM) -> str:
+    """The arm a gate judges: its `arm`, else `default_arm` (the release's configured arm)."""
+    return gate.get("arm", default_arm)
+
+
+def load_gate(path: Path, arms=None, default_arm: str = DEFAULT_ARM) -> dict:
     """A gate file, checked: known keys, `arm` a string, every threshold a number; with `arms` (the names eval will
-    measure) the gate's arm must be one of them. BadInput names the first problem, before any eval runs."""
+    measure) the gate's arm (`default_arm`, the release's configured arm, when the file names none) must be one of
+    them. BadInput names the first problem, before any eval runs. The file's own keys are returned: a gate without
+    `arm` judges the configured arm of whatever release it is checked against (`check_gate`)."""
     import tomllib
 
     try:
@@ -50,18 +58,20 @@ def load_gate(path: Path, arms=None) -> dict:
     for name, limit in sorted(thresholds.items()):
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit != limit:
             raise BadInput(f"gate file '{path}': {name} must be a number, got {limit!r}")
-    arm = gate.get("arm", DEFAULT_ARM)
+    arm = gate_arm(gate, default_arm)
     if not isinstance(arm, str):
         raise BadInput(f"gate file '{path}': arm must be an arm's name, got {arm!r}")
     if arms is not None and arm not in arms:
-        raise BadInput(f"gate file '{path}': arm '{arm}' is not among the arms eval measures ({', '.join(arms)}); "
-                       "add it with --arms (a recipe: [eval] arms)")
+        why = "" if "arm" in gate or arm == DEFAULT_ARM else " (the release's configured arm: the file names no arm)"
+        raise BadInput(f"gate file '{path}': arm '{arm}'{why} is not among the arms eval measures "
+                       f"({', '.join(arms)}); add it with --arms (a recipe: [eval] arms)")
     return gate
 
 
-def check_gate(summary: dict, gate: dict) -> list[str]:
-    """The failed thresholds, each as one readable line; empty when the release passes."""
-    arm = gate.get("arm", DEFAULT_ARM)
+def check_gate(summary: dict, gate: dict, default_arm: str = DEFAULT_ARM) -> list[str]:
+    """The failed thresholds, each as one readable line; empty when the release passes. The gate's arm, or
+    `default_arm` (the configured arm of the release evaluated) when it names none."""
+    arm = gate_arm(gate, default_arm)
     if arm not in summary["arms"]:
         raise BadInput(f"gate arm '{arm}' was not evaluated (use --arms)")
     s = dict(summary["arms"][arm])

@@ -31,7 +31,7 @@ class Checkpoint:
         self.rows = json.loads(self.path.read_text()) if self.path.is_file() else {"documents": [], "needles": []}
 
     def add(self, kind: str, row: dict) -> None:
-        self.rows[kind].append(row)
+        self.rows.setdefault(kind, []).append(row)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.rows, sort_keys=True))
@@ -43,7 +43,7 @@ class _Rows:
 
     def __init__(self, kind: str, done: Checkpoint | None):
         self.kind, self.done = kind, done
-        self.rows = done.rows[kind] if done is not None else []
+        self.rows = done.rows.setdefault(kind, []) if done is not None else []
 
     def add(self, row: dict) -> None:
         if self.done is not None:
@@ -53,9 +53,11 @@ class _Rows:
 
 
 def fill_args(src: MapsSource, arm: Arm, tail: int) -> dict:
-    """prefill / prefill_from options of a fill arm."""
+    """prefill / prefill_from options of a fill arm ("+rows" with the source's row share)."""
     args = {"split": src.split, "tail": tail, "maps": src.maps if arm.base == "ridgefill" else None,
             "anchor": src.anchor, "outliers": src.outliers}
+    if arm.selector == "rows" and arm.control is None:
+        args["row_share"] = src.row_share
     if arm.corrections:
         args["corrections"] = arm.corrections
         if "state" in arm.corrections:
@@ -106,10 +108,8 @@ def fills(lm, run, src: MapsSource, arms, tail: int, probe=None, logits_rows=Non
         if arm.control is None:
             if arm.selector == "rows":
                 r = fill(arm, "ridgefill+rows", **({"probe": probe} if probe is not None else {}))
-            else:
-                prefix = ids[: n - tail].tolist()
-                pick = [p for p, t in enumerate(prefix) if t in src.protected]
-                r = fill(arm, "ridgefill", exact_rows=pick)
+            else:  # the prefix rows holding a protected token, as the runtime's `protected` option picks them
+                r = fill(arm, "ridgefill", protected=src.protected)
             added[arm.name] = sorted(set(r.exact_rows) - set(own))
             res[arm.name] = r
             continue
@@ -173,14 +173,15 @@ class DocumentScore:
 
 
 def measure_documents(lm, docs, length: int, sources: dict, arms, tail: int, scored: int, out, *, row,
-                      seed: int = 0, done: Checkpoint | None = None) -> list[dict]:
+                      seed: int = 0, done: Checkpoint | None = None, kind: str = "documents") -> list[dict]:
     """Per document (its first `length` tokens): each source's arms scored against exact on the last `scored`
-    tokens. `row(name, tokens, {key: ({arm: doc_summary}, {arm: rows added})})` shapes each document's row."""
+    tokens. `row(name, tokens, {key: ({arm: doc_summary}, {arm: rows added})})` shapes each document's row; `kind`
+    names the rows in a checkpoint holding several measurements."""
     import torch
 
     from ridgefill.runtime.rows import PROBE_ROWS
 
-    rows = _Rows("documents", done)
+    rows = _Rows(kind, done)
     splits = sorted({src.split for src in sources.values()})
     with out.progress("documents", total=len(docs)) as bar:
         for i, d in enumerate(docs):

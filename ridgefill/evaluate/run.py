@@ -9,6 +9,10 @@ Two measurements, both on text never used for calibration:
 Paired bootstrap intervals per document / per sample; measured prefill time per arm against the ceiling r.
 The measurements are evaluate/measure.py's (sweep uses them too), the figures evaluate/summary.py's; `record` writes
 them into a release folder and checks the gate.
+
+A release with a configuration other than the plain fill (docs/format.md) is measured as it is applied: with the
+default arms, eval adds its configured arm (and the controls of a selector), and the gate judges that arm unless
+the gate file names one. Arms given by name are measured as given.
 """
 
 from __future__ import annotations
@@ -48,13 +52,14 @@ class EvalConfig:
 
 
 
-def check(cfg: EvalConfig) -> tuple:
+def check(cfg: EvalConfig, configuration: str = "ridgefill") -> list:
     """The arms of `cfg` (evaluate/arms.py), with its other settings checked: BadInput names the first problem,
-    before any model is loaded."""
+    before any model is loaded. `configuration`: the arm the release is applied with (`source.configuration_of`);
+    with the default arms, it is measured too (with its selector's controls)."""
     from ridgefill.evaluate.arms import plan
     from ridgefill.evaluate.needles import TASKS
 
-    arms = plan(cfg.arms)
+    arms = plan(configured_arms(cfg.arms, configuration))
     bad = [t for t in cfg.tasks if t not in TASKS]
     if bad:
         raise BadInput(f"unknown needle task(s) {', '.join(bad)} (choose from {', '.join(TASKS)})")
@@ -72,17 +77,28 @@ def check(cfg: EvalConfig) -> tuple:
     return arms
 
 
+def configured_arms(arms, configuration: str) -> tuple[str, ...]:
+    """The arms to measure: `arms`, plus the release's configured arm when `arms` are the default ones and the
+    configuration is not the plain fill (so a plain release's eval is the one it always was)."""
+    arms = tuple(arms)
+    if arms == DEFAULT_ARMS and configuration not in arms:
+        return arms + (configuration,)
+    return arms
+
+
 def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output, *,
              place=None) -> tuple[Artifact, bool]:
     """Run (or find cached) the eval. `place` (a ridgefill.models.device.Where; default `where()`) is where the model
-    runs; its device kind and dtype are part of the recipe (nothing is added for cpu / float32)."""
+    runs; its device kind and dtype are part of the recipe (nothing is added for cpu / float32). With the default
+    arms, a configured release's arm is measured too (`configured_arms`: the recipe's arms say so)."""
     from ridgefill.models import resolve_model
     from ridgefill.models.device import where
 
     place = place or where()
-    arms = check(cfg)
-    cfg = replace(cfg, arms=tuple(a.name for a in arms))
+    check(cfg)
     src = load_source(store, source)
+    arms = check(cfg, src.configuration)
+    cfg = replace(cfg, arms=tuple(a.name for a in arms))
     for a in arms:
         if "state" in a.corrections and src.state_offsets is None:
             raise BadInput(f"arm '{a.name}' needs terminal-state offsets, and '{source}' has none "
@@ -186,19 +202,20 @@ def _needles(lm, src: MapsSource, cfg: EvalConfig, arms, suite: list, out: Outpu
 def record(source: str, art: Artifact, rules: dict | None, out: Output) -> dict | None:
     """What follows an eval, for the CLI and a recipe alike: a release folder records the figures (its manifest's
     `eval` and its model card, neither of them hashed) and still verifies; then the gate's thresholds, if any, are
-    checked. Returns the gate's outcome {"passed", "failed": [lines]} (None without a gate); the caller exits 3 when
-    it failed."""
-    from ridgefill.evaluate.gate import check_gate
+    checked, on the gate's arm or, when it names none, on the release's configured arm. Returns the gate's outcome
+    {"passed", "failed": [lines], "arm"} (None without a gate); the caller exits 3 when it failed."""
+    from ridgefill.evaluate.gate import check_gate, gate_arm
     from ridgefill.export.card import model_card
     from ridgefill.formats import release
 
     s = art.manifest["summary"]
     folder = Path(source)
+    configured = release.PLAIN
     if (folder / release.MANIFEST).is_file():
         release.write_eval(folder, manifest_summary(s, art.id), model_card)
-        release.verify_release(folder)
+        configured = release.read_release(folder).configuration["arm"]  # verifies it again
         out.info(f"eval summary written into {folder / release.MANIFEST} and {release.CARD}")
     if rules is None:
         return None
-    failed = check_gate(s, rules)
-    return {"passed": not failed, "failed": failed}
+    failed = check_gate(s, rules, default_arm=configured)
+    return {"passed": not failed, "failed": failed, "arm": gate_arm(rules, configured)}

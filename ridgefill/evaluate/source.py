@@ -1,6 +1,7 @@
 """What eval and sweep measure: maps with the facts they need about them (`MapsSource`), from a release folder or
 a solve / quantize artifact of the store. One loader for both, so a sweep's split is measured exactly as eval
-would measure its release."""
+would measure its release. A release's configuration (docs/format.md) comes with it: the arm it is applied with,
+which eval measures beside its default arms and gates by default, and the row share of ridgefill+rows."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from ridgefill.artifacts import Store, recipe_id
 from ridgefill.errors import BadInput
-from ridgefill.runtime.rows import ANCHOR_ROWS, OUTLIER_RATIO, fit_rows
+from ridgefill.runtime.rows import ANCHOR_ROWS, OUTLIER_RATIO, ROW_SHARE, fit_rows
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,20 @@ class MapsSource:
     protected: frozenset | None = None  # the protected-token table: token ids
     anchor: int = ANCHOR_ROWS  # leading rows run exactly: the rows the fit left out (`fit.skip_first_rows`)
     outliers: float = OUTLIER_RATIO  # the fit's outlier rule (`fit.outlier_ratio`; 0: a fit that kept them)
+    configuration: str = "ridgefill"  # the arm the release is applied with (`configuration.arm`; artifacts: plain)
+    row_share: float = ROW_SHARE  # the share of rows "+rows" runs exactly (a ridgefill+rows release's own)
 
+
+def configuration_of(source: str) -> str:
+    """The configured arm of `source` (a release folder's `configuration.arm`, "ridgefill" for a release without one
+    and for a store artifact), read from the manifest alone, before anything is loaded (BadInput for a configuration
+    the format refuses); `load_source` verifies the release."""
+    from ridgefill.formats import release
+
+    p = Path(source)
+    if not (p / release.MANIFEST).is_file():
+        return release.PLAIN
+    return release.release_configuration(release.read_manifest(p))["arm"]
 
 
 def load_source(store: Store, source: str) -> MapsSource:
@@ -34,13 +48,14 @@ def load_source(store: Store, source: str) -> MapsSource:
     p = Path(source)
     if (p / release.MANIFEST).is_file():
         rel = release.read_release(p)
-        manifest = rel.manifest
+        manifest, conf = rel.manifest, rel.configuration
         return MapsSource({l: (m["weight"], m["bias"]) for l, m in rel.maps.items()}, int(manifest["split"]),
                           manifest["model"]["fingerprint"], "release:" + recipe_id(manifest["files"]),
                           frozenset(manifest.get("fit", {}).get("calibration_sha256", [])), p, rel.state_offsets,
                           None if rel.protected is None else frozenset(rel.protected),
                           **fit_rows((manifest.get("fit") or {}).get("skip_first_rows", ANCHOR_ROWS),
-                                     (manifest.get("fit") or {}).get("outlier_ratio"), str(p)))
+                                     (manifest.get("fit") or {}).get("outlier_ratio"), str(p)),
+                          configuration=conf["arm"], row_share=conf.get("row_share", ROW_SHARE))
     art = store.get(source)
     if art.stage not in ("solve", "quantize"):
         raise BadInput(f"artifact {art.id} is a {art.stage} artifact; eval takes a release folder, solve or quantize artifact")

@@ -6,6 +6,11 @@ copied to `--out`: into a temporary sibling folder, swapped in by `release.move_
 `pull`: an old release there is renamed aside and only deleted once the new one is in place, and restored if
 the rename fails). The manifest gathers the model, split, layers, fit and held-out figures from the upstream
 artifacts; a quantize artifact's group size is the one it was quantized with.
+
+`configuration` (with the `sweep` that recommended it and, for ridgefill+rows, its `row_share`) records how the
+release is to be applied (docs/format.md, `configuration`): a fact of the manifest, and a key of the export's recipe.
+Both are left out for the plain fill without a sweep, so that such an export is the one made before configurations
+existed (same id, same bytes).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from ridgefill.export.artifact import release_files
 from ridgefill.quantize.artifact import group_size, load_quant
 from ridgefill.export.card import model_card
 from ridgefill.formats import release
+from ridgefill.formats.release.names import CONFIGURATIONS, PLAIN, PROTECTED_CONFIGURATION, ROWS_CONFIGURATION
 from ridgefill.output import Output
 from ridgefill.solve import artifact as solved
 
@@ -29,21 +35,32 @@ DEFAULT_TAIL = 512
 
 
 def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int = DEFAULT_TAIL,
-           force: bool = False, model: str | None = None) -> tuple[Artifact, bool, Path | None]:
+           force: bool = False, model: str | None = None, configuration: str | None = None, sweep: str | None = None,
+           row_share: float | None = None) -> tuple[Artifact, bool, Path | None]:
     """Build (or find cached) the export artifact of a quantize or solve artifact, and copy it to `out_dir`.
     The release describes the model from the model itself (`model`, default the captured one, re-resolved and
     checked against the fingerprint the capture id covers) and the split from the solve's recipe; nothing is
-    taken from an artifact's unhashed `info`."""
+    taken from an artifact's unhashed `info`. `configuration` (one of CONFIGURATIONS; default the plain fill),
+    `sweep` (a sweep artifact of the store) and `row_share` (ridgefill+rows only; default the runtime's) are
+    recorded as the release's `configuration` (`configuration_fact`). BadInput, before anything is written, for
+    an unknown configuration, a row share that does not apply or is out of (0, 1), a sweep id that is not a sweep
+    artifact, or ridgefill+protected from a solve without a protected-token table."""
     if tail < 1:
         raise BadInput("--tail must be >= 1")
     src = store.get(ref)
     if src.stage not in ("quantize", "solve"):
         raise BadInput(f"artifact {src.id} is a {src.stage} artifact; export takes a quantize or solve artifact")
+    conf = configuration_fact(store, configuration, sweep, row_share)
     if out_dir is not None:
         release.check_out_dir(out_dir)
     sol = store.upstream(src, "solve")
+    has_table = solved.PROTECTED in (sol.manifest.get("files") or {})
+    if conf is not None and conf["arm"] == PROTECTED_CONFIGURATION and not has_table:
+        raise BadInput(f"--configuration {PROTECTED_CONFIGURATION} needs a protected-token table, and solve {sol.id} "
+                       "has none")
     cap = store.upstream(sol, "capture")
-    recipe = {"stage": "export", "version": FORMAT_VERSION, "source": f"{src.stage}/{src.id}", "tail": tail}
+    recipe = {"stage": "export", "version": FORMAT_VERSION, "source": f"{src.stage}/{src.id}", "tail": tail,
+              **({"configuration": conf} if conf is not None else {})}
     art = store.cached("export", recipe)
     cached = art is not None
     if not cached:
@@ -56,6 +73,8 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
         model_ref = captured.captured_model(cap, store, model)  # a ModelRef: nothing is loaded
         manifest = _manifest(src, sol, cap, rep, captured.documents(cap), tail, model_ref,
                              captured.captured_kinds(cap, store, model_ref), sorted(maps))
+        if conf is not None:
+            manifest["configuration"] = conf
         extras = _extras(sol, rep)
         with store.build("export", recipe) as build:
             release.write_release(build.path / RELEASE_DIR, maps, manifest, model_card, **group, **extras)
@@ -66,6 +85,28 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
     if out_dir is not None:
         copied = _copy_out(art, out_dir, force)
     return art, cached, copied
+
+
+def configuration_fact(store: Store, configuration: str | None, sweep: str | None,
+                       row_share: float | None) -> dict | None:
+    """The release's `configuration` fact {"arm", "sweep"[, "row_share"]}, or None for the plain fill without a sweep
+    (a release that records nothing: the one exported before configurations existed). `sweep` is resolved to the
+    full id of a sweep artifact of `store`; ridgefill+rows records its row share (default: the runtime's). BadInput
+    names the first problem."""
+    from ridgefill.runtime.rows import ROW_SHARE
+
+    arm = PLAIN if configuration is None else str(configuration).strip()
+    if arm not in CONFIGURATIONS:
+        raise BadInput(f"--configuration {configuration!r} is not one of: {', '.join(CONFIGURATIONS)}")
+    if row_share is not None and arm != ROWS_CONFIGURATION:
+        raise BadInput(f"--row-share applies to --configuration {ROWS_CONFIGURATION} only, not {arm}")
+    share = ROW_SHARE if row_share is None else row_share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
+        raise BadInput(f"--row-share must be a number between 0 and 1 (exclusive), got {row_share!r}")
+    sweep_id = None if sweep is None else store.get(sweep, stage="sweep").id
+    if arm == PLAIN and sweep_id is None:
+        return None
+    return {"arm": arm, "sweep": sweep_id, **({"row_share": float(share)} if arm == ROWS_CONFIGURATION else {})}
 
 
 def _flatten(rel: Path, dest: Path) -> None:

@@ -17,14 +17,20 @@ Metadata, following the Hub's model card conventions:
     tags                  ridgefill, kv-cache, prefill
 
 Manifest keys read (all optional except `model.name`): model.{name, revision, architecture, base_model, source,
-spec}, license, split, tail_default, layers, projector.{dtype, group_size}, format, fit.{alpha, lambda, rows,
-documents}, heldout.{fitted, identity}.{k_cosine, v_cosine, input_cosine, ...any other numbers}, heldout.{rows,
-float_score, int8_score}, eval (scalars, flattened).
+spec}, license, split, tail_default, layers, projector.{dtype, group_size}, format, configuration.{arm, sweep,
+row_share}, protected_tokens.types, fit.{alpha, lambda, rows, documents}, heldout.{fitted, identity}.{k_cosine,
+v_cosine, input_cosine, ...any other numbers}, heldout.{rows, float_score, int8_score}, eval (scalars, flattened).
+
+The card states the release's configuration (the plain fill when the manifest has none) and the one runtime call
+that applies the release as made: `prefill(lm, ids, rel.arm, **rel.options())`, which its usage snippet runs.
 """
 
 from __future__ import annotations
 
 import re
+
+from ridgefill.formats.release.names import (KSCALE_CONFIGURATION, PLAIN, PROTECTED_CONFIGURATION,
+                                             ROWS_CONFIGURATION)
 
 LIBRARY = "ridgefill"
 TAGS = ("ridgefill", "kv-cache", "prefill")
@@ -133,6 +139,35 @@ def _model_lines(manifest: dict) -> list[str]:
     return lines
 
 
+RUNTIME_CALL = "prefill(lm, ids, rel.arm, **rel.options())"
+
+
+def _configuration_line(manifest: dict) -> str:
+    """The configuration the release is applied with (docs/format.md), what it does, and the call that applies it."""
+    conf = manifest.get("configuration")
+    conf = conf if isinstance(conf, dict) else {}
+    arm = conf.get("arm") if isinstance(conf.get("arm"), str) else PLAIN
+    share = conf.get("row_share")
+    pct = f"{100 * share:.3g} %" if isinstance(share, (int, float)) and not isinstance(share, bool) else "10 %"
+    types = (manifest.get("protected_tokens") or {}).get("types")
+    table = f" ({types} token types)" if isinstance(types, int) and not isinstance(types, bool) else ""
+    what = {
+        PLAIN: ("the plain fill", ""),
+        ROWS_CONFIGURATION: (f"the fill, and the {pct} of the prompt's rows that its last 64 rows attend to most (in "
+                           "the layers below the split) run every layer exactly", f", plus `row_share={share!r}`"),
+        KSCALE_CONFIGURATION: ("the fill with a per-request key rescale: per KV head, the filled keys are scaled to "
+                             "the norms of the keys of the first tail rows", ', plus `corrections=("kscale",)`'),
+        PROTECTED_CONFIGURATION: (f"the fill, and the prefix rows whose token is in the release's protected-token "
+                                f"table{table} run every layer exactly", ", plus `protected`: the table's token ids"),
+    }
+    text, adds = what.get(arm, (f"`{arm}`", ""))
+    sweep = conf.get("sweep")
+    by = f", recommended by sweep `{sweep}`" if isinstance(sweep, str) and sweep else ""
+    runtime_arm = ROWS_CONFIGURATION if arm == ROWS_CONFIGURATION else PLAIN
+    return (f"- Configuration: `{arm}`{by}: {text}. Applied as made by `{RUNTIME_CALL}` (`rel.arm` is "
+            f"`\"{runtime_arm}\"`; the options are the release's split, tail, maps and exact rows{adds})")
+
+
 def _commented(pairs: list[tuple[str, str]]) -> list[str]:
     width = max(len(cmd) for cmd, _ in pairs)
     return [f"{cmd.ljust(width)}  # {note}" for cmd, note in pairs]
@@ -161,11 +196,11 @@ def _usage(manifest: dict) -> list[str]:
         f'lm = load_model(resolve_model("{spec}", store_root=store), store_root=store)',
         'rel = load_release_maps(lm, "DIR")  # verified; refuses maps made for another model',
         'ids = lm.tokenizer(Path("prompt.txt").read_text(), return_tensors="pt").input_ids[0]',
-        "opts = rel.options()  # the release's split, exact tail and maps; the rows its fit left out run exactly",
+        "opts = rel.options()  # its split, exact tail, maps and configuration; rows its fit left out run exactly",
         'if len(ids) <= opts["tail"]:  # no prefix before the exact tail: nothing to fill, the prompt runs exactly',
         '    print(f"{len(ids)} tokens, not more than the exact tail ({opts[\'tail\']}): nothing is filled")',
         '    opts["tail"] = len(ids)',
-        'res = prefill(lm, ids, "ridgefill", **opts)',
+        "res = prefill(lm, ids, rel.arm, **opts)  # the release as made",
         "print(lm.tokenizer.decode(greedy(lm, res, max_new=40)))",
         "```",
     ]
@@ -201,6 +236,7 @@ def model_card(manifest: dict) -> str:
     if dtype == "int8" and proj.get("group_size"):
         detail = f", groups of {proj['group_size']} input columns with bf16 scales"
     lines.append(f"- Projector: {dtype}{detail}; format `{manifest.get('format', '?')}`")
+    lines.append(_configuration_line(manifest))
     fit_bits = [f"{label} {_num(fit[key])}" for key, label in
                 (("alpha", "alpha"), ("lambda", "lambda"), ("rows", "rows"), ("documents", "documents")) if key in fit]
     per = fit.get("alpha_per_layer")

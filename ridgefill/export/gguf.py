@@ -41,15 +41,21 @@ FORMAT_VERSION = 3  # 2: from the store, Q8_0 of the float maps with the bias co
 
 
 def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail: int = 512,
-                force: bool = False, model: str | None = None) -> tuple[Artifact, bool, Path | None]:
+                force: bool = False, model: str | None = None, configuration: str | None = None,
+                sweep: str | None = None, row_share: float | None = None) -> tuple[Artifact, bool, Path | None]:
     """Build (or reuse) the GGUF export artifact of a quantize/solve artifact or a release folder; copy it to
-    `out_path` (a .gguf file) if given. Returns (artifact, cached, path written or None)."""
+    `out_path` (a .gguf file) if given. Returns (artifact, cached, path written or None). `configuration`, `sweep`
+    and `row_share` go to the release built from the store (`build.export`), whose facts, its `configuration`
+    among them, the GGUF carries; a release folder carries its own, and they are refused with one."""
     from ridgefill.export import build
 
     target = _check_target(Path(out_path)) if out_path is not None else None
     folder = Path(ref)
     maps = None
     if (folder / release.MANIFEST).is_file():
+        if (configuration, sweep, row_share) != (None, None, None):
+            raise BadInput(f"{folder} is a release folder, which records its own configuration: --configuration, "
+                           "--sweep and --row-share apply to an export from the store")
         rel = release.read_release(folder)  # verified; --tail does not apply: the release has its own
         manifest, maps, extras = rel.manifest, rel.maps, extra_tensors(rel.state_offsets, rel.protected)
         for layer, m in sorted(maps.items()):
@@ -61,7 +67,8 @@ def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail
         if src.stage in ("quantize", "solve"):
             for layer, d_in in _source_row_lengths(src):
                 check_row_length(layer, d_in)
-        rel, _, _ = build.export(store, ref, None, out, tail=tail, model=model)
+        rel, _, _ = build.export(store, ref, None, out, tail=tail, model=model, configuration=configuration,
+                                 sweep=sweep, row_share=row_share)
         source = f"export/{rel.id}"
         sol = store.upstream(src, "solve")
         provenance = {"source_artifact": f"{src.stage}/{src.id}", "release_artifact": source,

@@ -5,7 +5,7 @@
 
     lm = load_model(resolve_model("builtin:smollm2-135m", store_root=store), store_root=store)
     rel = load_release_maps(lm, "release/smollm2-135m")
-    res = prefill(lm, ids, "ridgefill", split=rel.split, tail=rel.tail, maps=rel.maps)
+    res = prefill(lm, ids, rel.arm, **rel.options())   # the release as made (its configuration too)
     tokens = greedy(lm, res, max_new=20)
 
 The public API is `__all__` below; docs/runtime.md describes it, with a runnable example. Modules: `api.py`

@@ -17,9 +17,10 @@ Arms (N rows, L layers, split S, tail T, prefix P = N - T):
 - "nofill": late layers write nothing for the filled rows; the tail attends only to itself (and to exact rows)
   in late layers, at its original positions. Its cache has holes, which the stock model cannot continue from:
   `cache` is a `SlotCache`, which `greedy` (and `SlotCache.step`) decode from layer by layer.
-- Exact rows, in every arm but "exact": the first `anchor` prompt rows (default 1) and `exact_rows`, and prefix rows
-  whose split state is an outlier by norm (more than `outliers` x the prefix's median, default 20; 0 turns this
-  off): sinks, which a map's prediction would extrapolate to (rows.py has the rules).
+- Exact rows, in every arm but "exact": the first `anchor` prompt rows (default 1) and `exact_rows`, the prefix rows
+  whose token id is in `protected` (a release's protected-token table, for its ridgefill+protected configuration),
+  and prefix rows whose split state is an outlier by norm (more than `outliers` x the prefix's median, default 20; 0
+  turns this off): sinks, which a map's prediction would extrapolate to (rows.py has the rules).
 - "ridgefill+rows": "ridgefill" plus attention-selected exact rows: the `row_share`
   (default 10 %) of prompt rows that receive the most attention from the `probe` rows (default: the last 64
   prompt rows), summed over the heads of every layer below the split, run every layer exactly. The selection
@@ -29,7 +30,8 @@ Arms (N rows, L layers, split S, tail T, prefix P = N - T):
 
 Options (`FillOptions`, keyword arguments of `prefill`, `prefill_from` and `prefix_prefill`): `split`, `tail`,
 `maps`, `exact_rows`, `row_share`, `probe`, `anchor`, `logits_rows`, `outliers`, `corrections`, `state_offsets`,
-`correction_rows`.
+`correction_rows`, `protected`. A release's maps and configuration give them: `prefill(lm, ids, rel.arm,
+**rel.options())` (maps.py).
 
 How it runs (fill.py). The layers are the model's own decoder-layer modules, called one at a time with the model's own
 embeddings, rotary embeddings and final norm / head. Masks are built here from explicit query and key positions
@@ -111,7 +113,8 @@ class FillOptions:
     too (0: none). `logits_rows`: how many last rows get logits (default `tail`; 1 is enough to decode).
     `corrections`: any of "vscale", "kscale", "kshift" (measured on the first `correction_rows` tail rows) and
     "state" (with `state_offsets` {layer: [value heads, key dim, value dim]}), for the fill arms
-    (ridgefill.runtime.corrections)."""
+    (ridgefill.runtime.corrections). `protected`: token ids (a list, set, array or tensor); in the fill arms every
+    prefix row whose token is one of them runs every layer (a release's protected-token table)."""
 
     split: int
     tail: int
@@ -125,19 +128,35 @@ class FillOptions:
     corrections: Any = ()
     state_offsets: dict | None = None
     correction_rows: int = fixes.CORRECTION_ROWS
+    protected: Any = None  # token ids: prefix rows holding one run every layer (fill arms)
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """A prefill's checked options: its exact rows so far (asked for, and the anchor), corrections, logits rows."""
+    """A prefill's checked options: its exact rows so far (asked for, the anchor and the protected tokens'),
+    corrections, logits rows."""
 
     rows: list[int]
     fix: fixes.Fix
     keep: int
 
 
-def _plan(lm, n: int, arm: str, o: FillOptions) -> _Plan:
-    """Check `o` for a prefill of n rows with `arm` (BadInput names the first problem)."""
+def _protected_rows(ids: torch.Tensor, protected, prefix: int) -> list[int]:
+    """The prefix positions (< prefix) of ids [N] whose token is one of the `protected` token ids."""
+    if isinstance(protected, (set, frozenset)):
+        protected = sorted(protected)
+    table = torch.as_tensor(protected).reshape(-1)
+    if table.numel() == 0:
+        return []
+    if table.is_floating_point() or table.is_complex() or table.dtype == torch.bool:
+        raise BadInput(f"protected must be token ids (integers), got {table.dtype}")
+    hit = torch.isin(ids[:prefix].cpu(), table.cpu().long())
+    return torch.nonzero(hit).flatten().tolist()
+
+
+def _plan(lm, ids: torch.Tensor, arm: str, o: FillOptions) -> _Plan:
+    """Check `o` for a prefill of ids [N] with `arm` (BadInput names the first problem)."""
+    n = int(ids.shape[0])
     L = lm.adapter.num_layers
     if not (isinstance(o.anchor, int) and o.anchor >= 0):
         raise BadInput(f"anchor must be a non-negative number of rows, got {o.anchor!r}")
@@ -173,6 +192,8 @@ def _plan(lm, n: int, arm: str, o: FillOptions) -> _Plan:
         raise BadInput(f"logits_rows must be in 1..{o.tail} (the tail), got {o.logits_rows!r}")
     if arm != "exact":
         rows = sorted(set(rows) | set(range(min(o.anchor, prefix))))
+        if o.protected is not None:
+            rows = sorted(set(rows) | set(_protected_rows(ids, o.protected, prefix)))
     return _Plan(rows, fix, keep)
 
 
@@ -182,7 +203,7 @@ def prefill(lm, input_ids: torch.Tensor, arm: str, **options) -> PrefillResult:
     o = FillOptions(**options)
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     n = int(ids.shape[0])
-    plan = _plan(lm, n, arm, o)
+    plan = _plan(lm, ids, arm, o)
     select = None
     if arm == "ridgefill+rows":
         if not 0 < o.row_share < 1:
@@ -224,7 +245,7 @@ def prefix_prefill(lm, input_ids: torch.Tensor, arm: str, **options) -> PrefillR
         raise BadInput(f"a prefix is 'exact', 'ridgefill' or 'identity', not '{arm}'")
     if o.corrections:
         raise BadInput("corrections are measured on the tail rows, which a prefix does not run")
-    plan = _plan(lm, n, arm, o)
+    plan = _plan(lm, ids, arm, o)
     p = n - o.tail
     ad = lm.adapter
     prefix = ids[:p].to(ad.device)
@@ -298,7 +319,7 @@ def prefill_from(lm, run: ExactRun, arm: str, **options) -> PrefillResult:
         raise BadInput(f"prefill_from builds 'ridgefill', 'identity' or 'nofill', not '{arm}' (use prefill)")
     if o.split not in run.states:
         raise BadInput(f"the exact run kept no state for split {o.split} (it has {sorted(run.states)})")
-    plan = _plan(lm, n, arm, o)
+    plan = _plan(lm, run.ids, arm, o)
     split, tail = o.split, o.tail
     rows = with_outliers(plan.rows, run.states[split], n - tail, o.outliers)
     ad = lm.adapter

@@ -21,6 +21,8 @@ A release folder holds exactly:
     protected.safetensors   the protected-token table (`protected_token_ids` I32, ascending), when the solve
                         made one; the manifest's `protected_tokens` {file, share, types, eligible_types, ...}
                         describes it
+    (no file)           the manifest's optional `configuration` {arm, sweep[, row_share]}: the quality
+                        configuration the release is applied with (`CONFIGURATIONS`; absent: the plain fill)
     README.md           model card; optional, never hashed, because the Hub may rewrite it
 
 What is protected, and how. `files` holds the sha256 of maps.safetensors, and maps.safetensors records the
@@ -51,6 +53,11 @@ GITATTRIBUTES, DOWNLOAD_CACHE, HF_DIR = ".gitattributes", ".cache", "huggingface
 HUB_LEFTOVERS = frozenset({GITATTRIBUTES, DOWNLOAD_CACHE})
 META_FORMAT, META_FACTS = "format", "ridgefill.facts"  # maps.safetensors `__metadata__` keys
 NOT_FACTS = frozenset({"files", "eval"})  # the manifest fields outside the hash (see the module docstring)
+
+# The quality configurations a release may record (`configuration.arm`): the fill arm a runtime applies it with,
+# named as `ridgefill eval` names its arms (ridgefill.evaluate.arms). Absent: PLAIN.
+CONFIGURATIONS = ("ridgefill", "ridgefill+rows", "ridgefill+kscale", "ridgefill+protected")
+PLAIN, ROWS_CONFIGURATION, KSCALE_CONFIGURATION, PROTECTED_CONFIGURATION = CONFIGURATIONS
 
 LINEAR_KIND = "linear_attention"  # `layers[].kind` of a Gated DeltaNet layer (transformers' layer type name)
 
@@ -116,4 +123,37 @@ def layer_indices(manifest: dict) -> set[int] | None:
     layers = manifest.get("layers")
     if isinstance(layers, list) and all(isinstance(x, dict) and "index" in x for x in layers):
         return {x["index"] for x in layers}
+    return None
+
+
+def configuration_problem(value: object, protected: bool) -> str | None:
+    """What is wrong with a manifest's `configuration` (`value`; `protected`: whether the release has a protected-
+    token table), as a phrase for a one-line refusal; None when it is valid. Valid: an object with exactly `arm` (one
+    of CONFIGURATIONS), `sweep` (the id of the sweep that recommended it, a non-empty string, or null) and, for
+    ridgefill+rows only, `row_share` (a number in (0, 1)); ridgefill+protected only in a release with a
+    protected-token table."""
+
+    def show(v) -> str:
+        text = json.dumps(v, sort_keys=True)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    if not isinstance(value, dict):
+        return f"'configuration' is {show(value)}, expected an object {{\"arm\": ..., \"sweep\": ...}}"
+    arm = value.get("arm")
+    if arm not in CONFIGURATIONS:
+        return (f"'configuration.arm' is {show(arm) if 'arm' in value else 'missing'}, expected one of "
+                f"{', '.join(CONFIGURATIONS)}")
+    keys = {"arm", "sweep", "row_share"} if arm == ROWS_CONFIGURATION else {"arm", "sweep"}
+    if set(value) != keys:
+        return (f"'configuration' has the keys {', '.join(sorted(value))}, expected exactly {', '.join(sorted(keys))} "
+                f"for {arm}")
+    sweep = value["sweep"]
+    if sweep is not None and not (isinstance(sweep, str) and sweep.strip()):
+        return f"'configuration.sweep' is {show(sweep)}, expected a sweep artifact id (a string) or null"
+    share = value.get("row_share", 0.5)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
+        return f"'configuration.row_share' is {show(share)}, expected a number between 0 and 1 (exclusive)"
+    if arm == PROTECTED_CONFIGURATION and not protected:
+        return ("'configuration.arm' is \"ridgefill+protected\", but the release has no protected-token table "
+                "('protected_tokens')")
     return None

@@ -5,7 +5,8 @@
 the manifest (JSON without duplicate keys, NaN or infinity, format), `files` (bare names, hashes, the files the facts
 name), the folder's entries (nothing unlisted, no symbolic link), every file's sha256, the facts maps.safetensors
 records against the manifest (compared by value), the hashes the facts record for the other tensor files, and then
-every tensor of every file, decoded as a runtime would use it. `verify_release` and `load_release` are it.
+the release's `configuration` and every tensor of every file, decoded as a runtime would use it. `verify_release`
+and `load_release` are it; `release_configuration` is the configuration a verified manifest records.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from ridgefill.errors import BadInput
 from ridgefill.formats import int8, safetensors
 from ridgefill.formats.release.names import (BIAS, CODES, CORRECTIONS_FILE, DOWNLOAD_CACHE, FORMAT, GITATTRIBUTES,
                                              HF_DIR, HUB_LEFTOVERS, LINEAR_KIND, MANIFEST, MAPS_FILE, META_FACTS,
-                                             META_FORMAT, OFFSET_RE, PROJECTOR_DTYPES, PROTECTED_FILE, PROTECTED_IDS,
-                                             SCALES, SHA256_RE, STATE_OFFSET, UNHASHED, WEIGHT, facts_of,
-                                             is_bare_name, layer_indices, parse_tensor_name, tensor_name)
+                                             META_FORMAT, OFFSET_RE, PLAIN, PROJECTOR_DTYPES, PROTECTED_FILE,
+                                             PROTECTED_IDS, SCALES, SHA256_RE, STATE_OFFSET, UNHASHED, WEIGHT,
+                                             configuration_problem, facts_of, is_bare_name, layer_indices,
+                                             parse_tensor_name, tensor_name)
 from ridgefill.numerics import bf16_bits_to_f32
 
 _READ_DTYPES = ("I8", "I32", "BF16", "F32")  # what a release's tensor files may hold
@@ -40,11 +42,17 @@ class Release:
     protected: np.ndarray | None  # int32 token ids, ascending
     state_offsets: dict[int, np.ndarray] | None  # {layer: float32 [value heads, key dim, value dim]}
 
+    @property
+    def configuration(self) -> dict:
+        """The configuration the release is applied with (`release_configuration`)."""
+        return release_configuration(self.manifest)
+
 
 def read_release(dir: Path) -> Release:
     """Verify a release folder and decode every tensor it holds; BadInput names the first problem."""
     dir = Path(dir)
     manifest = _verified_manifest(dir)
+    release_configuration(manifest)
     return Release(manifest, _maps(dir, manifest), _protected(dir, manifest), _state_offsets(dir, manifest))
 
 
@@ -385,6 +393,20 @@ def _state_offsets(dir: Path, manifest: dict) -> dict[int, np.ndarray] | None:
         raise BadInput(f"{CORRECTIONS_FILE}: state offsets for layers {sorted(offsets)} (manifest: "
                        f"{state.get('layers')}), but the release's Gated DeltaNet layers are {linear}")
     return offsets
+
+
+def release_configuration(manifest: dict) -> dict:
+    """The manifest's `configuration` ({"arm", "sweep"} and, for ridgefill+rows, "row_share"), or the plain fill's
+    {"arm": "ridgefill", "sweep": None} for a release without one. BadInput (one line naming the field) for a
+    configuration that is not such an object, an unknown arm, a bad row share or sweep id, or ridgefill+protected in
+    a release without a protected-token table."""
+    value = manifest.get("configuration", _ABSENT)
+    if value is _ABSENT:
+        return {"arm": PLAIN, "sweep": None}
+    problem = configuration_problem(value, manifest.get("protected_tokens") is not None)
+    if problem is not None:
+        raise BadInput(f"{MANIFEST}: {problem}")
+    return dict(value)
 
 
 def load_protected(dir: Path, manifest: dict) -> np.ndarray | None:
