@@ -70,13 +70,13 @@ FIGURES = {
     "anchor": Figure("anchor_check.py", "KL(exact ‖ arm) with the sink row filled (anchor 0) and exact (anchor 1)",
                      "nats", None),
     "eval": Figure("eval_bench.py", "default `ridgefill eval` / an eval of the exact arm alone: wall, CPU", "ratio",
-                   None),
+                   "cpu <= 1.9"),
     "engine_ttft": Figure("engine_ttft.py", "time to first token in vLLM (CPU, float32): full prefill, exact prefix "
                           "injected, RidgeFill prefix injected (ridgefill's prefix compute included)", "s", None),
     "vllm_fill": Figure("vllm_fill_bench.py", "prefill (time to first token) in vLLM, stock model / the same model "
                         "running the fill in vLLM's forward (prototype plugin), and the ceiling", "x", None),
-    "sweep": Figure("sweep_bench.py", "default `ridgefill sweep` (given its capture) / one default eval: wall, CPU",
-                    "ratio", None),
+    "sweep": Figure("sweep_bench.py", "adaptive and exhaustive `ridgefill sweep` (given its capture) / one default "
+                    "eval: wall, CPU; whether they recommend the same", "ratio", "adaptive_cpu <= 4"),
 }
 
 _OPS = {"<=": operator.le, ">=": operator.ge}

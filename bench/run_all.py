@@ -20,7 +20,7 @@ Every figure of bench/harness.py's FIGURES (which holds their targets) is one sc
     prefill   prefill_bench.py   prefill speed-up per fill arm, and the ceiling
     anchor    anchor_check.py    the sink row filled vs run exactly                  (only with --only)
     eval      eval_bench.py      default eval / exact-only eval                      (only with --only)
-    sweep     sweep_bench.py     default sweep / one default eval                    (only with --only)
+    sweep     sweep_bench.py     adaptive and exhaustive sweep / one default eval      (only with --only)
 
 engine_ttft and vllm_fill (bench/engine_ttft.py, bench/vllm_fill_bench.py: vLLM's time to first token with injected
 caches, and with the fill inside vLLM) need the engine environment and are run by themselves.

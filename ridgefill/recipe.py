@@ -258,20 +258,25 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
         sw = stage("sweep", lambda: sweep(store, recipe.model, scfg, out, data=recipe.capture["data"],
                                           capture_args=cap_cfg, solve_args=shared, place=w, capture_place=cap_place))
         rec = sw.manifest["summary"]
-        summary["sweep"] = {"recommended": rec["recommended"], "reason": rec["reason"], "splits": rec["splits"]}
+        summary["sweep"] = {"recommended": rec["recommended"], "configuration": rec["configuration"],
+                            "tail": rec["tail"], "reason": rec["reason"], "splits": rec["splits"]}
         if rec["recommended"] is None:
             raise GateFailed(f"sweep {sw.id}: {rec['reason']}")
         solve_args["split"] = rec["recommended"]
+        chosen = {"configuration": rec["configuration"], "sweep": sw.id}
         cap = stage("capture", lambda: (store.get(rec["capture"], stage="capture"), True))
     else:
+        chosen = {}
         cap = stage("capture", lambda: capture(store, recipe.model, recipe.capture["data"], CaptureConfig(**cap_cfg), out,
                                                place=cap_place))
     sol = stage("solve", lambda: solve(store, cap.id, out, **solve_args, place=w))
     src = stage("quantize", lambda: quantize(store, sol.id, out, place=w)) if recipe.quantize else sol
     tail = {"tail": recipe.tail} if recipe.tail else {}
+    if chosen:  # the sweep's (split, configuration), recorded with the sweep's id; a longer tail when it says so
+        tail = {"tail": rec["tail"]} if rec["tail"] != (recipe.tail or scfg.tail) else tail
 
     def export():
-        art, cached, _ = export_release(store, src.id, recipe.out, out, force=True, **tail)
+        art, cached, _ = export_release(store, src.id, recipe.out, out, force=True, **tail, **chosen)
         return art, cached
 
     stage("export", export)

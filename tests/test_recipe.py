@@ -241,9 +241,13 @@ def test_auto_split_releases_the_sweeps_recommendation(tmp_path, tiny_llama, mon
     assert s["stages"]["capture"] == {**s["stages"]["capture"], "id": sw.recipe["capture"], "cached": True}
     assert s["stages"]["solve"]["cached"] and s["stages"]["quantize"]["cached"]
     assert s["stages"]["quantize"]["id"] == sw.recipe["maps"]["1"]
-    assert json.loads((tmp_path / "rel" / "ridgefill.json").read_text())["split"] == 1
+    manifest = json.loads((tmp_path / "rel" / "ridgefill.json").read_text())
+    assert manifest["split"] == 1 and manifest["tail_default"] == 48
+    # the release records what the sweep recommended, and which sweep it was
+    assert manifest["configuration"] == {"arm": "ridgefill", "sweep": sw.id}
+    assert s["sweep"]["configuration"] == "ridgefill" and s["sweep"]["tail"] == 48
 
     path = _auto_recipe(tmp_path, tiny_llama, ["max_needle_drop = 0.0", "max_key_dnll = 0.0"])
     r = cli("release", path, "--store", tmp_path / "store", "--json")
     assert r.returncode == 3, r.stderr
-    assert "no split is within budget" in r.stderr.strip().splitlines()[-1]
+    assert "no split or configuration is within budget" in r.stderr.strip().splitlines()[-1]

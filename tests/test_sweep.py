@@ -1,5 +1,6 @@
-"""`ridgefill sweep` on a tiny model: one capture for every split, figures equal to independent prefills per
-split and arm, the recommendation, the artifact's files, reuse of a capture, and the refusals."""
+"""`ridgefill sweep` on a tiny model: one capture for every split; the adaptive search (bisection, sequential rule)
+and the exhaustive sweep recommend the same (split, configuration); every needle outcome equals an independent
+prefill; configurations beside their controls; timing rounds; resuming; reuse of a capture; the refusals."""
 
 import json
 
@@ -14,8 +15,18 @@ from ridgefill.output import Output
 from clirun import cli_here
 from conftest import SMALL_CHAIN
 
-SMALL = ["--length", "600", "--tail", "48", "--scored", "16", "--samples", "6", "--documents", "2"]
-CFG = SweepConfig(splits=(1, 2, 3), length=600, tail=48, scored=16, samples=6, documents=2)
+SMALL = ["--length", "600", "--tail", "48", "--scored", "16", "--samples", "16", "--documents", "2"]
+CFG = SweepConfig(splits=(1, 2, 3), length=600, tail=48, scored=16, samples=16, documents=2)
+CAPTURE = {"chunk": 64, "held_out": 1}
+
+
+def key_budget(monkeypatch):
+    """The random tiny model has no key tokens (no token loses 2 nats without its context), so no key ΔNLL is
+    measured and every split would be over budget on it: here the plain arms at split 1 are over on key ΔNLL and
+    everything else within, so the needles decide splits 2 and 3, and the configurations are measured at split 1."""
+    from ridgefill.sweep import run as sw
+
+    monkeypatch.setattr(sw.Measurement, "_key_over", lambda self, job, figs: job in ((1, "ridgefill"), (1, "identity")))
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +38,23 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def swept(tmp_path_factory, tiny_llama, data):
-    st = Store(tmp_path_factory.mktemp("sweep") / "store")
-    art, cached = sweep(st, str(tiny_llama), CFG, Output(quiet=True), data=[str(data)],
-                        capture_args={"chunk": 64, "held_out": 1})
-    assert not cached
-    return st, art, json.loads(art.file("sweep.json").read_text())
+def both(tmp_path_factory, tiny_llama, data):
+    """The adaptive and the exhaustive sweep of the same model, settings and capture."""
+    mp = pytest.MonkeyPatch()
+    key_budget(mp)
+    try:
+        st = Store(tmp_path_factory.mktemp("sweep") / "store")
+        arts = {}
+        for mode in ("adaptive", "exhaustive"):
+            from dataclasses import replace
+
+            cfg = replace(CFG, exhaustive=mode == "exhaustive")
+            art, cached = sweep(st, str(tiny_llama), cfg, Output(quiet=True), data=[str(data)], capture_args=CAPTURE)
+            assert not cached
+            arts[mode] = (art, json.loads(art.file("sweep.json").read_text()))
+    finally:
+        mp.undo()
+    return st, arts
 
 
 def test_parse_splits():
@@ -52,167 +74,133 @@ def test_parse_splits():
     assert default_splits(30) == (8, 10, 12, 14, 16, 18, 20, 22) and len(default_splits(18)) == 8
 
 
-def test_sweep_figures_equal_independent_prefills(swept, tiny_llama):
-    """Every (split, arm) figure comes from its own maps and equals what an independent prefill of that arm gives:
-    needle answers by greedy decoding, document ΔNLL; one capture serves every split."""
-    from ridgefill.evaluate import metrics, texts
-    from ridgefill.evaluate.needles import score_answer
-    from ridgefill.sweep.run import needle_suite
-    from ridgefill.quantize.artifact import float_maps as _maps_of
-    from ridgefill.models import load_model, resolve_model
-    from ridgefill.runtime import greedy, prefill
+def test_adaptive_and_exhaustive_recommend_the_same(both):
+    """Same recommendation, fewer needle prompts; the adaptive one measures no needle where key ΔNLL decides."""
+    _, arts = both
+    (ad_art, ad), (_, ex) = arts["adaptive"], arts["exhaustive"]
+    assert (ad["mode"], ex["mode"]) == ("adaptive", "exhaustive")
+    for k in ("split", "configuration", "tail"):
+        assert ad["recommended"][k] == ex["recommended"][k]
+    assert ad["search"]["ridgefill"]["edge"] == ex["search"]["ridgefill"]["edge"] == 2
+    assert ad["recommended"]["split"] is not None
+    cost = lambda r: sum(r["cost"]["needle_prompts"].values())  # noqa: E731
+    assert cost(ad) < cost(ex)
+    # exhaustive: every split and arm on all 16 prompts
+    assert all(ex["cost"]["needle_prompts"][f"{s}/{a}"] == 16 for s in (1, 2, 3) for a in ("ridgefill", "identity"))
+    # adaptive: split 1 is over on key ΔNLL (no needle there), and bisection visits 2 first
+    assert not any(k.startswith("1/ridgefill") and not k.startswith("1/ridgefill+") for k in ad["cost"]["needle_prompts"])
+    assert ad["search"]["ridgefill"]["measured"][0] == 2
+    e1 = next(e for e in ad["splits"] if e["split"] == 1)
+    assert e1["arms"]["ridgefill"]["verdict"] == "over" and e1["arms"]["ridgefill"]["decided"] == "key ΔNLL"
+    assert e1["arms"]["ridgefill"]["needle"] is None
+    summary = ad_art.manifest["summary"]
+    assert summary["recommended"] == ad["recommended"]["split"] and summary["mode"] == "adaptive"
+    assert summary["needle_prompts"] == ad["cost"]["needle_prompts"]
+    assert ad["rule"]["looks"] == [8, 16] and ex["rule"]["looks"] == [16]
 
-    st, art, res = swept
-    assert [e["split"] for e in res["splits"]] == [1, 2, 3]
-    caps = {st.get(e["solve"]).recipe["capture"] for e in res["splits"]}
-    assert caps == {art.recipe["capture"]} and st.get(art.recipe["capture"]).recipe["splits"] == [1, 2, 3]
+
+def test_needle_outcomes_equal_independent_prefills(both, tiny_llama):
+    """Every needle outcome recorded (exact and each (split, arm)) is what an independent prefill of that arm and a
+    greedy decode give; the suite alternates noise and prose haystacks."""
+    from ridgefill.evaluate.arms import parse_arm
+    from ridgefill.evaluate.needles import score_answer
+    from ridgefill.models import load_model, resolve_model
+    from ridgefill.quantize.artifact import float_maps
+    from ridgefill.runtime import greedy, prefill
+    from ridgefill.sweep.run import needle_suite
+
+    st, arts = both
+    _, res = arts["adaptive"]
     lm = load_model(resolve_model(str(tiny_llama), store_root=st.root), store_root=st.root)
     suite = needle_suite(lm, CFG)
-    assert len(suite) == len(res["needles"]) == 6 and len({s.depth for s in suite}) == 6
-    docs = texts.long_documents(lm.tokenizer, 600, limit=2)
+    assert [k for k, _ in suite] == ["noise", "prose"] * 8
+    assert [r["haystack"] for r in res["needles"]] == [k for k, _ in suite][: len(res["needles"])]
+    maps = {e["split"]: float_maps(st.get(e["quantize"])) for e in res["splits"]}
+    text = lambda smp, r: lm.tokenizer.decode(greedy(lm, r, smp.max_new_tokens), skip_special_tokens=True)  # noqa: E731
+    checked = 0
+    for row in res["needles"][:4]:
+        _, smp = suite[row["index"]]
+        ids = torch.tensor(smp.prompt_ids)
+        assert row["exact"] == score_answer(smp, text(smp, prefill(lm, ids, "exact", split=0, tail=48)))
+        for job, ok in row["arms"].items():
+            split, name = job.split("/", 1)
+            arm = parse_arm(name)
+            if arm.selector or arm.corrections:
+                continue  # eval's own tests check those arms against prefills
+            r = prefill(lm, ids, arm.base, split=int(split), tail=48, maps=maps[int(split)] if arm.base == "ridgefill"
+                        else None)
+            assert ok == score_answer(smp, text(smp, r)), (row["index"], job)
+            checked += 1
+    assert checked >= 4
+
+
+def test_configurations_beside_their_controls(both):
+    """At the split just shallower than the maps' edge, +rows, +kscale (a Llama has no QK-norm) and +protected,
+    each with its control, their ceilings from the rows they add, and the beats-control judgement."""
+    _, arts = both
+    for mode in ("adaptive", "exhaustive"):
+        res = arts[mode][1]
+        e1 = next(e for e in res["splits"] if e["split"] == 1)
+        confs = e1["configurations"]
+        assert set(confs) == {"ridgefill+rows", "ridgefill+kscale", "ridgefill+protected"}
+        rows = confs["ridgefill+rows"]
+        assert rows["control"]["arm"] == "ridgefill+rows:tail" and rows["control"]["tail"] == 48 + round(rows["extra_rows"])
+        assert rows["extra_rows"] > 0
+        assert rows["ceiling_speedup"] == pytest.approx(4 * 600 / (1 * (600 - rows["control"]["tail"]) + 4 * rows["control"]["tail"]))
+        assert confs["ridgefill+kscale"]["control"]["arm"] == "ridgefill" and confs["ridgefill+kscale"]["extra_rows"] == 0
+        for name, c in confs.items():
+            pairs = [(r["exact"], r["arms"][f"1/{name}"]) for r in res["needles"] if f"1/{name}" in r["arms"]]
+            assert c["figures"]["needle_n"] == len(pairs) > 0
+            assert c["verdict"] == "within"  # no key ΔNLL here, and the random model answers no needle
+        # +kscale's control is the plain fill at split 1, over budget: it beats it; the others' controls (a longer
+        # tail) are as good, with no key ΔNLL to tell them apart.
+        assert confs["ridgefill+kscale"]["beats_control"] is True
+        assert confs["ridgefill+rows"]["beats_control"] is False and confs["ridgefill+rows"]["control"]["verdict"] == "within"
+        rec = res["recommended"]
+        assert (rec["split"], rec["configuration"], rec["tail"], rec["kind"]) == (1, "ridgefill+kscale", 48, "configuration")
+        kinds = {(c["split"], c["configuration"], c["kind"]) for c in rec["candidates"]}
+        assert (1, "ridgefill", "longer tail") in kinds and (2, "ridgefill", "plain") in kinds
+        assert all(not e["configurations"] for e in res["splits"] if e["split"] != 1)
+
+
+def test_timing_rounds_and_macs(both):
+    _, arts = both
+    res = arts["adaptive"][1]
+    t = res["timing"]
+    assert t["repeats"] == 3 and len(t["rounds"]) == 3
+    for r in t["rounds"]:
+        assert set(r) >= {"exact"} | {f"{s}/ridgefill/48" for s in (1, 2, 3)}
     for e in res["splits"]:
-        s, k = e["split"], str(e["split"])
-        assert st.get(e["quantize"]).stage == "quantize"
-        maps = _maps_of(st.get(e["quantize"]))
-        fill = lambda arm: {"split": s, "tail": 48, "maps": maps if arm == "ridgefill" else None}  # noqa: E731
-        for smp, row in zip(suite, res["needles"]):
-            for arm in ("ridgefill", "identity"):
-                text = lm.tokenizer.decode(greedy(lm, prefill(lm, torch.tensor(smp.prompt_ids), arm, **fill(arm)),
-                                                  smp.max_new_tokens), skip_special_tokens=True)
-                assert row[k][arm] == score_answer(smp, text), (s, arm)
-        pick = slice(48 - 16 - 1, 48 - 1)
-        for d, row in zip(docs, res["documents_detail"]):
-            ids = torch.tensor(d.ids[:600])
-            le = prefill(lm, ids, "exact", split=0, tail=48).logits[pick].numpy()
-            la = prefill(lm, ids, "ridgefill", **fill("ridgefill")).logits[pick].numpy()
-            dnll = float((metrics.token_nll(la, ids[-16:].numpy()) - metrics.token_nll(le, ids[-16:].numpy())).mean())
-            assert row[k]["ridgefill"]["dnll"] == pytest.approx(dnll, abs=1e-4)
-        exact_hits = [r["exact"] for r in res["needles"]]
-        assert e["arms"]["ridgefill"]["needle_minus_exact"]["mean"] == pytest.approx(
-            100 * (sum(r[k]["ridgefill"] for r in res["needles"]) - sum(exact_hits)) / 6)
-        assert e["ceiling_speedup"] == pytest.approx(4 * 600 / (s * (600 - 48) + 4 * 48))
-        assert e["arms"]["ridgefill"]["prefill_s"] > 0 and e["arms"]["identity"]["speedup"] > 0
+        sp = e["speed"]
+        runs = [r["exact"] / r[f"{e['split']}/ridgefill/48"] for r in t["rounds"]]
+        assert sp["runs"] == runs and sp["median"] == sorted(runs)[1]
+        assert (sp["low"], sp["high"]) == (min(runs), max(runs))
+        assert sp["noise"] == (sp["median"] > e["ceiling_speedup"])
 
 
-# -- the recommendation, read independently ----------------------------------------------------------------------
+def test_sweep_artifact_files_and_table(both, tmp_path):
+    from ridgefill.sweep.report import plot
 
-
-def figures_from_rows(res: dict) -> dict:
-    """{split: (needle points below exact, key-token ΔNLL or None)} of the fitted arm, from the result's raw rows:
-    needle accuracy is the share of needle rows answered, key ΔNLL the key-token-weighted mean of the documents'."""
-    rows, docs = res["needles"], res["documents_detail"]
-    exact = 100 * sum(r["exact"] for r in rows) / len(rows)
-    out = {}
-    for e in res["splits"]:
-        k = str(e["split"])
-        needle = 100 * sum(r[k]["ridgefill"] for r in rows) / len(rows)
-        keys = sum(d[k]["ridgefill"]["key_tokens"] for d in docs)
-        key = sum(d[k]["ridgefill"]["dnll_key"] * d[k]["ridgefill"]["key_tokens"] for d in docs
-                  if d[k]["ridgefill"]["key_tokens"]) / keys if keys else None
-        out[e["split"]] = (exact - needle, key)
-    return out
-
-
-def rule(figures: dict, max_needle_drop: float, max_key_dnll: float) -> tuple:
-    """The sweep's rule as docs/sweep.md and the README state it, written out here: a split is within budget when its
-    fitted maps lose at most `max_needle_drop` points of needle accuracy against exact and their key-token ΔNLL is at
-    most `max_key_dnll` nats, on the point estimates (a figure equal to its limit is within: 1e-9 of round-off is
-    allowed; a figure that was not measured is not within); the recommendation is the shallowest split within
-    budget, or none. figures: {split: (needle drop, key ΔNLL or None)}.
-    -> (recommended split or None, [splits within budget, ascending], {split: [failing figures, sorted]})"""
-    failing = {}
-    for split, (drop, key) in sorted(figures.items()):
-        failing[split] = sorted(name for name, value, limit in (("needle_drop", drop, max_needle_drop),
-                                                                 ("dnll_key", key, max_key_dnll))
-                                if value is None or value > limit + 1e-9)
-    within = [split for split, bad in failing.items() if not bad]
-    return (within[0] if within else None), within, failing
-
-
-def test_sweep_artifact_recommends_and_plots(swept, tmp_path):
-    """The recommendation is the rule's (read independently, on figures taken from the raw rows), on the measured
-    result and on the same figures under other budgets; the table shows the result's figures cell by cell; the plot
-    is the result's (the same figures give the same bytes, other figures other bytes)."""
-    import copy
-    import struct
-
-    from ridgefill.sweep.report import plot, recommend
-
-    st, art, res = swept
+    _, arts = both
+    art, res = arts["adaptive"]
     assert sorted(p.name for p in art.path.iterdir() if p.name != "artifact.json") == ["sweep.json", "sweep.md", "sweep.png"]
-    rec = res["recommended"]
-    figs = figures_from_rows(res)
-    for e in res["splits"]:  # the figures the rule reads are the rows'
-        assert res["exact"]["needle"] - e["arms"]["ridgefill"]["needle"] == pytest.approx(figs[e["split"]][0], abs=1e-9)
-        assert e["arms"]["ridgefill"]["dnll_key"] == figs[e["split"]][1]
-    # The measured result: the random tiny model has no key tokens (no token loses 2 nats without its context), so
-    # no split's key ΔNLL is measured and none is within budget; the needles are all missed, by exact too.
-    assert res["budget"] == {"max_needle_drop": 10.0, "max_key_dnll": 0.5}
-    split, within, failing = rule(figs, 10.0, 0.5)
-    assert (split, within, failing) == (None, [], {1: ["dnll_key"], 2: ["dnll_key"], 3: ["dnll_key"]})
-    assert (rec["split"], rec["qualifying"]) == (split, within)
-    assert {c["split"]: sorted(c["failed"]) for c in rec["checks"]} == failing
-    assert rec["reason"] == ("no split is within budget (needle at most 10 points below exact, key ΔNLL at most 0.5 "
-                             "nats); even the deepest, split 3, fails: key ΔNLL not measured")
-    summary = art.manifest["summary"]
-    assert (summary["recommended"], summary["reason"], summary["qualifying"]) == (None, rec["reason"], [])
-    assert summary["exact_needle"] == res["exact"]["needle"] == 0.0 and summary["retrieval"] == res["retrieval"]["line"]
-
-    # The same figures with every scored token counted as a key token (key ΔNLL := |ΔNLL on all tokens|, a budget
-    # being >= 0), under budgets at each split's own figure and below them all: the rule then recommends a split or
-    # none, and `recommend` agrees every time.
-    alt = copy.deepcopy(res)
-    for e in alt["splits"]:
-        e["arms"]["ridgefill"]["dnll_key"] = abs(e["arms"]["ridgefill"]["dnll"])
-    alt_figs = {e["split"]: (figs[e["split"]][0], e["arms"]["ridgefill"]["dnll_key"]) for e in alt["splits"]}
-    limits = sorted({key for _, key in alt_figs.values()})
-    assert len(limits) == 3 and limits[0] > 0
-    picked = set()
-    for limit in [limits[0] / 2, *limits]:
-        alt["budget"] = {"max_needle_drop": 0.0, "max_key_dnll": limit}
-        want = rule(alt_figs, 0.0, limit)
-        got = recommend(alt)
-        assert (got["split"], got["qualifying"]) == want[:2], limit
-        assert {c["split"]: sorted(c["failed"]) for c in got["checks"]} == want[2], limit
-        picked.add(got["split"])
-        if want[0] is not None:
-            assert got["reason"].startswith(f"split {want[0]} is the shallowest within budget: needle 0.0 points "
-                                            f"below exact (limit 0), key ΔNLL {alt_figs[want[0]][1]:.3f} nats (limit "
-                                            f"{limit:g}); speed-up x")
-    assert None in picked and len(picked) >= 2  # a budget none meets, and at least one split recommended
-
-    # The table: a title, then one row per split with the result's figures and the check's verdict.
-    md = art.file("sweep.md").read_text().splitlines()
-    assert md[0] == (f"**sweep {res['model']}: exact needle 0.0 %, prefill {res['exact']['prefill_s']:.2f} s; length "
-                     "600, tail 48, 6 needle samples, 2 documents**")
-    rows = [line for line in md if line.startswith("| ") and line[2].isdigit()]
-    assert len(rows) == 3
-    for line, e in zip(rows, res["splits"]):
-        rf, idn, held = e["arms"]["ridgefill"], e["arms"]["identity"], e["heldout"]
-        ci = lambda a: f"[{a['needle_minus_exact']['low']:+.1f}, {a['needle_minus_exact']['high']:+.1f}]"  # noqa: E731
-        assert line == (f"| {e['split']} ✗ | {rf['speedup']:.2f} ({e['ceiling_speedup']:.2f}) | "
-                        f"{held['fitted']['k_cosine']:.3f} ({held['identity']['k_cosine']:.3f}) | "
-                        f"{held['fitted']['v_cosine']:.3f} ({held['identity']['v_cosine']:.3f}) | "
-                        f"{rf['needle']:.1f} {ci(rf)} | {idn['needle']:.1f} {ci(idn)} | – (–) | key ΔNLL not measured |")
-    assert md[-3:] == [f"Recommendation: {rec['reason']}", "", res["retrieval"]["line"]]
-
-    # The plot: 1100 x 450 pixels, and the plot of exactly this result and recommendation, byte for byte.
+    md = art.file("sweep.md").read_text()
+    assert md.startswith(f"**sweep {res['model']} (adaptive): length 600, tail 48; exact needle")
+    assert f"Recommendation: {res['recommended']['reason']}" in md
+    assert f"What the maps earn: {res['advantage']['line']}" in md
     png = art.file("sweep.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR" and struct.unpack(">II", png[16:24]) == (1100, 450)
-    assert plot(res, rec, tmp_path / "same.png").read_bytes() == png
-    other = copy.deepcopy(res)
-    other["splits"][0]["arms"]["ridgefill"]["needle"] = 50.0
-    assert plot(other, rec, tmp_path / "other.png").read_bytes() != png
+    assert plot(res, tmp_path / "same.png").read_bytes() == png
 
 
-def test_sweep_cli_is_cached_and_reuses_a_capture(swept, tiny_llama):
-    st, art, _ = swept
+def test_sweep_cli_is_cached_and_reuses_a_capture(both, tiny_llama):
+    st, arts = both
+    art = arts["adaptive"][0]
     cap = art.recipe["capture"]
     r = cli_here("sweep", tiny_llama, "--splits", "1-3", *SMALL, "--capture", cap, "--store", st.root, "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["id"] == art.id and out["cached"] is True
-    assert "recommended" in r.stderr and "sweep.png" in r.stderr
+    assert "recommended" in r.stderr and "sweep.png" in r.stderr and "what the maps earn" in r.stderr
 
 
 @pytest.mark.parametrize("args, msg", [
@@ -241,48 +229,57 @@ def test_sweep_refuses_a_capture_without_the_splits(tiny_chain, tiny_llama):
     assert sorted(p.name for p in (st.root / "solve").iterdir()) == before and not (st.root / "sweep").exists()
 
 
-def test_a_stopped_sweep_resumes_at_the_next_prompt(tmp_path, tiny_llama, data, swept, monkeypatch):
-    """Killed after two needle prompts, the sweep keeps its rows in .work-<id>/rows.json; the next run measures only
-    the prompts left and gives the uninterrupted sweep's figures."""
-    import importlib
 
+
+def test_a_stopped_sweep_resumes_where_it_was(tmp_path, tiny_llama, data, both, monkeypatch):
+    """Killed after three needle prompts, the sweep keeps every outcome in .work-<id>/needles.json; the next run
+    measures no prompt twice and gives the uninterrupted sweep's artifact."""
     from ridgefill.sweep import run as sw
 
-    rt = importlib.import_module("ridgefill.runtime.api")  # the module the package exports exact_run from
-
+    key_budget(monkeypatch)
     st = Store(tmp_path / "store")
-    real_add, calls = sw.Checkpoint.add, []
+    real_save, saves = sw.NeedleMemo.save, []
 
-    def add_then_die(self, kind, row):
-        real_add(self, kind, row)
-        if kind == "needles" and len(self.rows["needles"]) == 2:
+    def save_then_die(self):
+        real_save(self)
+        saves.append(1)
+        if len(saves) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(sw.Checkpoint, "add", add_then_die)
+    monkeypatch.setattr(sw.NeedleMemo, "save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        sweep(st, str(tiny_llama), CFG, Output(quiet=True), data=[str(data)], capture_args={"chunk": 64, "held_out": 1})
+        sweep(st, str(tiny_llama), CFG, Output(quiet=True), data=[str(data)], capture_args=CAPTURE)
     work = list((st.root / "sweep").glob(".work-*"))
-    assert len(work) == 1 and not list((st.root / "sweep").glob(".tmp-*"))
-    saved = json.loads((work[0] / "rows.json").read_text())
-    assert (len(saved["documents"]), len(saved["needles"])) == (2, 2)
+    assert len(work) == 1
+    saved = json.loads((work[0] / "needles.json").read_text())
+    assert len(saved["exact"]) == 3
 
-    monkeypatch.setattr(sw.Checkpoint, "add", real_add)
-    real_run = rt.exact_run
-    monkeypatch.setattr(rt, "exact_run", lambda *a, **k: calls.append(1) or real_run(*a, **k))
-    art, cached = sweep(st, str(tiny_llama), CFG, Output(quiet=True), data=[str(data)],
-                        capture_args={"chunk": 64, "held_out": 1})
-    assert not cached and len(calls) == 4  # the four needle prompts left, no document again
-    assert not work[0].exists()
-    res, want = json.loads(art.file("sweep.json").read_text()), swept[2]
-    assert art.id == swept[1].id
-    assert res["needles"] == want["needles"]
-    for a, b in zip(res["documents_detail"], want["documents_detail"]):
-        for k in ("1", "2", "3"):
-            assert a[k]["ridgefill"]["dnll"] == pytest.approx(b[k]["ridgefill"]["dnll"], abs=1e-6)
+    monkeypatch.setattr(sw.NeedleMemo, "save", real_save)
+    art, cached = sweep(st, str(tiny_llama), CFG, Output(quiet=True), data=[str(data)], capture_args=CAPTURE)
+    assert not cached and not work[0].exists()
+    res, want = json.loads(art.file("sweep.json").read_text()), both[1]["adaptive"][1]
+    assert art.id == both[1]["adaptive"][0].id
+    assert res["needles"] == want["needles"] and res["cost"]["needle_prompts"] == want["cost"]["needle_prompts"]
+    # three prompts were measured before the stop: this run made the remaining exact forwards only
+    assert res["cost"]["exact_forwards"] == want["cost"]["exact_forwards"] - 3
 
 
-def test_exact_is_timed_three_times(swept):
-    _, _, res = swept
-    runs = res["timing"]["exact_runs"]
-    assert len(runs) == 3 and res["exact"]["prefill_s"] == sorted(runs)[1]
-    assert set(res["timing"]["seconds"]) == {"exact"} | {f"{s}/{a}" for s in (1, 2, 3) for a in ("ridgefill", "identity")}
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])
+def test_a_fill_from_the_early_run_equals_one_from_the_whole_forward(fixture, request, tmp_path):
+    """A prompt whose exact answer is known runs the exact model only up to the deepest split the fills need: the
+    fills built on it give the same logits and caches as on the whole forward."""
+    from ridgefill.models import load_model, resolve_model
+    from ridgefill.runtime import exact_run, prefill_from
+    from ridgefill.sweep.run import early_run
+
+    path = request.getfixturevalue(fixture)
+    lm = load_model(resolve_model(str(path), store_root=tmp_path), store_root=tmp_path)
+    ids = torch.randint(5, 200, (96,), generator=torch.Generator().manual_seed(0))
+    full, early = exact_run(lm, ids, splits=[1, 2]), early_run(lm, ids, [1, 2])
+    assert set(early.states) == {1, 2}
+    for split in (1, 2):
+        a = prefill_from(lm, full, "identity", split=split, tail=24)
+        b = prefill_from(lm, early, "identity", split=split, tail=24)
+        torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
+        for la, lb in zip(a.cache.layers, b.cache.layers):
+            torch.testing.assert_close(la.keys, lb.keys, rtol=0, atol=0)

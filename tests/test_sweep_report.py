@@ -1,6 +1,6 @@
-"""The sweep's report (ridgefill/sweep/report.py): recommendation rule, retrieval edge, table, markdown, PNG."""
+"""The sweep's report (ridgefill/sweep/report.py): the (split, configuration) recommendation against a plain loop,
+what the maps earn, the table, the markdown and the PNG."""
 
-import json
 import os
 import random
 import struct
@@ -12,237 +12,196 @@ from pathlib import Path
 import pytest
 
 from ridgefill.errors import BadInput
-from ridgefill.sweep.report import DPI, FIGSIZE, plot, recommend, retrieval_edge, table, write_markdown
+from ridgefill.sweep.report import DPI, FIGSIZE, advantage, candidates, plot, recommend, table, write_markdown
 
 REPO = Path(__file__).resolve().parents[1]
-EXACT = 42.5
+L, N, T = 30, 4096, 512
 
 
-def ci(mean, half, n=40):
-    return {"mean": mean, "low": mean - half, "high": mean + half, "n": n}
+def ceiling(split, tail=T):
+    return L * N / (split * (N - tail) + L * tail)
 
 
-def arm(needle, key, speed=2.0, half=12.0, exact=EXACT):
-    return {"needle": needle, "needle_minus_exact": None if needle is None else ci(needle - exact, half),
-            "dnll": 0.03, "dnll_novel": 0.01, "dnll_key": key,
-            "dnll_key_ci": None if key is None else {"mean": key, "low": key * 0.8, "high": key * 1.2, "n": 4},
-            "kl": 0.07, "top1": 0.91, "prefill_s": None if speed is None else 13.2 / speed, "speedup": speed}
+def arm(verdict, needle=40.0, key=0.3, n=40):
+    return {"verdict": verdict, "decided": "needles, 40 prompts", "needle": needle, "needle_exact": 100.0,
+            "needle_n": n, "needle_by_suite": {"noise": [n // 2, n // 2], "prose": [n // 2, n // 2]},
+            "needle_minus_exact": {"mean": needle - 100.0, "low": needle - 110.0, "high": min(needle - 90.0, 0.0)},
+            "dnll_key": key, "dnll_key_ci": {"mean": key, "low": key * 0.8, "high": key * 1.2}}
 
 
-def entry(split, rf, ident, ceiling=None, rmi=None):
-    """rf / ident: (needle, key dnll, measured speed-up); rmi: the ridgefill - identity needle interval."""
-    fit, idn = arm(*rf), arm(*ident)
-    if rmi is None and rf[0] is not None and ident[0] is not None:
-        rmi = ci(rf[0] - ident[0], 10.0)
-    return {"split": split, "alpha": 0.01, "solve": "s", "quantize": "q",
-            "ceiling_speedup": ceiling if ceiling is not None else 3.6 - split / 10,
-            "heldout": {"fitted": {"k_cosine": 0.96, "v_cosine": 0.81},
-                        "identity": {"k_cosine": 0.85, "v_cosine": 0.57}},
-            "arms": {"ridgefill": fit, "identity": idn}, "ridgefill_minus_identity": {"needle": rmi, "dnll_key": None}}
+def config(verdict, beats, control_verdict, extra=410.0):
+    tail = T + round(extra)
+    return {"figures": arm(verdict), "verdict": verdict, "decided": "needles, 40 prompts", "extra_rows": extra,
+            "ceiling_speedup": ceiling(config.split, tail), "beats_control": beats, "why": "reason",
+            "control": {"arm": "ridgefill+rows:tail", "tail": tail, "figures": arm(control_verdict),
+                        "verdict": control_verdict}}
 
 
-def result(splits, drop=10.0, key=0.5, exact=EXACT):
-    return {"model": "builtin:smollm2-135m", "num_layers": 30, "length": 4096, "tail": 512, "samples": 40,
-            "documents": 4, "budget": {"max_needle_drop": drop, "max_key_dnll": key},
-            "exact": {"needle": exact, "prefill_s": 13.2}, "splits": splits}
+def entry(split, rf, ident, configurations=None, speed=None):
+    return {"split": split, "ceiling_speedup": ceiling(split), "alpha": 0.01, "solve": "s", "quantize": "q",
+            "heldout": {"fitted": {"k_cosine": 0.96, "v_cosine": 0.81}, "identity": {"k_cosine": 0.85, "v_cosine": 0.57}},
+            "macs": {"exact": 725.0, "arm": 544.0}, "arms": {"ridgefill": arm(rf), "identity": arm(ident)},
+            "configurations": configurations or {}, "speed": speed}
+
+
+def result(splits, edges=(None, None)):
+    return {"model": "builtin:smollm2-135m", "num_layers": L, "length": N, "tail": T, "samples": 40, "documents": 4,
+            "mode": "adaptive", "budget": {"max_needle_drop": 10.0, "max_key_dnll": 0.5},
+            "exact": {"needle": 100.0, "needle_by_suite": {"noise": [20, 20], "prose": [20, 20]}},
+            "search": {"ridgefill": {"edge": edges[0]}, "identity": {"edge": edges[1]}}, "splits": splits}
 
 
 def sweep():
-    """Five splits; ridgefill first within budget at 16 (12 fails both figures), identity never."""
-    rows = [(8, 0.0, 0.0, 2.6, 3.1, 2.6), (12, 20.0, 5.0, 0.9, 1.5, 2.1), (16, 37.5, 22.5, 0.31, 0.8, 1.7),
-            (20, 42.5, 32.5, 0.12, 0.4, 1.4), (24, 45.0, 40.0, 0.05, 0.1, 1.2)]
-    return result([entry(s, (rn, rk, sp), (idn, ik, sp * 1.02)) for s, rn, idn, rk, ik, sp in rows])
+    """SmolLM2-like: the maps within budget from 20, identity from 22; +rows at 18 beats its control."""
+    config.split = 18
+    rows18 = {"ridgefill+rows": config("within", True, "over")}
+    config.split = 16
+    rows16 = {"ridgefill+rows": config("over", False, "over")}
+    sp = lambda m: {"median": m, "low": m - 0.1, "high": m + 0.1, "runs": [m - 0.1, m, m + 0.1], "noise": m > 1.5}  # noqa: E731
+    return result([entry(14, "over", "over", speed=sp(1.5)), entry(16, "over", "over", rows16, sp(1.6)),
+                   entry(18, "over", "over", rows18, sp(1.4)), entry(20, "within", "over", speed=sp(1.3)),
+                   entry(22, "within", "within", speed=sp(1.2))], edges=(20, 22))
 
 
 # --- recommend -------------------------------------------------------------------------------------------------
 
 
-def test_recommends_the_shallowest_split_within_budget():
-    rec = recommend(sweep())
-    assert rec["split"] == 16 and rec["qualifying"] == [16, 20, 24]
-    failed = {c["split"]: c["failed"] for c in rec["checks"]}
-    assert set(failed[8]) == set(failed[12]) == {"needle_drop", "dnll_key"} and not failed[16] and not failed[24]
-    assert failed[12]["needle_drop"] == "needle 22.5 points below exact > 10"
-    assert failed[12]["dnll_key"] == "key ΔNLL 0.900 nats > 0.5"
-    c16 = rec["checks"][2]
-    assert (c16["split"], c16["needle_drop"], c16["dnll_key"]) == (16, 5.0, 0.31)
-    assert rec["reason"].startswith("split 16 is the shallowest within budget: needle 5.0 points below exact (limit "
-                                    "10), key ΔNLL 0.310 nats (limit 0.5); speed-up x1.70 measured, ceiling x2.00")
-    assert rec["reason"].endswith("; split 12 fails: needle 22.5 points below exact > 10; key ΔNLL 0.900 nats > 0.5")
-    assert "\n" not in rec["reason"]
+def test_a_configuration_with_a_higher_ceiling_that_beats_its_control_wins():
+    r = sweep()
+    rec = recommend(r)
+    assert ceiling(18, T + 410) > ceiling(20)
+    assert (rec["split"], rec["configuration"], rec["tail"], rec["kind"]) == (18, "ridgefill+rows", T, "configuration")
+    assert rec["ceiling_speedup"] == pytest.approx(ceiling(18, T + 410))
+    assert rec["reason"].startswith("split 18, ridgefill+rows: the highest compute ceiling within budget, x")
+    assert [(c["split"], c["kind"]) for c in rec["candidates"]] == [(18, "configuration"), (20, "plain"), (22, "plain")]
 
 
-def test_shallowest_wins_over_better_deeper_splits_and_input_order():
-    # 12 and 20 qualify with the same figures (a tie), 16 is better still: the shallowest qualifying one wins.
-    splits = [entry(20, (40.0, 0.2, 1.4), (30.0, 0.5, 1.4)), entry(8, (0.0, 3.0, 2.6), (0.0, 3.0, 2.6)),
-              entry(16, (45.0, 0.01, 1.7), (30.0, 0.5, 1.7)), entry(12, (40.0, 0.2, 2.1), (30.0, 0.5, 2.1))]
-    rec = recommend(result(splits))
-    assert rec["split"] == 12 and rec["qualifying"] == [12, 16, 20]
-    assert [c["split"] for c in rec["checks"]] == [8, 12, 16, 20]
-    assert "split 8 fails" in rec["reason"]
-    # Improvement over exact reads as such.
-    rec = recommend(result([entry(4, (50.0, 0.1, 3.0), (40.0, 0.4, 3.0))]))
-    assert rec["split"] == 4 and "needle 7.5 points above exact" in rec["reason"] and "fails" not in rec["reason"]
+def test_a_longer_tail_as_good_as_the_configuration_is_the_recommendation():
+    r = sweep()
+    c = r["splits"][2]["configurations"]["ridgefill+rows"]
+    c.update(beats_control=False)
+    c["control"]["verdict"] = "within"
+    rec = recommend(r)
+    assert (rec["split"], rec["configuration"], rec["tail"], rec["kind"]) == (18, "ridgefill", T + 410, "longer tail")
+    # A configuration over budget whose control is within: the longer tail too.
+    c.update(verdict="over")
+    assert recommend(r)["kind"] == "longer tail"
 
 
-def test_a_figure_at_its_limit_qualifies_up_to_round_off():
-    # Needle % are means of 0/100 scores (evaluate.run.summarize): 10 and 7 right of 30 are 10 points apart, which
-    # is 10.000000000000004 in floating point.
-    import numpy as np
-
-    exact, got = (float(np.mean([100.0] * k + [0.0] * (30 - k))) for k in (10, 7))
-    assert exact - got > 10.0
-    at = result([entry(8, (got, 0.5, 2.0), (0.0, 1.0, 2.0))], exact=exact)
-    assert recommend(at)["split"] == 8
-    over = result([entry(8, (got - 0.01, 0.5, 2.0), (0.0, 1.0, 2.0)),
-                   entry(12, (got, 0.5 + 1e-6, 1.8), (0.0, 1.0, 1.8))], exact=exact)
-    rec = recommend(over)
-    assert rec["split"] is None and rec["qualifying"] == []
-    assert set(rec["checks"][0]["failed"]) == {"needle_drop"} and set(rec["checks"][1]["failed"]) == {"dnll_key"}
+def test_without_configurations_the_plain_edge_and_nothing_within():
+    r = sweep()
+    for e in r["splits"]:
+        e["configurations"] = {}
+    rec = recommend(r)
+    assert (rec["split"], rec["configuration"], rec["tail"], rec["kind"]) == (20, "ridgefill", T, "plain")
+    for e in r["splits"]:
+        e["arms"]["ridgefill"]["verdict"] = "over"
+    rec = recommend(r)
+    assert rec["split"] is None and rec["candidates"] == []
+    assert rec["reason"].startswith("no split or configuration is within budget (needle at most 10 points below exact")
 
 
-def test_no_split_qualifies_names_the_deepest_splits_failing_figure():
-    splits = [entry(8, (0.0, 2.6, 2.6), (0.0, 3.1, 2.6)), entry(24, (40.0, 0.71, 1.2), (35.0, 0.9, 1.2))]
-    rec = recommend(result(splits))
-    assert rec["split"] is None and rec["qualifying"] == []
-    assert rec["reason"] == ("no split is within budget (needle at most 10 points below exact, key ΔNLL at most 0.5 "
-                             "nats); even the deepest, split 24, fails: key ΔNLL 0.710 nats > 0.5")
-    assert recommend(result([]))["reason"] == "no split was measured"
+def test_equal_ceilings_prefer_the_simpler_candidate():
+    r = result([entry(20, "within", "over", {"ridgefill+kscale": {
+        "figures": arm("within"), "verdict": "within", "beats_control": True, "why": "w", "extra_rows": 0.0,
+        "ceiling_speedup": ceiling(20), "control": {"arm": "ridgefill", "verdict": "within", "figures": None}}})])
+    assert recommend(r)["kind"] == "plain"
 
 
-def test_a_figure_not_measured_does_not_qualify():
-    splits = [entry(8, (None, 0.1, 2.6), (0.0, 0.2, 2.6)), entry(12, (42.5, None, 2.1), (0.0, 0.2, 2.1)),
-              entry(16, (42.5, 0.1, None), (40.0, 0.2, None))]
-    rec = recommend(result(splits))
-    assert rec["split"] == 16  # no measured speed-up does not matter to the rule
-    assert rec["checks"][0]["failed"] == {"needle_drop": "needle accuracy not measured"}
-    assert rec["checks"][1]["failed"] == {"dnll_key": "key ΔNLL not measured"}
-    assert "speed-up ceiling x2.00" in rec["reason"]
-    no_exact = result(splits, exact=None)
-    assert recommend(no_exact)["split"] is None
-    assert "needle accuracy not measured" in recommend(no_exact)["reason"]
-
-
-def test_rule_against_a_plain_loop_on_random_sweeps():
+def test_recommend_against_a_plain_loop_on_random_sweeps():
     rng = random.Random(0)
-    for _ in range(300):
-        drop, key = rng.choice([0.0, 5.0, 10.0]), rng.choice([0.1, 0.5])
-        splits, expect = [], []
-        for s in rng.sample(range(2, 30), rng.randint(1, 6)):
-            needle = rng.choice([None, 0.0, 32.5, 35.0, 37.5, 42.5, 45.0])
-            k = rng.choice([None, 0.05, 0.1, 0.3, 0.5, 0.7])
-            splits.append(entry(s, (needle, k, 2.0), (0.0, 1.0, 2.0)))
-            if needle is not None and k is not None and EXACT - needle <= drop and k <= key:
-                expect.append(s)
-        rec = recommend(result(splits, drop, key))
-        assert rec["qualifying"] == sorted(expect)
-        assert rec["split"] == (min(expect) if expect else None)
+    for _ in range(200):
+        entries = []
+        for s in sorted(rng.sample(range(4, 28), 5)):
+            confs = {}
+            if rng.random() < 0.5:
+                config.split = s
+                confs["ridgefill+rows"] = config(rng.choice(["within", "over"]), rng.random() < 0.5,
+                                                 rng.choice(["within", "over"]), extra=rng.choice([100.0, 410.0]))
+                confs["ridgefill+rows"]["beats_control"] &= confs["ridgefill+rows"]["verdict"] == "within"
+            entries.append(entry(s, rng.choice(["within", "over"]), "over", confs))
+        r = result(entries)
+        best = None  # the rule written out: highest ceiling; plain, then longer tail, then configuration
+        for e in entries:
+            opts = []
+            if e["arms"]["ridgefill"]["verdict"] == "within":
+                opts.append((e["ceiling_speedup"], 0, e["split"], "ridgefill", T))
+            for c in e["configurations"].values():
+                wins = c["verdict"] == "within" and c["beats_control"]
+                if wins:
+                    opts.append((c["ceiling_speedup"], -2, e["split"], "ridgefill+rows", T))
+                elif c["control"]["verdict"] == "within":
+                    opts.append((c["ceiling_speedup"], -1, e["split"], "ridgefill", c["control"]["tail"]))
+            for o in opts:
+                if best is None or (round(o[0], 9), o[1], o[2]) > (round(best[0], 9), best[1], best[2]):
+                    best = o
+        rec = recommend(r)
+        assert (rec["split"], rec["configuration"], rec["tail"]) == ((best[2], best[3], best[4]) if best else (None,) * 3)
+        assert len(candidates(r)) == len(rec["candidates"])
 
 
 def test_bad_results_are_refused_in_one_line():
     with pytest.raises(BadInput, match=r"^sweep result measures split 8 more than once$"):
-        recommend(result([entry(8, (0.0, 1.0, 2.0), (0.0, 1.0, 2.0))] * 2))
+        recommend(result([entry(8, "over", "over")] * 2))
     with pytest.raises(BadInput, match=r"^sweep result's budget.max_key_dnll must be a number >= 0, got None$"):
         recommend({**sweep(), "budget": {"max_needle_drop": 10}})
-    with pytest.raises(BadInput, match=r"^sweep result's budget.max_needle_drop must be a number >= 0, got -1$"):
-        recommend({**sweep(), "budget": {"max_needle_drop": -1, "max_key_dnll": 0.5}})
     with pytest.raises(BadInput, match=r"^sweep result has no 'splits' list$"):
         recommend({"budget": {"max_needle_drop": 10, "max_key_dnll": 0.5}})
     with pytest.raises(BadInput, match=r"^sweep result has a split entry without an integer 'split'"):
         recommend(result([{"split": "8"}]))
 
 
-# --- retrieval_edge --------------------------------------------------------------------------------------------
+# --- what the maps earn ----------------------------------------------------------------------------------------
 
 
-def test_retrieval_edge_per_arm_and_where_ridgefill_alone_keeps_it():
-    edge = retrieval_edge(sweep())
-    # ridgefill - exact highs: 8: -30.5, 12: -10.5, 16: +7, 20: +12, 24: +14.5; identity: 20: +2, 16: -8.
-    assert (edge["ridgefill"], edge["identity"]) == (16, 20)
-    # ridgefill - identity lows (half width 10): 12: 5, 16: 5, 20: 0, 24: -5.
-    assert edge["ridgefill_keeps"] == [12, 16]
-    assert edge["line"] == ("needle retrieval (not significantly below exact): ridgefill from split 16 on; identity "
-                            "from split 20 on; ridgefill significantly beats identity at splits 12, 16")
-
-
-def test_retrieval_edge_needs_every_deeper_split():
-    r = sweep()
-    r["splits"][3]["arms"]["ridgefill"]["needle_minus_exact"] = ci(-20.0, 5.0)  # split 20 significant again
-    r["splits"][4]["arms"]["identity"]["needle_minus_exact"] = None  # identity's deepest interval missing
-    r["splits"][2]["ridgefill_minus_identity"]["needle"] = None
-    edge = retrieval_edge(r)
-    assert (edge["ridgefill"], edge["identity"], edge["ridgefill_keeps"]) == (24, None, [12])
-    assert "identity stays significantly below exact up to the deepest split (24)" in edge["line"]
-    assert edge["line"].endswith("at split 12")
-    ok = result([entry(s, (40.0, 0.1, 2.0), (40.0, 0.1, 2.0)) for s in (4, 8)])
-    edge = retrieval_edge(ok)
-    assert (edge["ridgefill"], edge["identity"], edge["ridgefill_keeps"]) == (4, 4, [])
-    assert edge["line"] == ("needle retrieval (not significantly below exact): ridgefill is not significantly below "
-                            "exact at any split measured (from 4); identity is not significantly below exact at any "
-                            "split measured (from 4); ridgefill never significantly beats identity")
+def test_advantage_in_layers_and_ceiling_including_zero():
+    a = advantage(sweep())
+    assert (a["ridgefill"], a["identity"], a["layers"]) == (20, 22, 2)
+    assert a["ceiling"] == pytest.approx(ceiling(20) - ceiling(22))
+    assert a["line"] == (f"the fitted maps are within budget from split 20 (x{ceiling(20):.2f}), the identity fill from "
+                         f"22 (x{ceiling(22):.2f}): 2 layers shallower, +{ceiling(20) - ceiling(22):.2f} in ceiling")
+    same = advantage(result([entry(20, "within", "within")], edges=(20, 20)))
+    assert same["layers"] == 0 and same["ceiling"] == 0
+    assert same["line"].startswith("the fitted maps earn nothing over the identity fill: both are within budget from split 20")
+    assert advantage(result([], edges=(20, None)))["line"].endswith("the identity fill at no split measured")
+    assert advantage(result([], edges=(None, None)))["layers"] is None
 
 
 # --- table and markdown ----------------------------------------------------------------------------------------
 
 
-def render(r, rec):
+def render(r):
     import io
 
     from rich.console import Console
 
-    con = Console(record=True, width=120, color_system=None, file=io.StringIO())
-    con.print(table(r, rec))
+    con = Console(record=True, width=200, color_system=None, file=io.StringIO())
+    con.print(table(r))
     return con.export_text()
 
 
-def test_table_renders_every_split_with_its_mark_at_120_columns():
+def test_table_has_a_row_per_split_and_per_configuration():
     r = sweep()
-    text = render(r, recommend(r))
-    lines = text.splitlines()
-    assert max(len(line) for line in lines) <= 120 and "…" not in text  # nothing truncated
-    rows = [line for line in lines if line.startswith("│")]
-    assert len(rows) == 5
+    r["recommended"] = recommend(r)
+    text = render(r)
+    assert "…" not in text
+    rows = [line for line in text.splitlines() if line.startswith("│") and line.strip("│ ")[:2].isdigit()]
     cells = [[c.strip() for c in row.strip("│").split("│")] for row in rows]
-    assert [c[0] for c in cells] == ["8 ✗", "12 ✗", "16 ★", "20 ✓", "24 ✓"]
-    assert cells[2] == ["16 ★", "1.70 (2.00)", "0.960 (0.850)", "0.810 (0.570)", "37.5 [-17.0, +7.0]",
-                        "22.5 [-32.0, -8.0]", "0.310 (0.800)"]
-    words = " ".join(text.split())  # title and caption wrap
-    assert "exact needle 42.5 %" in words and "length 4096, tail 512, 40 needle samples, 4 documents" in words
-    assert "budget: needle at most 10 points below exact, key ΔNLL at most 0.5 nats" in words
-    # The widest cells still fit: 100 % with a -100 point interval and missing figures.
-    r["splits"][0]["arms"]["ridgefill"].update(needle=100.0,
-                                               needle_minus_exact={"mean": -100.0, "low": -100.0, "high": -100.0})
-    r["splits"][1]["arms"]["identity"] = {}
-    r["splits"][1]["heldout"] = None
-    text = render(r, recommend(r))
-    assert max(len(line) for line in text.splitlines()) <= 120 and "…" not in text
-    assert "100.0 [-100.0, -100.0]" in text and "– (–)" in text
+    assert [c[0] for c in cells] == ["14", "16", "16 +rows", "18", "18 +rows ★", "20", "22"]
+    assert cells[5] == ["20", f"{ceiling(20):.2f}", "1.30 [1.20, 1.40]", "0.750", "0.960/0.810 (0.850/0.570)",
+                        "40.0 [-70.0, -50.0] (40) 20/20|20/20", "40.0 (40)", "0.300 (0.300)", "✓ (✗)"]
+    assert cells[1][2] == "1.60 [1.50, 1.70] noise"  # above its ceiling? 1.6 > 1.5 flagged by the sweep
+    assert cells[4][6] == f"tail {T + 410}: 40.0 (40)" and cells[4][8] == "✓ (✗) beats"
 
 
-def test_table_marks_over_budget_figures_red():
+def test_markdown_rows_and_the_lines_after():
     r = sweep()
-    t = table(r, recommend(r))
-    cells = {col.header.split("\n")[0]: list(col.cells) for col in t.columns}
-    assert cells["needle % ridgefill"][1] == "[red]20.0 [-34.5, -10.5][/red]"
-    assert cells["needle % ridgefill"][2] == "37.5 [-17.0, +7.0]"
-    assert cells["key ΔNLL"][1] == "[red]0.900[/red] (1.500)" and cells["key ΔNLL"][2] == "0.310 (0.800)"
-    assert cells["needle % identity"][1] == "5.0 [-49.5, -25.5]"  # the budget is on ridgefill only
-
-
-def test_markdown_has_one_row_per_split():
-    r = sweep()
-    md = write_markdown(r, recommend(r))
+    r["recommended"] = recommend(r)
+    md = write_markdown(r)
     rows = [line for line in md.splitlines() if line.startswith("| ")]
-    assert len(rows) == 1 + 5  # header + one per split
-    assert md.splitlines()[3] == "|---:|---:|---:|---:|---:|---:|---:|:---|"
-    assert all(row.count(" | ") == 7 for row in rows)
-    assert rows[1] == ("| 8 ✗ | 2.60 (2.80) | 0.960 (0.850) | 0.810 (0.570) | 0.0 [-54.5, -30.5] | "
-                       "0.0 [-54.5, -30.5] | 2.600 (3.100) | needle 42.5 points below exact > 10; "
-                       "key ΔNLL 2.600 nats > 0.5 |")
-    assert rows[3].startswith("| 16 ★ |") and rows[3].endswith("| recommended |") and rows[4].endswith("| within |")
-    assert md.endswith(f"Recommendation: {recommend(r)['reason']}\n")
-    rec = recommend(r)  # a recommendation read back from JSON gives the same report
-    assert write_markdown(r, json.loads(json.dumps(rec))) == md
+    assert len(rows) == 1 + 7 and all(row.count(" | ") == 8 for row in rows)
+    assert rows[1].startswith("| 14 | ") and "\\|" in rows[1]
+    assert md.endswith(f"Recommendation: {r['recommended']['reason']}\n\nWhat the maps earn: {advantage(r)['line']}\n")
 
 
 # --- plot ------------------------------------------------------------------------------------------------------
@@ -265,58 +224,48 @@ PLOT_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
 from test_sweep_report import sweep
-from ridgefill.sweep.report import plot, recommend
-r = sweep()
-plot(r, recommend(r), {path!r})
+from ridgefill.sweep.report import plot
+plot(sweep(), {path!r})
 """
 
 
 def test_plot_is_a_png_of_fixed_size_and_the_same_bytes_every_time(tmp_path):
     r = sweep()
-    rec = recommend(r)
-    a, b = plot(r, rec, tmp_path / "a.png"), plot(r, rec, tmp_path / "b.png")
+    a, b = plot(r, tmp_path / "a.png"), plot(r, tmp_path / "b.png")
     data = a.read_bytes()
     chunks = png_chunks(data)
-    assert chunks[0][0] == b"IHDR"
     width, height = struct.unpack(">II", chunks[0][1][:8])
-    assert (width, height) == (round(FIGSIZE[0] * DPI), round(FIGSIZE[1] * DPI)) == (1100, 450)
-    kinds = {k for k, _ in chunks}
-    assert not kinds & {b"tEXt", b"iTXt", b"zTXt", b"tIME"}, kinds  # no version, no date
-    assert b"matplotlib" not in data
+    assert (width, height) == (round(FIGSIZE[0] * DPI), round(FIGSIZE[1] * DPI)) == (1500, 450)
+    assert not {k for k, _ in chunks} & {b"tEXt", b"iTXt", b"zTXt", b"tIME"}  # no version, no date
     assert b.read_bytes() == data
-    # Another process, another hash seed: the same bytes.
     script = PLOT_SCRIPT.format(tests=str(Path(__file__).parent), path=str(tmp_path / "c.png"))
     env = {"PYTHONHASHSEED": "123", "PATH": "/usr/bin:/bin", "MPLCONFIGDIR": str(tmp_path / "mpl")}
     subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO, env=env)
     assert (tmp_path / "c.png").read_bytes() == data
-    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["a.png", "b.png", "c.png"]
-    assert not list(tmp_path.glob(".*.tmp"))
     umask = os.umask(0)
     os.umask(umask)
-    assert a.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
+    assert a.stat().st_mode & 0o777 == 0o666 & ~umask and not list(tmp_path.glob(".*.tmp"))
 
 
-def test_plot_draws_the_recommendation_and_the_figures(tmp_path):
+def test_plot_draws_the_figures_and_the_noise(tmp_path):
     r = sweep()
-    rec = recommend(r)
-    base = plot(r, rec, tmp_path / "base.png").read_bytes()
-    assert plot(r, {**rec, "split": None}, tmp_path / "norec.png").read_bytes() != base
+    base = plot(r, tmp_path / "base.png").read_bytes()
     r2 = sweep()
-    r2["splits"][2]["arms"]["ridgefill"]["dnll_key"] = 0.45
-    assert plot(r2, rec, tmp_path / "moved.png").read_bytes() != base
-    # Ceiling speed-ups stand in for measured ones; missing figures are skipped, not drawn at 0.
-    for e in r2["splits"]:
+    r2["splits"][3]["arms"]["ridgefill"]["dnll_key"] = 0.45
+    assert plot(r2, tmp_path / "moved.png").read_bytes() != base
+    r3 = sweep()
+    r3["splits"][1]["speed"]["noise"] = False  # the same median drawn as a result, not as noise
+    assert plot(r3, tmp_path / "noise.png").read_bytes() != base
+    for e in r3["splits"]:  # missing figures are skipped, not drawn at 0
+        e["speed"] = None
         for a in e["arms"].values():
-            a.update(speedup=None, needle=None, dnll_key=None)
-    empty = plot(r2, recommend(r2), tmp_path / "empty.png").read_bytes()
-    png_chunks(empty)
-    assert empty != base
+            a.update(needle=None, dnll_key=None)
+    png_chunks(plot(r3, tmp_path / "empty.png").read_bytes())
 
 
 def test_plot_refuses_a_missing_folder_and_writes_nothing(tmp_path):
-    r = sweep()
     with pytest.raises(BadInput, match=r"^cannot write the plot to '.*/nope/p.png': folder '.*/nope' does not exist$"):
-        plot(r, recommend(r), tmp_path / "nope" / "p.png")
+        plot(sweep(), tmp_path / "nope" / "p.png")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -324,7 +273,7 @@ def test_importing_ridgefill_and_the_report_does_not_import_matplotlib():
     code = ("import sys, ridgefill, ridgefill.sweep.report as rep\n"
             "sys.path.insert(0, 'tests')\n"
             "from test_sweep_report import sweep\n"
-            "r = sweep(); rec = rep.recommend(r); rep.retrieval_edge(r); rep.write_markdown(r, rec)\n"
+            "r = sweep(); rep.recommend(r); rep.advantage(r); rep.write_markdown(r)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'torch', 'transformers')))")
     out = subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"

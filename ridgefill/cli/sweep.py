@@ -24,10 +24,14 @@ def sweep(
     max_key_dnll: Annotated[float, typer.Option("--max-key-dnll", help="Budget: key-token ΔNLL in nats.")] = 0.5,
     quantize: Annotated[bool, typer.Option("--quantize/--float", help="Measure the int8 maps a release ships, or the float maps.")] = True,
     alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Solve each layer at its own best alpha.")] = False,
+    exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Measure every split and arm on every needle prompt (no bisection, no early stop); for checking the adaptive search.")] = False,
+    configurations: Annotated[bool, typer.Option("--configurations/--no-configurations", help="Also measure +rows, +kscale and +protected, each beside its equal-cost control, at the splits just shallower than the maps' edge.")] = True,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timing rounds (at least 3): the measured speed-up is their median, with [min, max].")] = 3,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
 ) -> None:
-    """Measure several splits (needles, key-token ΔNLL, speed-up) and recommend the shallowest within budget."""
+    """Measure splits and quality configurations (needles, key-token ΔNLL, speed-up) and recommend the (split,
+    configuration) with the highest compute ceiling within budget."""
     from ridgefill.sweep import SweepConfig
     from ridgefill.sweep import sweep as run
     from ridgefill.sweep.artifact import PLOT, load_result
@@ -36,11 +40,15 @@ def sweep(
     out = output()
     cfg = SweepConfig(splits=splits if splits is not None else (), length=length, tail=tail,
                       samples=samples, documents=documents, scored=scored, max_needle_drop=max_needle_drop,
-                      max_key_dnll=max_key_dnll, quantize=quantize, alpha_per_layer=alpha_per_layer, seed=seed)
+                      max_key_dnll=max_key_dnll, quantize=quantize, alpha_per_layer=alpha_per_layer, seed=seed,
+                      exhaustive=exhaustive, configurations=configurations, repeats=repeats)
     art, cached = run(store(), model, cfg, out, data=data, capture_ref=capture_ref, place=place)
     result = load_result(art)
-    out.table(table(result, result["recommended"]))
-    out.info(result["retrieval"]["line"])
+    out.table(table(result))
+    out.info(f"what the maps earn: {result['advantage']['line']}")
+    out.info(f"needle prompts measured: {sum(result['cost']['needle_prompts'].values())} over "
+             f"{len(result['cost']['needle_prompts'])} (split, arm) pairs; {result['cost']['exact_forwards']} exact "
+             "forwards")
     out.info(f"[bold]recommended:[/bold] {result['recommended']['reason']}")
     out.info(f"plot: {art.path / PLOT}")
     done(out, "sweep", art, cached)

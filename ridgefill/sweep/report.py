@@ -1,15 +1,16 @@
-"""The sweep's report: which split to ship, where needle retrieval stops, and the figures as a table and a plot.
+"""The sweep's report: which (split, configuration) to ship, what the fitted maps earn over the identity fill, and
+the figures as a table and a plot.
 
-    from ridgefill.sweep.report import plot, recommend, retrieval_edge, table, write_markdown
-    rec = recommend(result)              # {"split": 12, "reason": "...", "qualifying": [12, 16], "checks": [...]}
-    out.table(table(result, rec))        # rich, readable at 120 columns
-    plot(result, rec, Path("sweep.png")) # two panels: needle % and key-token ΔNLL against measured speed-up
-    md = write_markdown(result, rec)     # the same table as GitHub markdown
+    from ridgefill.sweep.report import advantage, plot, recommend, table, write_markdown
+    rec = recommend(result)           # {"split": 20, "configuration": "ridgefill", "tail": 512, "reason": ..., ...}
+    out.table(table(result))          # rich, one row per split and one per configuration measured
+    plot(result, Path("sweep.png"))   # needle %, key ΔNLL and measured speed-up, against the compute ceiling
+    md = write_markdown(result)       # the same table as GitHub markdown
 
-Everything here is a pure function of the sweep's result dict (see `ridgefill.sweep.run`): one entry per
-split S with a fitted arm ("ridgefill": ridge maps) and the identity fill ("identity": x_hat = h_S), each measured
-against the exact model. Figures may be None where they were not measured. Importing this module imports neither
-rich nor matplotlib; `table` and `plot` import them when called.
+Everything here is a pure function of the sweep's result dict (ridgefill.sweep.run builds it; docs/sweep.md
+describes it): per split the fitted maps ("ridgefill") and the identity fill ("identity"), each with its budget
+verdict, and, at the splits just shallower than the maps' edge, the quality configurations beside their controls.
+Importing this module imports neither rich nor matplotlib; `table` and `plot` import them when called.
 """
 
 from __future__ import annotations
@@ -22,16 +23,12 @@ from pathlib import Path
 from ridgefill.errors import BadInput
 
 ARMS = ("ridgefill", "identity")
-# A figure that equals its limit up to round-off is within budget: needle % are means of 0/100 scores (10 and 7
-# right of 30: 33.333... - 23.333... = 10.000000000000004, a drop of exactly 10 points).
-TOLERANCE = 1e-9
-# The plot: fixed size and resolution, so that the same result gives the same PNG bytes.
-FIGSIZE = (11.0, 4.5)  # inches
-DPI = 100  # -> 1100 x 450 pixels
-DODGE = 3.0  # points: how far each arm's series is drawn left (ridgefill) / right (identity) of its x
-RECOMMENDED = "★"  # the recommended row (table, markdown)
-WITHIN = "✓"  # a row within budget
-OVER = "✗"  # a row over budget
+FIGSIZE = (15.0, 4.5)  # inches; fixed, so that the same result gives the same PNG bytes
+DPI = 100
+DODGE = 3.0  # points: how far each series is drawn left / right of its x
+RECOMMENDED, WITHIN, OVER = "★", "✓", "✗"
+# Equal ceilings: the simpler recommendation first.
+PREFERENCE = {"plain": 0, "longer tail": 1, "configuration": 2}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -62,40 +59,66 @@ def _arm(entry: dict, arm: str) -> dict:
     return (entry.get("arms") or {}).get(arm) or {}
 
 
-def _exact_needle(result: dict) -> float | None:
-    return (result.get("exact") or {}).get("needle")
-
-
-def needle_drop(result: dict, entry: dict, arm: str = "ridgefill") -> float | None:
-    """Points of needle accuracy the arm loses against exact (negative: it does better); None if not measured."""
-    ex, got = _exact_needle(result), _arm(entry, arm).get("needle")
-    return None if ex is None or got is None else ex - got
-
-
-def speedup(entry: dict, arm: str) -> float | None:
-    """The arm's measured prefill speed-up, or the split's ceiling when it was not measured."""
-    s = _arm(entry, arm).get("speedup")
-    return entry.get("ceiling_speedup") if s is None else s
+def _fmt(v, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The recommendation
 
 
-def _check(result: dict, entry: dict) -> dict:
-    """One split against the budget: its figures and, per figure that fails, one readable phrase."""
-    b = result["budget"]
-    drop, key = needle_drop(result, entry), _arm(entry, "ridgefill").get("dnll_key")
-    failed = {}
-    if drop is None:
-        failed["needle_drop"] = "needle accuracy not measured"
-    elif drop > b["max_needle_drop"] + TOLERANCE:
-        failed["needle_drop"] = f"needle {drop:.1f} points below exact > {b['max_needle_drop']:g}"
-    if key is None:
-        failed["dnll_key"] = "key ΔNLL not measured"
-    elif key > b["max_key_dnll"] + TOLERANCE:
-        failed["dnll_key"] = f"key ΔNLL {key:.3f} nats > {b['max_key_dnll']:g}"
-    return {"split": entry["split"], "needle_drop": drop, "dnll_key": key, "failed": failed}
+def candidates(result: dict) -> list[dict]:
+    """Every (split, configuration, tail) the sweep found within budget and worth shipping:
+    - the fitted maps at a split where they are within budget ("plain");
+    - a configuration within budget that beats its equal-cost control ("configuration");
+    - a configuration's longer-tail control within budget where the configuration does not beat it: the same
+      cost with nothing new to ship ("longer tail").
+    Each with its compute ceiling."""
+    tail = result.get("tail")
+    out = []
+    for e in _splits(result):
+        s = e["split"]
+        if _arm(e, "ridgefill").get("verdict") == "within":
+            out.append({"split": s, "configuration": "ridgefill", "tail": tail, "kind": "plain",
+                        "ceiling_speedup": e.get("ceiling_speedup")})
+        for name, c in sorted((e.get("configurations") or {}).items()):
+            wins = c.get("verdict") == "within" and c.get("beats_control")
+            if wins:
+                out.append({"split": s, "configuration": name, "tail": tail, "kind": "configuration",
+                            "ceiling_speedup": c.get("ceiling_speedup"), "why": c.get("why")})
+            ctl = c.get("control") or {}
+            if ctl.get("arm", "ridgefill") != "ridgefill" and ctl.get("verdict") == "within" and not wins:
+                out.append({"split": s, "configuration": "ridgefill", "tail": ctl.get("tail"), "kind": "longer tail",
+                            "ceiling_speedup": c.get("ceiling_speedup"), "instead_of": name})
+    return [c for c in out if c["ceiling_speedup"] is not None]
+
+
+def recommend(result: dict) -> dict:
+    """The candidate (`candidates`) with the highest compute ceiling; on equal ceilings the simpler one (the plain
+    fill, then a longer tail, then a configuration), then the deeper split.
+
+    -> {"split": S or None, "configuration": arm name or None, "tail": T or None, "ceiling_speedup",
+        "kind", "reason": one line, "candidates": [...]}
+    """
+    cands = candidates(result)
+    if not cands:
+        over = [e for e in _splits(result) if _arm(e, "ridgefill")]
+        why = ""
+        if over:
+            deepest = _arm(over[-1], "ridgefill")
+            why = f"; even the deepest, split {over[-1]['split']}, is over ({deepest.get('decided', '?')})"
+        return {"split": None, "configuration": None, "tail": None, "ceiling_speedup": None, "kind": None,
+                "reason": f"no split or configuration is within budget ({_budget_text(result)}){why}",
+                "candidates": []}
+    best = max(cands, key=lambda c: (round(c["ceiling_speedup"], 9), -PREFERENCE[c["kind"]], c["split"]))
+    what = {"plain": "the fitted maps", "configuration": best["configuration"],
+            "longer tail": f"the fitted maps with a {best['tail']}-token tail (as good as {best.get('instead_of')})"}
+    line = (f"split {best['split']}, {what[best['kind']]}: the highest compute ceiling within budget, "
+            f"x{best['ceiling_speedup']:.2f} ({_budget_text(result)})")
+    if best["kind"] == "configuration":
+        line += f"; beats its equal-cost control: {best.get('why')}"
+    return {**{k: best[k] for k in ("split", "configuration", "tail", "ceiling_speedup", "kind")}, "reason": line,
+            "candidates": cands}
 
 
 def _budget_text(result: dict) -> str:
@@ -103,281 +126,219 @@ def _budget_text(result: dict) -> str:
     return f"needle at most {b['max_needle_drop']:g} points below exact, key ΔNLL at most {b['max_key_dnll']:g} nats"
 
 
-def recommend(result: dict) -> dict:
-    """The shallowest split whose fitted (ridgefill) arm stays within the budget.
-
-    Rule: split S qualifies when, on the point estimates of its ridgefill arm,
-      - needle drop = exact needle % - ridgefill needle %  <=  budget.max_needle_drop (points), and
-      - ridgefill key-token ΔNLL (nats)                      <=  budget.max_key_dnll,
-    each up to TOLERANCE of round-off (a figure equal to its limit qualifies). A figure that was not measured
-    (None) fails. The recommendation is the smallest qualifying S: the fewest exact layers, so the fastest
-    prefill; a deeper split with better figures does not beat it. The 95 % intervals play no part in the rule;
-    the table and plot show them so that a reader can judge how firm a point estimate is.
-
-    -> {"split": S or None, "reason": one line, "qualifying": [S, ...] ascending,
-        "checks": [{"split", "needle_drop", "dnll_key", "failed": {figure: phrase}} per split, ascending]}
-    where `failed` is keyed by "needle_drop" / "dnll_key" and is empty for a split within budget.
-    Raises BadInput on a result without a usable budget or with a split measured twice.
-    """
-    entries = _splits(result)
-    checks = [_check(result, e) for e in entries]
-    qualifying = [c["split"] for c in checks if not c["failed"]]
-    rec = {"split": qualifying[0] if qualifying else None, "qualifying": qualifying, "checks": checks}
-    if not entries:
-        rec["reason"] = "no split was measured"
-    elif not qualifying:
-        deepest = checks[-1]
-        rec["reason"] = (f"no split is within budget ({_budget_text(result)}); even the deepest, split "
-                         f"{deepest['split']}, fails: {'; '.join(deepest['failed'].values())}")
-    else:
-        i = [c["split"] for c in checks].index(qualifying[0])
-        c, e = checks[i], entries[i]
-        drop = c["needle_drop"]
-        where = f"{drop:.1f} points below" if drop >= 0 else f"{-drop:.1f} points above"
-        measured = _arm(e, "ridgefill").get("speedup")
-        speed = ("" if measured is None else f"x{measured:.2f} measured, ") + (
-            "ceiling unknown" if e.get("ceiling_speedup") is None else f"ceiling x{e['ceiling_speedup']:.2f}")
-        line = (f"split {c['split']} is the shallowest within budget: needle {where} exact (limit "
-                f"{result['budget']['max_needle_drop']:g}), key ΔNLL {c['dnll_key']:.3f} nats (limit "
-                f"{result['budget']['max_key_dnll']:g}); speed-up {speed}")
-        if i > 0:
-            above = checks[i - 1]
-            line += f"; split {above['split']} fails: {'; '.join(above['failed'].values())}"
-        rec["reason"] = line
-    return rec
-
-
-def retrieval_edge(result: dict) -> dict:
-    """Where needle retrieval comes back as the split deepens, per arm, and where ridgefill keeps it alone.
-
-    For each arm, the edge is the shallowest split S from which on (S and every deeper split measured) the 95 %
-    interval of (arm - exact) needle accuracy reaches 0 (its high >= 0): from there the arm is not significantly
-    worse than exact. A split whose interval is missing ends such a run, as a significant loss would. None when
-    the deepest split is still significantly worse (or has no interval).
-    `ridgefill_keeps` lists the splits where ridgefill is significantly better than identity (the interval of
-    ridgefill - identity needle accuracy has low > 0): ridgefill keeps retrieval where identity loses it.
-
-    -> {"ridgefill": S or None, "identity": S or None, "ridgefill_keeps": [S, ...], "line": one readable line}
-    """
-    entries = _splits(result)
-    edge = {}
-    for arm in ARMS:
-        edge[arm] = None
-        for e in reversed(entries):
-            ci = _arm(e, arm).get("needle_minus_exact")
-            if ci is None or ci.get("high") is None or ci["high"] < 0:
-                break
-            edge[arm] = e["split"]
-    keeps = []
-    for e in entries:
-        ci = (e.get("ridgefill_minus_identity") or {}).get("needle")
-        if ci is not None and ci.get("low") is not None and ci["low"] > 0:
-            keeps.append(e["split"])
-    edge["ridgefill_keeps"] = keeps
-    edge["line"] = _edge_line(entries, edge)
-    return edge
-
-
-def _edge_line(entries: list[dict], edge: dict) -> str:
-    if not entries:
-        return "no split was measured"
-    first, last = entries[0]["split"], entries[-1]["split"]
-    parts = []
-    for arm in ARMS:
-        s = edge[arm]
-        if s is None:
-            parts.append(f"{arm} stays significantly below exact up to the deepest split ({last})")
-        elif s == first:
-            parts.append(f"{arm} is not significantly below exact at any split measured (from {first})")
+def advantage(result: dict) -> dict:
+    """What the fitted maps earn over the free identity fill: each arm's shallowest split within budget (its edge)
+    and the difference, in layers and in compute ceiling. -> {"ridgefill", "identity", "layers", "ceiling", "line"}
+    (layers / ceiling None when either arm has no edge)."""
+    search = result.get("search") or {}
+    edges = {a: (search.get(a) or {}).get("edge") for a in ARMS}
+    ceil = {e["split"]: e.get("ceiling_speedup") for e in _splits(result)}
+    out = {"ridgefill": edges["ridgefill"], "identity": edges["identity"], "layers": None, "ceiling": None}
+    r, i = edges["ridgefill"], edges["identity"]
+    if r is not None and i is not None:
+        out["layers"] = i - r
+        out["ceiling"] = ceil[r] - ceil[i]
+        if i == r:
+            out["line"] = (f"the fitted maps earn nothing over the identity fill: both are within budget from split "
+                           f"{r} (ceiling x{ceil[r]:.2f})")
+        elif i > r:
+            out["line"] = (f"the fitted maps are within budget from split {r} (x{ceil[r]:.2f}), the identity fill from "
+                           f"{i} (x{ceil[i]:.2f}): {i - r} layers shallower, +{ceil[r] - ceil[i]:.2f} in ceiling")
         else:
-            parts.append(f"{arm} from split {s} on")
-    line = "needle retrieval (not significantly below exact): " + "; ".join(parts)
-    keeps = edge["ridgefill_keeps"]
-    if keeps:
-        line += f"; ridgefill significantly beats identity at split{'s' if len(keeps) > 1 else ''} " + \
-                ", ".join(str(s) for s in keeps)
+            out["line"] = (f"the identity fill is within budget from split {i}, shallower than the fitted maps ({r}): "
+                           "the maps cost retrieval here")
+    elif r is not None:
+        out["line"] = f"the fitted maps are within budget from split {r}; the identity fill at no split measured"
+    elif i is not None:
+        out["line"] = f"the identity fill is within budget from split {i}; the fitted maps at no split measured"
     else:
-        line += "; ridgefill never significantly beats identity"
-    return line
+        out["line"] = "neither the fitted maps nor the identity fill is within budget at any split measured"
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Table and markdown (the same cells)
 
+COLUMNS = ("split", "ceiling", "measured\n[min, max]", "MACs\n/ exact", "K / V cos\nfit (id)",
+           "needle % fit [- exact CI]\n(prompts) noise|prose", "needle %\nidentity (prompts)", "key ΔNLL\nfit (id)",
+           "budget\nfit (id)")
 
-def _f(v, fmt: str) -> str:
-    return "–" if v is None else format(v, fmt)
 
-
-def _needle_cell(result: dict, entry: dict, arm: str) -> str:
-    """'40.0 [-7.5, +0.0]': the arm's needle %, then the 95 % interval of (arm - exact) in points."""
-    a = _arm(entry, arm)
-    text = _f(a.get("needle"), ".1f")
+def _needle(a: dict) -> str:
+    if a.get("needle") is None:
+        return "–"
+    text = f"{a['needle']:.1f}"
     ci = a.get("needle_minus_exact") or {}
-    if ci.get("low") is not None and ci.get("high") is not None:
+    if ci.get("low") is not None:
         text += f" [{ci['low']:+.1f}, {ci['high']:+.1f}]"
+    text += f" ({a.get('needle_n', '?')})"
+    suites = a.get("needle_by_suite") or {}
+    if suites:
+        text += " " + "|".join(f"{r}/{n}" for r, n in (suites.get(k, [0, 0]) for k in ("noise", "prose")))
     return text
 
 
-def _pair(entry: dict, key: str, fmt: str) -> tuple[str, str]:
-    """A figure of the fitted arm and of identity, from the held-out fit or the arms' measurements."""
-    if key in ("k_cosine", "v_cosine"):
-        held = entry.get("heldout") or {}
-        return _f((held.get("fitted") or {}).get(key), fmt), _f((held.get("identity") or {}).get(key), fmt)
-    return _f(_arm(entry, "ridgefill").get(key), fmt), _f(_arm(entry, "identity").get(key), fmt)
+def _short(a: dict) -> str:
+    return "–" if a.get("needle") is None else f"{a['needle']:.1f} ({a.get('needle_n', '?')})"
 
 
-def _speed_cell(entry: dict) -> str:
-    return f"{_f(_arm(entry, 'ridgefill').get('speedup'), '.2f')} ({_f(entry.get('ceiling_speedup'), '.2f')})"
+def _speed(sp: dict | None) -> str:
+    if not sp:
+        return "–"
+    text = f"{sp['median']:.2f} [{sp['low']:.2f}, {sp['high']:.2f}]"
+    return text + " noise" if sp.get("noise") else text
 
 
-def _mark(rec: dict, check: dict) -> str:
-    if check["split"] == rec.get("split"):
-        return RECOMMENDED
-    return OVER if check["failed"] else WITHIN
+def _macs(m: dict | None) -> str:
+    return "–" if not m or not m.get("exact") else f"{m['arm'] / m['exact']:.3f}"
+
+
+def _mark(v: str | None) -> str:
+    return {"within": WITHIN, "over": OVER}.get(v or "", "?")
+
+
+def _rows(result: dict, rec: dict) -> list[tuple[list[str], bool]]:
+    """(cells, recommended?) per split and per configuration measured, split by split."""
+    rows = []
+    for e in _splits(result):
+        r, i = _arm(e, "ridgefill"), _arm(e, "identity")
+        held = e.get("heldout") or {}
+        fit, ident = held.get("fitted") or {}, held.get("identity") or {}
+        plain = rec.get("split") == e["split"] and rec.get("kind") == "plain"
+        rows.append(([f"{e['split']}{' ' + RECOMMENDED if plain else ''}", _fmt(e.get("ceiling_speedup"), ".2f"),
+                      _speed(e.get("speed")), _macs(e.get("macs")),
+                      f"{_fmt(fit.get('k_cosine'), '.3f')}/{_fmt(fit.get('v_cosine'), '.3f')} "
+                      f"({_fmt(ident.get('k_cosine'), '.3f')}/{_fmt(ident.get('v_cosine'), '.3f')})",
+                      _needle(r), _short(i), f"{_fmt(r.get('dnll_key'), '.3f')} ({_fmt(i.get('dnll_key'), '.3f')})",
+                      f"{_mark(r.get('verdict'))} ({_mark(i.get('verdict'))})"], plain))
+        for name, c in sorted((e.get("configurations") or {}).items()):
+            f, ctl = c.get("figures") or {}, c.get("control") or {}
+            cf = ctl.get("figures") or {}
+            chosen = rec.get("split") == e["split"] and (
+                (rec.get("kind") == "configuration" and rec.get("configuration") == name)
+                or (rec.get("kind") == "longer tail" and rec.get("tail") == ctl.get("tail")))
+            label = f"{e['split']} {name.removeprefix('ridgefill')}"
+            ctl_name = ctl.get("arm", "ridgefill")
+            ctl_text = (f"tail {ctl.get('tail')}: " if ctl_name != "ridgefill" else "plain: ") + _short(cf)
+            rows.append(([label + (f" {RECOMMENDED}" if chosen else ""), _fmt(c.get("ceiling_speedup"), ".2f"), "–",
+                          _macs(c.get("macs")), "", _needle(f), ctl_text,
+                          f"{_fmt(f.get('dnll_key'), '.3f')} ({_fmt(cf.get('dnll_key'), '.3f')})",
+                          f"{_mark(c.get('verdict'))} ({_mark(ctl.get('verdict'))})"
+                          + (" beats" if c.get("beats_control") else "")], chosen))
+    return rows
 
 
 def _title(result: dict) -> str:
     ex = result.get("exact") or {}
-    return (f"sweep {result.get('model', '?')}: exact needle {_f(ex.get('needle'), '.1f')} %, prefill "
-            f"{_f(ex.get('prefill_s'), '.2f')} s; length {result.get('length', '?')}, tail {result.get('tail', '?')}, "
-            f"{result.get('samples', '?')} needle samples, {result.get('documents', '?')} documents")
+    suites = ex.get("needle_by_suite") or {}
+    per = ", ".join(f"{k} {r}/{n}" for k, (r, n) in sorted(suites.items()))
+    return (f"sweep {result.get('model', '?')} ({result.get('mode', '?')}): length {result.get('length', '?')}, tail "
+            f"{result.get('tail', '?')}; exact needle {_fmt(ex.get('needle'), '.1f')} % ({per})")
 
 
 def _legend(result: dict) -> str:
-    return (f"budget: {_budget_text(result)}. {RECOMMENDED} recommended (shallowest within budget), {WITHIN} within "
-            f"budget, {OVER} over. Cells: ridgefill (identity); needle: % [95 % CI of arm - exact, points]")
+    return (f"budget: {_budget_text(result)}. {RECOMMENDED} recommended, {WITHIN} within, {OVER} over. Ceiling: the "
+            "compute ceiling 1/r; measured: median speed-up of the timing rounds [min, max], 'noise' above the "
+            "ceiling; MACs: the arm's multiply-accumulates / exact's. Configuration rows: the configuration "
+            "(its equal-cost control)")
 
 
-def _checks_by_split(result: dict, rec: dict) -> list[tuple[dict, dict]]:
-    entries = _splits(result)
-    checks = {c["split"]: c for c in rec.get("checks", [])}
-    return [(e, checks.get(e["split"]) or _check(result, e)) for e in entries]
-
-
-# Column headers: the table's two-line ones; markdown joins the lines.
-COLUMNS = ("split", "speed-up\n(ceiling)", "K cos\nfit (id)", "V cos\nfit (id)",
-           "needle % ridgefill\n[- exact, 95 % CI]", "needle % identity\n[- exact, 95 % CI]", "key ΔNLL\nfit (id)")
-
-
-def _cells(result: dict, rec: dict, e: dict, c: dict, red: bool) -> list[str]:
-    """One split's row; with `red`, a figure over budget is wrapped in rich's [red] markup."""
-    mark = lambda text, fig: f"[red]{text}[/red]" if red and fig in c["failed"] else text  # noqa: E731
-    key_f, key_i = _pair(e, "dnll_key", ".3f")
-    return [f"{e['split']} {_mark(rec, c)}", _speed_cell(e), "%s (%s)" % _pair(e, "k_cosine", ".3f"),
-            "%s (%s)" % _pair(e, "v_cosine", ".3f"), mark(_needle_cell(result, e, "ridgefill"), "needle_drop"),
-            _needle_cell(result, e, "identity"), f"{mark(key_f, 'dnll_key')} ({key_i})"]
-
-
-def table(result: dict, rec: dict):
-    """A rich Table, one row per split (ascending), readable at 120 columns; a figure over budget is red.
-
-    Columns: split (with its mark), speed-up measured (ceiling), held-out K and V cosine fitted (identity),
-    needle % of each arm with the 95 % interval of arm - exact, key-token ΔNLL ridgefill (identity).
-    """
+def table(result: dict):
+    """A rich Table: one row per split, then one per configuration measured there."""
     from rich.table import Table
 
+    rec = result.get("recommended") or recommend(result)
     t = Table(title=_title(result), caption=_legend(result), caption_justify="left")
     for name in COLUMNS:
         t.add_column(name, justify="right", no_wrap=True)
-    for e, c in _checks_by_split(result, rec):
-        t.add_row(*_cells(result, rec, e, c, red=True), style="bold" if c["split"] == rec.get("split") else None)
+    for cells, chosen in _rows(result, rec):
+        t.add_row(*cells, style="bold" if chosen else None)
     return t
 
 
-def write_markdown(result: dict, rec: dict) -> str:
-    """The table as GitHub markdown: a title line, the table plus a `budget` column (recommended, within, or what
-    failed), the legend, and the recommendation's reason. Ends with a newline."""
-    head = [name.replace("\n", " ") for name in COLUMNS] + ["budget"]
-    lines = [f"**{_title(result)}**", "", "| " + " | ".join(head) + " |",
-             "|" + "|".join(["---:"] * (len(head) - 1) + [":---"]) + "|"]
-    for e, c in _checks_by_split(result, rec):
-        if c["split"] == rec.get("split"):
-            status = "recommended"
-        else:
-            status = "; ".join(c["failed"].values()) if c["failed"] else "within"
-        cells = _cells(result, rec, e, c, red=False) + [status]
+def write_markdown(result: dict) -> str:
+    """The table as GitHub markdown, with the legend, the recommendation and what the maps earn. Ends with a
+    newline."""
+    rec = result.get("recommended") or recommend(result)
+    head = [c.replace("\n", " ") for c in COLUMNS]
+    lines = [f"**{_title(result)}**", "", "| " + " | ".join(head) + " |", "|" + "|".join(["---:"] * len(head)) + "|"]
+    for cells, _ in _rows(result, rec):
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
-    lines += ["", _legend(result) + ".", "", f"Recommendation: {rec.get('reason', '')}"]
-    return "\n".join(lines) + "\n"
+    adv = result.get("advantage") or advantage(result)
+    lines += ["", _legend(result) + ".", "", f"Recommendation: {rec.get('reason', '')}", "",
+              f"What the maps earn: {adv['line']}", ""]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The plot
 
 
-def _series(result: dict, entries: list[dict], arm: str) -> dict:
-    """Per arm, the points of both panels: x = speed-up, needle % with its error bar, key ΔNLL with its CI."""
-    ex = _exact_needle(result)
-    pts = {"needle": [], "dnll": []}  # panel -> [(split, x, y, bar below, bar above)]
-    for e in entries:
-        a, x = _arm(e, arm), speedup(e, arm)
+def _points(result: dict, arm: str, panel: str) -> list[tuple]:
+    """(split, ceiling, y, below, above) per split where the arm has the panel's figure."""
+    ex = (result.get("exact") or {}).get("needle")
+    pts = []
+    for e in _splits(result):
+        a, x = _arm(e, arm), e.get("ceiling_speedup")
         if x is None:
             continue
-        if a.get("needle") is not None:
+        if panel == "needle" and a.get("needle") is not None:
             y, ci = a["needle"], a.get("needle_minus_exact") or {}
-            # The bar is the interval of (arm - exact) placed on exact's accuracy, so it reaches the exact line
-            # exactly when the arm is not significantly worse than exact; clipped to accuracy's 0..100.
-            lo = y if ex is None or ci.get("low") is None else min(max(ex + ci["low"], 0.0), 100.0)
-            hi = y if ex is None or ci.get("high") is None else min(max(ex + ci["high"], 0.0), 100.0)
-            pts["needle"].append((e["split"], x, y, max(y - lo, 0.0), max(hi - y, 0.0)))
-        if a.get("dnll_key") is not None:
+            base = a.get("needle_exact", ex)
+            lo = y if base is None or ci.get("low") is None else min(max(base + ci["low"], 0.0), 100.0)
+            hi = y if base is None or ci.get("high") is None else min(max(base + ci["high"], 0.0), 100.0)
+            pts.append((e["split"], x, y, max(y - lo, 0.0), max(hi - y, 0.0)))
+        elif panel == "dnll" and a.get("dnll_key") is not None:
             y, ci = a["dnll_key"], a.get("dnll_key_ci") or {}
-            lo = y if ci.get("low") is None else ci["low"]
-            hi = y if ci.get("high") is None else ci["high"]
-            pts["dnll"].append((e["split"], x, y, max(y - lo, 0.0), max(hi - y, 0.0)))
+            lo, hi = ci.get("low", y), ci.get("high", y)
+            pts.append((e["split"], x, y, max(y - lo, 0.0), max(hi - y, 0.0)))
     return pts
 
 
-def plot(result: dict, rec: dict, path: Path) -> Path:
-    """Write the sweep's PNG: needle accuracy (left) and key-token ΔNLL (right) against measured speed-up.
-
-    One point per split and arm (ridgefill and identity as two series, each point labelled with its split; the
-    split's ceiling speed-up stands in where none was measured), exact as a horizontal line (its needle %, and
-    ΔNLL = 0), the budget as a dashed line, the recommended split ringed. Needle error bars: the 95 % interval of
-    (arm - exact) placed on exact's accuracy; ΔNLL error bars: its 95 % interval. The figure has a fixed size
-    (FIGSIZE at DPI) and the PNG carries no version or date, so the same result gives the same bytes with the
-    same matplotlib. Written to a temporary file and renamed; refuses a folder that does not exist.
-    """
+def plot(result: dict, path: Path) -> Path:
+    """Write the sweep's PNG, three panels against the compute ceiling (the horizontal axis): needle accuracy with
+    the interval of (arm - exact) placed on exact's accuracy, key-token ΔNLL with its interval, each for the fitted
+    maps and the identity fill, the budget dashed and the recommendation ringed; and the measured speed-up, its
+    median with the [min, max] of the timing rounds, beside the line y = x that no prefill can beat: a median above
+    it is drawn hollow and grey, as noise. Fixed size, no date or version in the file, written by rename."""
     path = Path(path)
     if not path.parent.is_dir():
         raise BadInput(f"cannot write the plot to '{path}': folder '{path.parent}' does not exist")
     entries = _splits(result)
+    rec = result.get("recommended") or recommend(result)
     import matplotlib
     import matplotlib.style
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.transforms import offset_copy
 
-    b, ex = result["budget"], _exact_needle(result)
-    with matplotlib.style.context("default"):  # independent of the user's matplotlibrc
+    b, ex = result["budget"], (result.get("exact") or {}).get("needle")
+    with matplotlib.style.context("default"):
         fig = Figure(figsize=FIGSIZE, dpi=DPI)
         FigureCanvasAgg(fig)
-        ax_n, ax_d = fig.subplots(1, 2)
-        # The two arms side by side: each series drawn DODGE points left / right of its x, so that the arms of one
-        # split never hide each other (they share x when only the ceiling speed-up is known).
-        styles = {"ridgefill": dict(color="tab:blue", marker="o", dx=-DODGE, dy=7),
-                  "identity": dict(color="tab:orange", marker="s", dx=DODGE, dy=-12)}
-        series = {arm: _series(result, entries, arm) for arm in ARMS}
+        ax_n, ax_d, ax_s = fig.subplots(1, 3)
+        styles = {"ridgefill": dict(color="tab:blue", marker="o", dx=-DODGE),
+                  "identity": dict(color="tab:orange", marker="s", dx=DODGE)}
         for ax, panel in ((ax_n, "needle"), (ax_d, "dnll")):
             for arm in ARMS:
-                pts, st = series[arm][panel], styles[arm]
+                pts, st = _points(result, arm, panel), styles[arm]
                 if not pts:
                     continue
-                _, xs, ys, lo, hi = zip(*pts)
-                ax.errorbar(xs, ys, yerr=[lo, hi], color=st["color"], marker=st["marker"], linestyle="-",
-                            linewidth=1, markersize=5, capsize=3, label=arm,
+                splits, xs, ys, lo, hi = zip(*pts)
+                ax.errorbar(xs, ys, yerr=[lo, hi], color=st["color"], marker=st["marker"], linestyle="none",
+                            markersize=5, capsize=3, label=arm,
                             transform=offset_copy(ax.transData, fig=fig, x=st["dx"], y=0, units="points"))
-                # An offset transform keeps autoscaling from seeing the points: tell the axes their extent.
-                ax.update_datalim([(x, y - d) for x, y, d in zip(xs, ys, lo)] +
-                                  [(x, y + u) for x, y, u in zip(xs, ys, hi)])
-                for s, x, y, *_ in pts:
-                    ax.annotate(str(s), (x, y), textcoords="offset points", xytext=(st["dx"] + 4, st["dy"]),
-                                fontsize=8, color=st["color"])
-            ax.margins(x=0.06, y=0.06)
-            ax.autoscale_view()
-            ax.set_xlabel("prefill speed-up vs exact (measured; ceiling where not measured)")
-            ax.grid(True, linewidth=0.4, alpha=0.5)
+                ax.update_datalim([(x, y - d) for x, y, d in zip(xs, ys, lo)] + [(x, y + u) for x, y, u in zip(xs, ys, hi)])
+                for s, x, y in zip(splits, xs, ys):
+                    ax.annotate(str(s), (x, y), textcoords="offset points", xytext=(st["dx"] + 4, 6), fontsize=8,
+                                color=st["color"])
+            if rec.get("split") is not None:
+                hit = [p for p in _points(result, "ridgefill", panel) if p[0] == rec["split"]]
+                if hit and rec.get("kind") == "plain":
+                    ax.plot([hit[0][1]], [hit[0][2]], linestyle="none", marker="o", markersize=14,
+                            markerfacecolor="none", markeredgecolor="tab:green", markeredgewidth=2,
+                            label=f"recommended: split {rec['split']}",
+                            transform=offset_copy(ax.transData, fig=fig, x=-DODGE, y=0, units="points"))
         if ex is not None:
             ax_n.axhline(ex, color="black", linewidth=1, label=f"exact ({ex:.1f} %)")
             ax_n.axhline(ex - b["max_needle_drop"], color="tab:red", linestyle="--", linewidth=1,
@@ -385,30 +346,45 @@ def plot(result: dict, rec: dict, path: Path) -> Path:
         ax_d.axhline(0.0, color="black", linewidth=1, label="exact (0)")
         ax_d.axhline(b["max_key_dnll"], color="tab:red", linestyle="--", linewidth=1,
                      label=f"budget ({b['max_key_dnll']:g} nats)")
-        s = rec.get("split")
-        for ax, panel in ((ax_n, "needle"), (ax_d, "dnll")):
-            hit = [(x, y) for split, x, y, *_ in series["ridgefill"][panel] if split == s]
-            if hit:
-                ax.plot([hit[0][0]], [hit[0][1]], linestyle="none", marker="o", markersize=14, markerfacecolor="none",
-                        markeredgecolor="tab:green", markeredgewidth=2, label=f"recommended: split {s}",
-                        transform=offset_copy(ax.transData, fig=fig, x=styles["ridgefill"]["dx"], y=0, units="points"))
+        xs = [e["ceiling_speedup"] for e in entries if e.get("ceiling_speedup") is not None]
+        if xs:
+            ax_s.plot([min(xs), max(xs)], [min(xs), max(xs)], color="black", linewidth=1, label="ceiling (y = x)")
+        for kind in (False, True):
+            pts = [(e["split"], e["ceiling_speedup"], e["speed"]) for e in entries
+                   if e.get("speed") and bool(e["speed"].get("noise")) == kind]
+            if not pts:
+                continue
+            splits, x, sp = zip(*pts)
+            med = [p["median"] for p in sp]
+            ax_s.errorbar(x, med, yerr=[[m - p["low"] for m, p in zip(med, sp)], [p["high"] - m for m, p in zip(med, sp)]],
+                          linestyle="none", marker="o", markersize=5, capsize=3,
+                          color="tab:gray" if kind else "tab:blue", markerfacecolor="none" if kind else "tab:blue",
+                          label="above the ceiling: noise" if kind else "measured (median, [min, max])")
+            for s, xx, m in zip(splits, x, med):
+                ax_s.annotate(str(s), (xx, m), textcoords="offset points", xytext=(4, 6), fontsize=8)
+        for ax in (ax_n, ax_d, ax_s):
+            ax.margins(x=0.06, y=0.08)
+            ax.autoscale_view()
+            ax.set_xlabel("compute ceiling 1/r (speed-up if only skipped layer-rows counted)")
+            ax.grid(True, linewidth=0.4, alpha=0.5)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8, loc="best")
         ax_n.set_ylabel("needle accuracy (%)")
         ax_n.set_title("needle retrieval", fontsize=10)
         ax_d.set_ylabel("key-token ΔNLL vs exact (nats)")
         ax_d.set_title("key-token ΔNLL", fontsize=10)
-        fig.suptitle(f"{result.get('model', '?')}: length {result.get('length', '?')}, tail {result.get('tail', '?')}, "
-                     f"{result.get('samples', '?')} needle samples, {result.get('documents', '?')} documents",
-                     fontsize=11)
-        fig.subplots_adjust(left=0.06, right=0.99, bottom=0.12, top=0.86, wspace=0.2)
+        ax_s.set_ylabel("measured prefill speed-up")
+        ax_s.set_title("measured speed-up, fitted maps", fontsize=10)
+        fig.suptitle(f"{result.get('model', '?')} ({result.get('mode', '?')}): length {result.get('length', '?')}, "
+                     f"tail {result.get('tail', '?')}, {result.get('samples', '?')} needle prompts at most, "
+                     f"{result.get('documents', '?')} documents", fontsize=11)
+        fig.subplots_adjust(left=0.05, right=0.99, bottom=0.13, top=0.86, wspace=0.22)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             umask = os.umask(0)
             os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the plot should look like any other file
+            os.chmod(tmp, 0o666 & ~umask)
             with os.fdopen(fd, "wb") as f:
-                # No Software (version) chunk; PNG gets no date from matplotlib, and Agg draws deterministically.
                 fig.savefig(f, format="png", dpi=DPI, metadata={"Software": None})
             os.replace(tmp, path)
         except BaseException:

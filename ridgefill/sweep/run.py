@@ -16,9 +16,12 @@ each (split, arm) only runs its late layers on top of it. The figures per split 
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -26,18 +29,26 @@ from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts.store import write_json
 from ridgefill.capture.artifact import calibration_hashes
 from ridgefill.errors import BadInput
-from ridgefill.evaluate.arms import Arm
-from ridgefill.evaluate.measure import Checkpoint, eval_documents, fills, measure_documents, measure_needles
+from ridgefill.evaluate.arms import Arm, parse_arm
+from ridgefill.evaluate.measure import Checkpoint, eval_documents, fills, measure_documents
 from ridgefill.evaluate.source import load_source
 from ridgefill.output import Output
 from ridgefill.sweep.artifact import PLOT, RESULT, TABLE
+from ridgefill.sweep.search import Bisection, bisect_arms, run_pass
+from ridgefill.sweep.sequential import GROUP, TOLERANCE, WITHIN_FACTOR, Rule
 
-FORMAT_VERSION = 2  # 2: later sinks (outlier rows) run exactly and are not fitted
+FORMAT_VERSION = 3  # 2: later sinks (outlier rows) run exactly; 3: needles by bisection and a sequential rule, in
+# noise and prose haystacks; quality configurations beside their controls; timing in rounds; multiply-accumulates
 ARMS = ("ridgefill", "identity")
 ARM_PLAN = [Arm(a) for a in ARMS]
+CONFIGS = ("ridgefill+rows", "ridgefill+kscale", "ridgefill+protected")  # issue 12's quality configurations
+CONTROL = {"ridgefill+rows": "ridgefill+rows:tail", "ridgefill+kscale": None,  # the equal-cost control of each
+           "ridgefill+protected": "ridgefill+protected:tail"}
+CONFIG_SPLITS = 2  # configurations are measured at this many candidates just shallower than the maps' edge
+HAYSTACKS = ("noise", "prose")  # the single needles' two haystacks, half the prompts each
 DEFAULT_SPLITS = 8  # evenly spaced over the middle half of the layers
 NEEDLE_DEPTHS = 8  # the single-needle samples spread over this many depths of the filled prefix
-DECODE_BATCH = 9  # prefills decoded together (exact + 4 splits x 2 arms): one batched forward per step
+DECODE_BATCH = 9  # prefills decoded together: one batched forward per step
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,9 @@ class SweepConfig:
     alpha_per_layer: bool = False
     seed: int = 0
     bootstrap: int = 10000
+    exhaustive: bool = False  # every split and arm on every prompt (no bisection, no sequential rule)
+    configurations: bool = True  # measure +rows, +kscale, +protected beside their controls near the edge
+    repeats: int = 3  # timing rounds
 
 
 def split_ranges(text: str) -> list[tuple[int, int, int]]:
@@ -120,6 +134,8 @@ def check_config(cfg: SweepConfig) -> None:
                        "before the tail")
     if cfg.samples < 1 or cfg.documents < 1:
         raise BadInput("--samples and --documents must be at least 1")
+    if cfg.repeats < 3:
+        raise BadInput(f"--repeats must be at least 3 (a median and an interval need three timings), got {cfg.repeats}")
 
 
 def sweep(
@@ -190,132 +206,521 @@ def sweep(
         for s, sol, q in fits:  # each split's maps as eval loads them, on the model's devices
             src = load_source(store, (q or sol).id)
             sources[s] = replace(src, maps=maps_on_devices(lm, src.maps, range(s, ref.num_layers)))
-        done = Checkpoint(build.work)
-        if done.rows["documents"] or done.rows["needles"]:
-            out.info(f"resuming: {len(done.rows['documents'])} documents and {len(done.rows['needles'])} needle "
-                     f"prompts measured before")
-        docs = _documents(lm, cfg, sources, calibration_hashes(cap), out, done)
-        needles = _needles(lm, cfg, sources, out, done)
-        timing = _timing(lm, cfg, sources, needles["prompt"], out)
-        result = _result(model, ref.num_layers, cfg, fits, docs, needles, timing)
-        from ridgefill.sweep.report import plot, recommend, retrieval_edge, write_markdown
+        result = Measurement(lm, cfg, sources, fits, calibration_hashes(cap), out, build.work).run(model)
+        from ridgefill.sweep.report import plot, write_markdown
 
-        rec = recommend(result)
-        result["recommended"] = rec
-        result["retrieval"] = retrieval_edge(result)
         write_json(build.path / RESULT, result)
-        plot(result, rec, build.path / PLOT)
-        (build.path / TABLE).write_text(write_markdown(result, rec) + "\n" + result["retrieval"]["line"] + "\n")
-        summary = {"recommended": rec["split"], "reason": rec["reason"], "qualifying": rec["qualifying"],
-                   "retrieval": result["retrieval"]["line"], "splits": list(splits), "capture": cap.id,
-                   "maps": recipe["maps"], "exact_needle": result["exact"]["needle"]}
+        plot(result, build.path / PLOT)
+        (build.path / TABLE).write_text(write_markdown(result))
+        rec = result["recommended"]
+        summary = {"recommended": rec["split"], "configuration": rec["configuration"], "tail": rec["tail"],
+                   "reason": rec["reason"], "mode": result["mode"], "splits": list(splits), "capture": cap.id,
+                   "maps": recipe["maps"], "exact_needle": result["exact"]["needle"],
+                   "identity_edge": result["identity_edge"], "advantage": result["advantage"],
+                   "needle_prompts": result["cost"]["needle_prompts"]}
         art = build.commit(info={"model_spec": model, "placement": lm.placement()}, summary=summary)
     return art, False
 
 
-def needle_suite(lm, cfg: SweepConfig) -> list:
-    """`samples` single needles at `length` tokens, spread over NEEDLE_DEPTHS depths of the filled prefix."""
+def needle_suite(lm, cfg: SweepConfig) -> list[tuple[str, object]]:
+    """`samples` single needles at `length` tokens as (haystack, sample): half in RULER's noise filler ("noise"),
+    half in real prose ("prose", eval's haystack documents), alternating, each half spread over NEEDLE_DEPTHS
+    depths of the filled prefix in turn, so that any first prompts cover both haystacks and every depth."""
     from ridgefill.evaluate.needles import build_suite, noise_haystack
+    from ridgefill.evaluate.texts import haystack_documents
 
     top = (cfg.length - cfg.tail) / cfg.length  # the filled prefix ends here
     depths = tuple(round(float(x), 4) for x in np.linspace(0.05, top * 0.9, NEEDLE_DEPTHS))
-    per = -(-cfg.samples // len(depths))
     chat = bool(getattr(lm.tokenizer, "chat_template", None))
-    try:
-        suite = build_suite(lm.tokenizer, lengths=(cfg.length,), depths=depths, tasks=("single",), samples=per,
-                            seed=cfg.seed, tail=cfg.tail, chat=chat, haystack=noise_haystack())
-    except ValueError as e:
-        raise BadInput(f"needles: {e}") from None
-    suite = [s for s in suite if s.in_filled_region(cfg.tail)]
-    # every depth in turn, so that any first `samples` cover them all
-    order = sorted(range(len(suite)), key=lambda i: (i % per, i // per))
-    suite = [suite[i] for i in order][: cfg.samples]
-    if len(suite) < cfg.samples:
-        raise BadInput(f"only {len(suite)} needle prompts of {cfg.length} tokens have their needle before the tail")
-    return suite
+    halves = {}
+    for kind, want in zip(HAYSTACKS, (cfg.samples - cfg.samples // 2, cfg.samples // 2)):
+        per = -(-want // len(depths))
+        hay = noise_haystack() if kind == "noise" else haystack_documents()
+        try:
+            suite = build_suite(lm.tokenizer, lengths=(cfg.length,), depths=depths, tasks=("single",), samples=per,
+                                seed=cfg.seed, tail=cfg.tail, chat=chat, haystack=hay)
+        except ValueError as e:
+            raise BadInput(f"needles ({kind} haystack): {e}") from None
+        suite = [s for s in suite if s.in_filled_region(cfg.tail)]
+        order = sorted(range(len(suite)), key=lambda i: (i % per, i // per))  # every depth in turn
+        halves[kind] = [suite[i] for i in order][:want]
+        if len(halves[kind]) < want:
+            raise BadInput(f"only {len(halves[kind])} needle prompts of {cfg.length} tokens in the {kind} haystack "
+                           "have their needle before the tail")
+    out = []
+    for i in range(max(len(h) for h in halves.values())):
+        out += [(kind, halves[kind][i]) for kind in HAYSTACKS if i < len(halves[kind])]
+    return out
 
 
-def _documents(lm, cfg: SweepConfig, sources: dict, calib, out: Output, done: Checkpoint) -> list[dict]:
-    """Per document: {"name", "tokens", split: {arm: doc_summary}}."""
-    docs = eval_documents(lm, cfg.length, cfg.documents, calib)
-    row = lambda name, tokens, per: {"name": name, "tokens": tokens, **{str(s): p[0] for s, p in per.items()}}  # noqa: E731
-    return measure_documents(lm, docs, cfg.length, sources, ARM_PLAN, cfg.tail, cfg.scored, out, row=row,
-                             seed=cfg.seed, done=done)
+class NeedleMemo:
+    """Every needle outcome measured so far, in `<work>/needles.json` (rewritten by rename after each prompt): exact's
+    answer per prompt, each (prompt, split, arm)'s, and the rows a selector added. A stopped sweep resumes where it
+    was, and a job already measured on a prompt is never measured again."""
+
+    def __init__(self, work):
+        self.path = Path(work) / "needles.json"
+        self.data = json.loads(self.path.read_text()) if self.path.is_file() else {"exact": {}, "arms": {}, "added": {}}
+
+    @staticmethod
+    def key(i: int, split: int, arm: str) -> str:
+        return f"{i}/{split}/{arm}"
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, sort_keys=True))
+        os.replace(tmp, self.path)
 
 
-def _needles(lm, cfg: SweepConfig, sources: dict, out: Output, done: Checkpoint) -> dict:
-    """{"rows": [{"depth", "seed", "tokens", "exact": bool, split: {arm: bool}}], "prompt": the first prompt's ids};
-    the prefills decoded DECODE_BATCH at a time."""
-    suite = needle_suite(lm, cfg)
+class Measurement:
+    """One sweep's measurements on a loaded model: documents, the needle search, configurations and timing."""
 
-    def jobs(run):
-        one = lambda src, arm: fills(lm, run, src, [arm], cfg.tail, logits_rows=1)[0][arm.name]  # noqa: E731
-        todo = [(None, "exact", lambda: run.result(cfg.tail))]
-        todo += [(s, arm.name, lambda src=src, arm=arm: one(src, arm)) for s, src in sources.items() for arm in ARM_PLAN]
-        return todo, None
+    def __init__(self, lm, cfg: SweepConfig, sources: dict, fits, calib, out: Output, work):
+        self.lm, self.cfg, self.sources, self.fits, self.calib, self.out = lm, cfg, sources, fits, calib, out
+        self.work = Path(work)
+        self.L = lm.adapter.num_layers
+        self.splits = sorted(sources)
+        self.done = Checkpoint(self.work)
+        self.memo = NeedleMemo(self.work)
+        self.rule = Rule(budget=cfg.max_needle_drop / 100.0, samples=cfg.samples,
+                         group=cfg.samples if cfg.exhaustive else GROUP)
+        self.forwards = 0  # exact forwards over needle prompts in this process (for the cost report)
 
-    def row(s, correct, _):
-        return {"depth": s.depth, "seed": s.seed, "tokens": len(s.prompt_ids), "exact": correct[None]["exact"],
-                **{str(sp): correct[sp] for sp in sources}}
+    # ------------------------------------------------------------------------------------------- the whole run
 
-    status = lambda rows: f" · exact {sum(r['exact'] for r in rows)}/{len(rows)}"  # noqa: E731
-    rows = measure_needles(lm, suite, list(sources), jobs, out, row=row, batch=DECODE_BATCH, done=done,
-                           status=status)
-    return {"rows": rows, "prompt": suite[0].prompt_ids}
+    def run(self, model: str) -> dict:
+        from ridgefill.sweep.report import advantage, recommend
+
+        cfg = self.cfg
+        docs = self._documents(self.splits, ARM_PLAN, "documents")
+        figs = {(s, a): _doc_figures(docs, s, a, self) for s in self.splits for a in ARMS}
+        key_over = {k: self._key_over(k, f) for k, f in figs.items()}
+        self.suite = needle_suite(self.lm, cfg)
+        jobs = {}
+        if cfg.exhaustive:
+            self.out.info(f"needles: every split and arm on all {cfg.samples} prompts (--exhaustive)")
+            jobs = run_pass([(s, a) for s in self.splits for a in ARMS], self.rule, self._measure)
+            verdicts = {k: ("over" if key_over[k] or d.verdict == "over" else "within") for k, (d, _) in jobs.items()}
+            search = {a: {"edge": _edge([s for s in self.splits if verdicts[(s, a)] == "within"], self.splits),
+                          "measured": list(self.splits)} for a in ARMS}
+        else:
+            bis = {a: Bisection(self.splits, known={s: "over" for s in self.splits if key_over[(s, a)]}) for a in ARMS}
+            self.out.info(f"needles: bisection over splits {', '.join(map(str, self.splits))}, sequential rule "
+                          f"(looks at {', '.join(map(str, self.rule.looks))} prompts)")
+            bis, jobs = bisect_arms(bis, self.rule, self._measure)
+            verdicts = {(s, a): v for a, b in bis.items() for s, v in b.inferred().items()}
+            search = {a: {"edge": b.edge, "measured": b.measured} for a, b in bis.items()}
+        how = {k: _decided(k, key_over, jobs, search) for k in verdicts}
+        edge = search["ridgefill"]["edge"]
+        near = _config_splits(self.splits, edge)
+        configs = self._configurations(near, verdicts, jobs) if near and cfg.configurations else {}
+        result = self._result(model, docs, figs, verdicts, how, jobs, search, configs)
+        result["recommended"] = recommend(result)
+        result["advantage"] = advantage(result)
+        result["identity_edge"] = result["advantage"]["identity"]
+        result["timing"] = self._timing(result)
+        _speeds(result)
+        return result
+
+    def _key_over(self, job, figs: dict) -> bool:
+        """Whether (split, arm) is over budget on key-token ΔNLL alone (a figure not measured is over)."""
+        return not _key_within(figs, self.cfg)
+
+    # ------------------------------------------------------------------------------------------------- documents
+
+    def _documents(self, splits, arms, kind: str) -> list[dict]:
+        """Per document: {"name", "tokens", split: {arm: doc_summary}, "added": {split: {arm: rows}}}."""
+        docs = eval_documents(self.lm, self.cfg.length, self.cfg.documents, self.calib)
+
+        def row(name, tokens, per):
+            return {"name": name, "tokens": tokens, **{str(s): p[0] for s, p in per.items()},
+                    "added": {str(s): p[1] for s, p in per.items()}}
+
+        return measure_documents(self.lm, docs, self.cfg.length, {s: self.sources[s] for s in splits}, arms,
+                                 self.cfg.tail, self.cfg.scored, self.out, row=row, seed=self.cfg.seed,
+                                 done=self.done, kind=kind)
+
+    # --------------------------------------------------------------------------------------------------- needles
+
+    def _measure(self, i: int, jobs) -> tuple[bool, dict]:
+        """Prompt i's outcome for each job (split, arm), from the memo or measured now (one exact forward for all)."""
+        import torch
+
+        from ridgefill.evaluate.needles import decode_and_score
+        from ridgefill.runtime import exact_run
+
+        memo, data = self.memo, self.memo.data
+        kind, sample = self.suite[i]
+        todo = [(s, a) for s, a in jobs if memo.key(i, s, a) not in data["arms"]]
+        if todo or str(i) not in data["exact"]:
+            splits = sorted({s for s, _ in todo})
+            ids = torch.tensor(sample.prompt_ids)
+            known = str(i) in data["exact"]  # exact's answer is kept: the fills need only the layers below them
+            run = early_run(self.lm, ids, splits) if known and _attention_only(self.lm) else \
+                exact_run(self.lm, ids, splits=splits)
+            self.forwards += 1
+            made, names = [], []
+            if str(i) not in data["exact"]:
+                made.append(run.result(self.cfg.tail))
+                names.append(None)
+            for s in splits:
+                arms = _with_selected([a for t, a in todo if t == s])
+                res, added = fills(self.lm, run, self.sources[s], arms, self.cfg.tail, logits_rows=1, seed=self.cfg.seed)
+                for a in arms:
+                    made.append(res[a.name])
+                    names.append((s, a.name))
+                for a, n in added.items():
+                    data["added"][memo.key(i, s, a)] = n
+            ok = []
+            for at in range(0, len(made), DECODE_BATCH):
+                ok += decode_and_score(self.lm, sample, made[at : at + DECODE_BATCH])
+            for name, right in zip(names, ok):
+                if name is None:
+                    data["exact"][str(i)] = bool(right)
+                else:
+                    data["arms"][memo.key(i, *name)] = bool(right)
+            memo.save()
+            del run, made
+        got = {(s, a): data["arms"][memo.key(i, s, a)] for s, a in jobs}
+        line = ", ".join(f"{a}@{s}" for s, a in jobs)
+        self.out.info(f"  prompt {i + 1} ({kind}): exact {'✓' if data['exact'][str(i)] else '✗'} · "
+                      + " ".join(f"{a}@{s} {'✓' if got[(s, a)] else '✗'}" for s, a in jobs) if len(line) < 200 else
+                      f"  prompt {i + 1} ({kind}): {len(jobs)} jobs")
+        return data["exact"][str(i)], got
+
+    # ------------------------------------------------------------------------------------------ configurations
+
+    def _configurations(self, near: list[int], verdicts: dict, jobs: dict) -> dict:
+        """The quality configurations at the splits `near` (just shallower than the fitted maps' edge), each beside
+        its equal-cost control. -> {(split, name): {"figures", "verdict", "decided", "control": {...},
+        "beats_control", "why"}}."""
+        names = [c for c in CONFIGS if c != "ridgefill+kscale" or _kscale_applies(self.lm, min(near))]
+        names = [c for c in names if c != "ridgefill+protected" or all(self.sources[s].protected for s in near)]
+        if not names:
+            return {}
+        arms = _with_selected([parse_arm(c) for c in names] + [parse_arm(CONTROL[c]) for c in names if CONTROL[c]])
+        self.out.info(f"configurations at split{'s' if len(near) > 1 else ''} {', '.join(map(str, near))}: "
+                      + ", ".join(a.name for a in arms))
+        docs = self._documents(near, arms, "configuration_documents")
+        figs = {(s, a.name): _doc_figures(docs, s, a.name, self) for s in near for a in arms}
+        key_over = {k: self._key_over(k, f) for k, f in figs.items()}
+        # Every configuration and control not over on key ΔNLL: a control within budget is a candidate itself (a
+        # longer tail) where its configuration does not beat it.
+        want = [(s, a.name) for s in near for a in arms if a.name in names + [CONTROL[c] for c in names]
+                and not key_over[(s, a.name)]]
+        got = run_pass(want, self.rule, self._measure) if want else {}
+        out = {}
+        for s in near:
+            for c in names:
+                entry = {"figures": figs[(s, c)], **_verdict((s, c), key_over, got), "pairs": _pairs_of(got, (s, c))}
+                ctl = CONTROL[c]
+                if ctl:
+                    entry["control"] = {"arm": ctl, "figures": figs[(s, ctl)], **_verdict((s, ctl), key_over, got),
+                                        "pairs": _pairs_of(got, (s, ctl))}
+                else:  # a correction costs no rows: its control is the plain fill at the same split
+                    entry["control"] = {"arm": "ridgefill", "figures": None, "verdict": verdicts[(s, "ridgefill")],
+                                        "decided": "the plain fill at this split"}
+                entry["beats_control"], entry["why"] = _beats(entry, got, (s, c), (s, ctl) if ctl else None)
+                entry["extra_rows"] = self._extra_rows(s, c)
+                out[(s, c)] = entry
+        return out
+
+    def _extra_rows(self, split: int, arm: str) -> float:
+        """The mean number of prefix rows a configuration runs exactly beyond the plain fill's, over the needle
+        prompts it was measured on (else the documents)."""
+        if arm == "ridgefill+kscale":
+            return 0.0
+        vals = [v for k, v in self.memo.data["added"].items() if k.split("/", 1)[1] == f"{split}/{arm}"]
+        if not vals:
+            vals = [d["added"][str(split)][arm] for d in self.done.rows.get("configuration_documents", [])
+                    if arm in d.get("added", {}).get(str(split), {})]
+        return float(np.mean(vals)) if vals else 0.0
+
+    # ------------------------------------------------------------------------------------------------ timing
+
+    def _timing(self, result: dict) -> dict:
+        """`repeats` rounds of real, timed prefills of the first needle prompt: exact, then the fitted maps at every
+        split (and the recommended configuration at its split), the order reversed every other round, so that a
+        slow spell of a shared machine lands on every arm alike. Per arm the speed-up of each round is exact's
+        time in that round over the arm's."""
+        import torch
+
+        from ridgefill.runtime import ExactRun, prefill
+
+        cfg = self.cfg
+        prompt = self.suite[0][1].prompt_ids
+        ids = torch.tensor(prompt)
+        rec = result["recommended"]
+        arms = [(s, parse_arm("ridgefill"), cfg.tail) for s in self.splits]
+        if rec["split"] is not None and (rec["configuration"] != "ridgefill" or rec["tail"] != cfg.tail):
+            arms.append((rec["split"], parse_arm(rec["configuration"]), rec["tail"]))
+        self.out.info(f"timing: {cfg.repeats} rounds of {len(arms) + 1} prefills of {len(prompt)} tokens")
+        run = ExactRun(ids=ids.to(self.lm.adapter.device), logits=None, cache=None, states={}, seconds=0.0)
+        rounds = []
+        for r in range(cfg.repeats):
+            secs = {"exact": prefill(self.lm, ids, "exact", split=0, tail=cfg.tail, logits_rows=1).seconds}
+            for s, arm, tail in (arms if r % 2 == 0 else arms[::-1]):
+                res, _ = fills(self.lm, run, self.sources[s], _with_selected([arm]), tail, timed=True, logits_rows=1,
+                               seed=cfg.seed)
+                secs[f"{s}/{arm.name}/{tail}"] = res[arm.name].seconds
+            rounds.append(secs)
+        return {"length": len(prompt), "repeats": cfg.repeats, "rounds": rounds}
+
+    # ------------------------------------------------------------------------------------------------ result
+
+    def _result(self, model, docs, figs, verdicts, how, jobs, search, configs) -> dict:
+        cfg = self.cfg
+        exact = self.memo.data["exact"]
+        measured = sorted(int(i) for i in exact)
+        by_suite = {k: [exact[str(i)] for i in measured if self.suite[i][0] == k] for k in HAYSTACKS}
+        entries = []
+        for s, sol, q in self.fits:
+            rep = sol.manifest["summary"]
+            arms = {}
+            for a in ARMS:
+                arms[a] = {**figs[(s, a)], **self._needle_figures(jobs.get((s, a))), "verdict": verdicts[(s, a)],
+                           "decided": how[(s, a)]}
+            entry = {"split": s, "alpha": rep["alpha"], "solve": sol.id, "quantize": q.id if q else None,
+                     "ceiling_speedup": _ceiling_speedup(cfg.length, cfg.tail, s, self.L),
+                     "heldout": {"fitted": _kv(rep["fitted"]), "identity": _kv(rep["identity"])},
+                     "macs": self._macs(s, "ridgefill", 0), "arms": arms, "configurations": {}}
+            for (cs, name), c in configs.items():
+                if cs != s:
+                    continue
+                extra = c["extra_rows"]
+                tail = cfg.tail + round(extra)
+                conf = {"figures": {**c["figures"], **self._needle_figures(c["pairs"])},
+                        "verdict": c["verdict"], "decided": c["decided"],
+                        "extra_rows": extra, "ceiling_speedup": _ceiling_speedup(cfg.length, min(tail, cfg.length), s, self.L),
+                        "beats_control": c["beats_control"], "why": c["why"],
+                        "control": {**{k: v for k, v in c["control"].items() if k != "pairs"},
+                                    "tail": tail if CONTROL[name] else cfg.tail}}
+                if CONTROL[name]:
+                    conf["control"]["figures"] = {**(c["control"]["figures"] or {}),
+                                                  **self._needle_figures(c["control"]["pairs"])}
+                conf["macs"] = self._macs(s, name, extra)
+                entry["configurations"][name] = conf
+            entries.append(entry)
+        cost = {"needle_prompts": {f"{s}/{a}": len(p) for (s, a), (_, p) in sorted(self._all_jobs(jobs).items())},
+                "prompts_with_exact_answer": len(measured), "exact_forwards": self.forwards}
+        return {"model": model, "num_layers": self.L, "length": cfg.length, "tail": cfg.tail, "samples": cfg.samples,
+                "documents": cfg.documents, "mode": "exhaustive" if cfg.exhaustive else "adaptive",
+                "budget": {"max_needle_drop": cfg.max_needle_drop, "max_key_dnll": cfg.max_key_dnll},
+                "rule": {"alpha": self.rule.alpha, "group": self.rule.group, "within_factor": WITHIN_FACTOR,
+                         "looks": list(self.rule.looks), "level": self.rule.level, "bounds": self.rule.bounds()},
+                "exact": {"needle": 100.0 * float(np.mean([exact[str(i)] for i in measured])) if measured else None,
+                          "needle_by_suite": {k: [sum(v), len(v)] for k, v in by_suite.items()}},
+                "splits": entries, "search": search, "cost": cost,
+                "needles": [{"index": i, "haystack": self.suite[i][0], "depth": self.suite[i][1].depth,
+                             "exact": exact[str(i)],
+                             "arms": {k.split("/", 1)[1]: v for k, v in self.memo.data["arms"].items()
+                                      if int(k.split("/", 1)[0]) == i}} for i in measured],
+                "documents_detail": docs}
+
+    def _all_jobs(self, jobs: dict) -> dict:
+        out = dict(jobs)
+        for k in self.memo.data["arms"]:
+            i, s, a = k.split("/", 2)
+            out.setdefault((int(s), a), (None, self._job_pairs((int(s), a))))
+        return out
+
+    def _job_pairs(self, job) -> list:
+        """The (exact right, arm right) pairs measured for a job, in prompt order."""
+        s, a = job
+        data = self.memo.data
+        idx = sorted(int(k.split("/", 1)[0]) for k in data["arms"] if k.split("/", 1)[1] == f"{s}/{a}")
+        return [(data["exact"][str(i)], data["arms"][self.memo.key(i, s, a)]) for i in idx]
+
+    def _needle_figures(self, job) -> dict:
+        """Needle figures of one job's prompts: accuracy, exact's on the same prompts, per haystack, and the paired
+        bootstrap interval of (arm - exact) in points. Empty for a job never measured."""
+        from ridgefill.numerics import paired_bootstrap
+
+        if job is None:
+            return {"needle": None, "needle_n": 0}
+        pairs = job[1] if isinstance(job, tuple) else job
+        if not pairs:
+            return {"needle": None, "needle_n": 0}
+        e = np.array([100.0 * x for x, _ in pairs])
+        a = np.array([100.0 * y for _, y in pairs])
+        n = len(pairs)
+        kinds = [self.suite[i][0] for i in range(n)]
+        suites = {k: [int(sum(a[j] > 0 for j in range(n) if kinds[j] == k)), kinds.count(k)] for k in HAYSTACKS}
+        return {"needle": float(a.mean()), "needle_exact": float(e.mean()), "needle_n": n, "needle_by_suite": suites,
+                "needle_minus_exact": paired_bootstrap(a, e, samples=self.cfg.bootstrap, seed=self.cfg.seed)}
+
+    def _macs(self, split: int, arm: str, extra: float) -> dict | None:
+        """Multiply-accumulates of exact and of the arm at `length` (evaluate/macs.py); None where not counted."""
+        from ridgefill.evaluate.macs import model_shape, prefill_macs
+
+        cfg = self.cfg
+        shape = model_shape(self.lm.adapter)
+        base = "ridgefill+rows" if arm == "ridgefill+rows" else "ridgefill"
+        rows = 1 + round(extra)
+        return {"exact": prefill_macs(shape, cfg.length, cfg.tail, split, "exact")["total"],
+                "arm": prefill_macs(shape, cfg.length, cfg.tail, split, base, exact_rows=rows)["total"]}
 
 
-def _timing(lm, cfg: SweepConfig, sources: dict, prompt: list[int], out: Output) -> dict:
-    """One real, timed prefill of `prompt` per arm and split, the splits in turn; exact is timed before, halfway and
-    after them and its median kept, so that a slow spell of a shared machine cannot land on the reference alone."""
-    import statistics
+# ---------------------------------------------------------------------------------------------------- helpers
 
+
+def early_run(lm, ids, splits):
+    """The exact forward of `ids` up to the deepest of `splits` only, as an `ExactRun` without logits: its cache
+    holds the layers below that split and its states the hidden state entering each split, which is all a fill at
+    those splits takes from it (`runtime.prefill_from`). For a prompt whose exact answer is already known."""
     import torch
 
-    from ridgefill.runtime import ExactRun, prefill
+    from ridgefill.models.hooks import StopForward, layer_inputs
+    from ridgefill.runtime import ExactRun
+    from transformers import DynamicCache
 
-    ids = torch.tensor(prompt)
-    out.info(f"timing: one prefill of {len(prompt)} tokens per arm and split")
-    exact = lambda: prefill(lm, ids, "exact", split=0, tail=cfg.tail).seconds  # noqa: E731
-    run = ExactRun(ids=ids.to(lm.adapter.device), logits=None, cache=None, states={}, seconds=0.0)
-    runs, secs = [exact()], {}
-    for i, (s, src) in enumerate(sources.items()):
-        if i == len(sources) // 2:
-            runs.append(exact())
-        res, _ = fills(lm, run, src, ARM_PLAN, cfg.tail, timed=True)
-        secs |= {f"{s}/{arm}": r.seconds for arm, r in res.items()}
-    runs.append(exact())
-    return {"length": len(prompt), "seconds": {"exact": statistics.median(runs), **secs}, "exact_runs": runs}
+    ad = lm.adapter
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(ad.device)
+    cache = DynamicCache(config=lm.model.config)
+    layers = list(ad.layers) + [ad.base.norm]
+    with torch.no_grad(), layer_inputs(layers, sorted(splits), stop=True) as seen:
+        try:
+            lm.model(input_ids=ids[None], use_cache=True, cache=cache, logits_to_keep=1)
+        except StopForward:
+            pass
+    return ExactRun(ids=ids, logits=None, cache=cache, states={s: seen[s][0] for s in splits}, seconds=0.0)
 
 
-def _result(model: str, num_layers: int, cfg: SweepConfig, fits, docs, needles, timing) -> dict:
-    """The sweep's result (sweep/report.py documents its shape); each split's figures are eval's summary."""
+def _attention_only(lm) -> bool:
+    """A model whose cache is keys and values alone (no recurrent states), which `early_run` can cut."""
+    from ridgefill.models.kinds import FULL, SLIDING
+
+    return set(lm.adapter.layer_kinds) <= {FULL, SLIDING}
+
+
+
+def _with_selected(arms) -> list[Arm]:
+    """`arms` with, before each control, the selected-rows arm it matches in cost (`fills` counts its rows)."""
+    out: list[Arm] = []
+    for a in arms:
+        a = parse_arm(a) if isinstance(a, str) else a
+        if a.control and a.selected not in out:
+            out.append(a.selected)
+        if a not in out:
+            out.append(a)
+    return out
+
+
+def _doc_figures(docs: list[dict], split: int, arm: str, m: "Measurement") -> dict:
+    """The long-document figures of one (split, arm): eval's summary of the documents alone."""
     from ridgefill.evaluate import EvalConfig
     from ridgefill.evaluate.summary import summarize
 
-    ecfg = EvalConfig(arms=("exact", *ARMS), tail=cfg.tail, lengths=(timing["length"],), seed=cfg.seed,
-                      bootstrap=cfg.bootstrap)
-    entries = []
-    for s, sol, q in fits:
-        k = str(s)
-        res = {"split": s, "num_layers": num_layers, "tail": cfg.tail,
-               "documents": [{"name": d["name"], "tokens": d["tokens"], **d[k]} for d in docs],
-               "needles": [{"length": r["tokens"], "depth": r["depth"],
-                            "correct": {"exact": r["exact"], **r[k]}} for r in needles["rows"]],
-               "timing": [{"length": timing["length"], "seconds": {"exact": timing["seconds"]["exact"],
-                                                                   **{a: timing["seconds"][f"{k}/{a}"] for a in ARMS}}}]}
-        summ = summarize(res, ecfg)
-        rep = sol.manifest["summary"]
-        entries.append({"split": s, "alpha": rep["alpha"], "solve": sol.id, "quantize": q.id if q else None,
-                        "ceiling_speedup": summ["ceiling_speedup"],
-                        "heldout": {"fitted": _kv(rep["fitted"]), "identity": _kv(rep["identity"])},
-                        "arms": {a: summ["arms"][a] for a in ARMS},
-                        "ridgefill_minus_identity": summ.get("ridgefill_minus_identity")})
-    exact = [100.0 * r["exact"] for r in needles["rows"]]
-    return {"model": model, "num_layers": num_layers, "length": cfg.length, "tail": cfg.tail,
-            "samples": len(exact), "documents": len(docs),
-            "budget": {"max_needle_drop": cfg.max_needle_drop, "max_key_dnll": cfg.max_key_dnll},
-            "exact": {"needle": float(np.mean(exact)), "prefill_s": timing["seconds"]["exact"]},
-            "splits": entries, "needles": needles["rows"], "documents_detail": docs, "timing": timing}
+    k = str(split)
+    rows = [{"name": d["name"], "tokens": d["tokens"], arm: d[k][arm]} for d in docs if arm in d.get(k, {})]
+    if not rows:
+        return {}
+    ecfg = EvalConfig(arms=("exact", arm), tail=m.cfg.tail, lengths=(m.cfg.length,), seed=m.cfg.seed,
+                      bootstrap=m.cfg.bootstrap)
+    summ = summarize({"split": split, "num_layers": m.L, "tail": m.cfg.tail, "documents": rows, "needles": []}, ecfg)
+    return {k: v for k, v in summ["arms"][arm].items() if k.startswith(("dnll", "kl", "top1"))}
+
+
+def _key_within(figs: dict, cfg: SweepConfig) -> bool:
+    v = figs.get("dnll_key")
+    return v is not None and v <= cfg.max_key_dnll + TOLERANCE
+
+
+def _edge(within: list[int], splits: list[int]) -> int | None:
+    """The shallowest split from which every deeper candidate is within budget (exhaustive measurements)."""
+    edge = None
+    for s in reversed(splits):
+        if s not in within:
+            break
+        edge = s
+    return edge
+
+
+def _decided(job, key_over: dict, jobs: dict, search: dict) -> str:
+    if key_over[job]:
+        return "key ΔNLL"
+    if job in jobs:
+        d = jobs[job][0]
+        return f"needles, {d.n} prompts" + (" (sequential rule)" if d.early else "")
+    s, arm = job
+    edge = search[arm]["edge"]
+    return f"implied: {'within from split ' + str(edge) if edge is not None and s >= edge else 'over below the edge'}"
+
+
+def _pairs_of(got: dict, job) -> list:
+    """The pairs a job's decision rests on ([] for a job decided on key ΔNLL)."""
+    return got[job][1] if job in got else []
+
+
+def _verdict(job, key_over: dict, got: dict) -> dict:
+    if key_over[job]:
+        return {"verdict": "over", "decided": "key ΔNLL"}
+    d = got[job][0]
+    return {"verdict": d.verdict, "decided": f"needles, {d.n} prompts" + (" (sequential rule)" if d.early else "")}
+
+
+def _beats(entry: dict, got: dict, job, control) -> tuple[bool, str]:
+    """Whether a configuration within budget beats its equal-cost control: the control is over budget, or the
+    configuration has the lower key-token ΔNLL and answers at least as many of the needles both were measured on."""
+    if entry["verdict"] != "within":
+        return False, "over budget"
+    ctl = entry["control"]
+    if ctl["verdict"] != "within":
+        return True, f"its control ({ctl['arm']}) is over budget"
+    if control is None:
+        return False, "the plain fill at this split is within budget too"
+    ours, theirs = got[job][1], got[control][1]
+    n = min(len(ours), len(theirs))
+    a, b = sum(y for _, y in ours[:n]), sum(y for _, y in theirs[:n])
+    ka, kb = entry["figures"].get("dnll_key"), ctl["figures"].get("dnll_key")
+    f = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+    if a >= b and ka is not None and kb is not None and ka < kb:
+        return True, f"key ΔNLL {f(ka)} < {f(kb)}, needles {a} ≥ {b} of {n}"
+    return False, f"its control is as good (key ΔNLL {f(kb)} vs {f(ka)}, needles {b} vs {a} of {n})"
+
+
+def _config_splits(splits: list[int], edge: int | None) -> list[int]:
+    """The candidates just shallower than the fitted maps' edge (or the deepest, when no split is within)."""
+    below = [s for s in splits if edge is None or s < edge]
+    return below[-CONFIG_SPLITS:]
+
+
+def _kscale_applies(lm, split: int) -> bool:
+    """+kscale rescales keys, which a QK-norm renormalizes: only for models without one above the split."""
+    from ridgefill.runtime.corrections import plan
+
+    try:
+        plan(lm.adapter, "ridgefill", split, ("kscale",), None, 512)
+    except BadInput:
+        return False
+    return True
+
+
+def _speeds(result: dict) -> None:
+    """The measured speed-ups from the timing rounds: per split (the fitted maps) and for the recommendation, the
+    median and [min, max] over the rounds of exact's time over the arm's, flagged as noise where the median exceeds
+    the compute ceiling (a prefill cannot beat the work it skips: such a figure is the machine, not the fill)."""
+    t, tail = result["timing"], result["tail"]
+
+    def speed(key: str, ceiling_speedup: float) -> dict | None:
+        runs = [r["exact"] / r[key] for r in t["rounds"] if r.get(key)]
+        if not runs:
+            return None
+        med = float(np.median(runs))
+        return {"median": med, "low": float(min(runs)), "high": float(max(runs)), "runs": runs,
+                "noise": med > ceiling_speedup}
+
+    for e in result["splits"]:
+        e["speed"] = speed(f"{e['split']}/ridgefill/{tail}", e["ceiling_speedup"])
+    rec = result["recommended"]
+    if rec["split"] is not None:
+        rec["speed"] = speed(f"{rec['split']}/{rec['configuration']}/{rec['tail']}", rec["ceiling_speedup"])
+
+
+def _ceiling_speedup(n: int, tail: int, split: int, layers: int) -> float:
+    """1 / r, r = (S (N - T) + L T) / (L N): the speed-up if only the layer-rows run counted (runtime.ceiling)."""
+    return layers * n / (split * (n - tail) + layers * tail)
 
 
 def _kv(scores: dict) -> dict:

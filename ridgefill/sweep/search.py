@@ -1,0 +1,102 @@
+"""Which (split, arm) pairs the sweep measures needles at, and on how many prompts (docs/sweep.md).
+
+A *job* is one (split, arm) whose needle retrieval is measured: prompts drawn in the suite's fixed order, each
+giving the pair (exact right, arm right), until the sequential rule (`sequential.Rule`) decides "within" or
+"over". `run_pass` measures a set of jobs side by side: every prompt is measured once for all the jobs still
+undecided, so they share its exact forward. `Bisection` finds one arm's shallowest split within budget among the
+candidates, assuming that an arm within budget at a split is within budget at every deeper one (needle retrieval
+has been monotone in the split in every sweep so far): it visits the middle candidate of the splits still open,
+and a verdict closes every split on its side. A split whose verdict is known without needles (its key-token ΔNLL
+is over budget) costs no prompt.
+
+    b = Bisection([8, 10, 12, 14], known={8: "over"})
+    while (s := b.next()) is not None:
+        b.record(s, verdict_of(s))
+    b.edge        # the shallowest split within budget (None: none is)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ridgefill.sweep.sequential import Decision, Rule
+
+
+@dataclass
+class Bisection:
+    candidates: list[int]
+    known: dict = field(default_factory=dict)  # {split: "within" | "over"} decided without needles
+    verdicts: dict = field(default_factory=dict)  # every split decided so far, measured or known
+    measured: list = field(default_factory=list)  # the splits whose needles were measured, in order
+
+    def __post_init__(self):
+        self.candidates = sorted(self.candidates)
+        self._lo, self._hi = 0, len(self.candidates)
+
+    def next(self) -> int | None:
+        """The next split to measure, or None when the edge is found. Known verdicts are used on the way."""
+        while self._lo < self._hi:
+            mid = (self._lo + self._hi) // 2
+            s = self.candidates[mid]
+            v = self.verdicts.get(s) or self.known.get(s)
+            if v is None:
+                return s
+            self.verdicts[s] = v
+            if v == "within":
+                self._hi = mid
+            else:
+                self._lo = mid + 1
+        return None
+
+    def record(self, split: int, verdict: str) -> None:
+        if verdict not in ("within", "over"):
+            raise ValueError(f"a verdict is 'within' or 'over', not {verdict!r}")
+        self.verdicts[split] = verdict
+        self.measured.append(split)
+
+    @property
+    def edge(self) -> int | None:
+        """The shallowest candidate within budget (once `next` returned None)."""
+        return self.candidates[self._lo] if self._lo < len(self.candidates) else None
+
+    def inferred(self) -> dict:
+        """Every candidate's verdict: measured or known where it was, else implied by monotonicity from the edge."""
+        edge = self.edge
+        return {s: self.verdicts.get(s) or ("within" if edge is not None and s >= edge else "over")
+                for s in self.candidates}
+
+
+def run_pass(jobs, rule: Rule, measure) -> dict:
+    """Measure `jobs` (hashable keys) side by side: prompt i = 0, 1, ... is measured for the jobs still undecided,
+    `measure(i, jobs) -> (exact right, {job: arm right})`, until each has its decision. -> {job: (Decision, pairs)}.
+    """
+    pairs = {j: [] for j in jobs}
+    done: dict = {}
+    for i in range(rule.samples):
+        active = [j for j in jobs if j not in done]
+        if not active:
+            break
+        exact, got = measure(i, active)
+        for j in active:
+            pairs[j].append((bool(exact), bool(got[j])))
+            d = rule.decide(pairs[j])
+            if d.verdict is not None:
+                done[j] = d
+    return {j: (done[j], pairs[j]) for j in jobs}
+
+
+def bisect_arms(arms: dict, rule: Rule, measure) -> tuple[dict, dict]:
+    """One `Bisection` per arm ({arm: Bisection}), advanced together: each pass measures every arm's next split.
+    -> (arms, {(split, arm): (Decision, pairs)} for every job measured)."""
+    results: dict = {}
+    while True:
+        jobs = [(s, arm) for arm, b in arms.items() if (s := b.next()) is not None]
+        if not jobs:
+            return arms, results
+        got = run_pass(jobs, rule, measure)
+        for (s, arm), (d, pairs) in got.items():
+            arms[arm].record(s, d.verdict)
+            results[(s, arm)] = (d, pairs)
+
+
+__all__ = ["Bisection", "Decision", "bisect_arms", "run_pass"]
