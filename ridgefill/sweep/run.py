@@ -32,6 +32,7 @@ from ridgefill.errors import BadInput
 from ridgefill.evaluate.arms import Arm, parse_arm
 from ridgefill.evaluate.measure import Checkpoint, eval_documents, fills, measure_documents
 from ridgefill.evaluate.source import load_source
+from ridgefill.formats.release.names import CONFIGURATIONS
 from ridgefill.output import Output
 from ridgefill.sweep.artifact import PLOT, RESULT, TABLE
 from ridgefill.sweep.search import Bisection, bisect_arms, run_pass
@@ -41,7 +42,7 @@ FORMAT_VERSION = 3  # 2: later sinks (outlier rows) run exactly; 3: needles by b
 # noise and prose haystacks; quality configurations beside their controls; timing in rounds; multiply-accumulates
 ARMS = ("ridgefill", "identity")
 ARM_PLAN = [Arm(a) for a in ARMS]
-CONFIGS = ("ridgefill+rows", "ridgefill+kscale", "ridgefill+protected")  # issue 12's quality configurations
+CONFIGS = CONFIGURATIONS[1:]  # the quality configurations a release can record, beyond the plain fill
 CONTROL = {"ridgefill+rows": "ridgefill+rows:tail", "ridgefill+kscale": None,  # the equal-cost control of each
            "ridgefill+protected": "ridgefill+protected:tail"}
 CONFIG_SPLITS = 2  # configurations are measured at this many candidates just shallower than the maps' edge
