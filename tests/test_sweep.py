@@ -283,3 +283,13 @@ def test_a_fill_from_the_early_run_equals_one_from_the_whole_forward(fixture, re
         torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
         for la, lb in zip(a.cache.layers, b.cache.layers):
             torch.testing.assert_close(la.keys, lb.keys, rtol=0, atol=0)
+
+
+def test_kscale_is_measured_only_without_a_qk_norm(tiny_llama, tiny_gemma3, tmp_path):
+    """+kscale rescales the filled keys, which a QK-norm (Gemma 3) renormalizes away: the sweep leaves it out there."""
+    from ridgefill.models import load_model, resolve_model
+    from ridgefill.sweep.run import _kscale_applies
+
+    lms = {p: load_model(resolve_model(str(p), store_root=tmp_path), store_root=tmp_path) for p in (tiny_llama, tiny_gemma3)}
+    assert _kscale_applies(lms[tiny_llama], 1) is True
+    assert lms[tiny_gemma3].adapter.has_qk_norm and _kscale_applies(lms[tiny_gemma3], 1) is False

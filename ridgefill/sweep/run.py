@@ -691,6 +691,8 @@ def _kscale_applies(lm, split: int) -> bool:
     """+kscale rescales keys, which a QK-norm renormalizes: only for models without one above the split."""
     from ridgefill.runtime.corrections import plan
 
+    if lm.adapter.has_qk_norm:
+        return False
     try:
         plan(lm.adapter, "ridgefill", split, ("kscale",), None, 512)
     except BadInput:
