@@ -128,8 +128,9 @@ def test_sweep_on_real_model(tmp_path, small_corpus):
     """`ridgefill sweep --exhaustive --no-configurations` on SmolLM2 (two splits, four short needle prompts, two in
     noise filler and two in prose, one document): one capture serves both splits, each split is solved and
     quantized, the figures and the recommendation are in the artifact, and the exact model retrieves the needles the
-    fills are measured on. Then the adaptive sweep of the same settings: it measures no needle, since key-token
-    ΔNLL already puts both splits over budget, and recommends the same.
+    fills are measured on. Then the adaptive sweep of the same settings: it draws no needle for the fitted maps,
+    whose key-token ΔNLL already puts both splits over budget, measures the identity fill's at split 20 with the
+    exhaustive sweep's outcomes, and recommends the same.
 
     The outcome is pinned: the quality figures do not depend on timing, so on this configuration the sweep always
     recommends the same thing (learned from a run: nothing; split 12 loses every needle and 3.676 nats of key-token
@@ -167,6 +168,15 @@ def test_sweep_on_real_model(tmp_path, small_corpus):
     r = cli("sweep", "builtin:smollm2-135m", *small)
     assert r.returncode == 0, r.stderr
     ad = json.loads((Path(json.loads(r.stdout)["path"]) / "sweep.json").read_text())
-    assert ad["mode"] == "adaptive" and ad["cost"]["needle_prompts"] == {}
-    assert ad["recommended"]["split"] is None and ad["recommended"]["reason"] == rec["reason"]
+    assert ad["mode"] == "adaptive" and ad["recommended"]["split"] is None
+    assert ad["recommended"]["reason"] == rec["reason"]
+    # The fitted maps are over on key ΔNLL at both splits: none of their needles is drawn. The identity fill is
+    # within on key ΔNLL at 20 (learned from a run), so its needles are measured there, with the exhaustive outcomes.
+    assert set(ad["cost"]["needle_prompts"]) == {"20/identity"}
+    # with 4 prompts (fewer than a look's 8) the rule is the point estimate on all of them: the exhaustive verdict
+    assert [e["arms"]["identity"]["verdict"] for e in ad["splits"]] == [e["arms"]["identity"]["verdict"]
+                                                                         for e in res["splits"]]
+    got = [(r["index"], r["arms"]["20/identity"]) for r in ad["needles"] if "20/identity" in r["arms"]]
+    want = [(r["index"], r["arms"]["20/identity"]) for r in res["needles"]][: len(got)]
+    assert got == want and len(got) == ad["cost"]["needle_prompts"]["20/identity"]
     assert (Path(out["path"]) / "sweep.png").stat().st_size > 10_000
