@@ -17,7 +17,7 @@ def sweep(
     capture_ref: Annotated[Optional[str], typer.Option("--capture", help="Reuse this capture artifact (it must have every split).")] = None,
     length: Annotated[int, typer.Option("--length", help="Prompt length in tokens (needles, documents, speed).")] = 4096,
     tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = 512,
-    samples: Annotated[int, typer.Option("--samples", help="Single-needle prompts, the same at every split.")] = 40,
+    samples: Annotated[int, typer.Option("--samples", help="Single-needle prompts at most, half in noise filler, half in prose, drawn in the same order at every split (the sequential rule may stop sooner).")] = 40,
     documents: Annotated[int, typer.Option("--documents", help="Long documents for the ΔNLL figures.")] = 4,
     scored: Annotated[int, typer.Option("--scored", help="Scored stretch: the last tokens of each document.")] = 256,
     max_needle_drop: Annotated[float, typer.Option("--max-needle-drop", help="Budget: needle accuracy points below exact.")] = 10.0,
