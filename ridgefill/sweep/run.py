@@ -595,7 +595,6 @@ def _attention_only(lm) -> bool:
     return set(lm.adapter.layer_kinds) <= {FULL, SLIDING}
 
 
-
 def _with_selected(arms) -> list[Arm]:
     """`arms` with, before each control, the selected-rows arm it matches in cost (`fills` counts its rows)."""
     out: list[Arm] = []
