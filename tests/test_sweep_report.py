@@ -3,6 +3,7 @@ what the maps earn, the table, the markdown and the PNG."""
 
 import os
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -200,6 +201,10 @@ def test_markdown_rows_and_the_lines_after():
     md = write_markdown(r)
     rows = [line for line in md.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 7 and all(row.count(" | ") == 8 for row in rows)
+    # every line of the table, the header and the rule included, has exactly the 10 pipes of 9 cells: a "|" inside a
+    # cell (the header's "noise|prose", the per-haystack counts) is escaped
+    table = [line for line in md.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + 7 and all(len(re.findall(r"(?<!\\)\|", line)) == 10 for line in table)
     assert rows[1].startswith("| 14 | ") and "\\|" in rows[1]
     assert md.endswith(f"Recommendation: {r['recommended']['reason']}\n\nWhat the maps earn: {advantage(r)['line']}\n")
 

@@ -260,7 +260,7 @@ def write_markdown(result: dict) -> str:
     """The table as GitHub markdown, with the legend, the recommendation and what the maps earn. Ends with a
     newline."""
     rec = result.get("recommended") or recommend(result)
-    head = [c.replace("\n", " ") for c in COLUMNS]
+    head = [c.replace("\n", " ").replace("|", "\\|") for c in COLUMNS]
     lines = [f"**{_title(result)}**", "", "| " + " | ".join(head) + " |", "|" + "|".join(["---:"] * len(head)) + "|"]
     for cells, _ in _rows(result, rec):
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
