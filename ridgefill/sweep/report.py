@@ -260,10 +260,13 @@ def write_markdown(result: dict) -> str:
     """The table as GitHub markdown, with the legend, the recommendation and what the maps earn. Ends with a
     newline."""
     rec = result.get("recommended") or recommend(result)
-    head = [c.replace("\n", " ").replace("|", "\\|") for c in COLUMNS]
-    lines = [f"**{_title(result)}**", "", "| " + " | ".join(head) + " |", "|" + "|".join(["---:"] * len(head)) + "|"]
-    for cells, _ in _rows(result, rec):
-        lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
+
+    def line(cells) -> str:  # a "|" inside a cell (noise|prose) is escaped, in the header as in the rows
+        return "| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |"
+
+    head = [c.replace("\n", " ") for c in COLUMNS]
+    lines = [f"**{_title(result)}**", "", line(head), "|" + "|".join(["---:"] * len(head)) + "|"]
+    lines += [line(cells) for cells, _ in _rows(result, rec)]
     adv = result.get("advantage") or advantage(result)
     lines += ["", _legend(result) + ".", "", f"Recommendation: {rec.get('reason', '')}", "",
               f"What the maps earn: {adv['line']}", ""]
