@@ -136,7 +136,8 @@ def test_needle_outcomes_equal_independent_prefills(both, tiny_llama):
 
 def test_configurations_beside_their_controls(both):
     """At the split just shallower than the maps' edge, +rows, +kscale (a Llama has no QK-norm) and +protected,
-    each with its control, their ceilings from the rows they add, and the beats-control judgement."""
+    each with its control, their ceilings from the rows they add, and the beats-control judgement. The exhaustive
+    sweep measures every one; the adaptive one only what can change the recommendation, highest ceiling first."""
     _, arts = both
     for mode in ("adaptive", "exhaustive"):
         res = arts[mode][1]
@@ -148,18 +149,41 @@ def test_configurations_beside_their_controls(both):
         assert rows["extra_rows"] > 0
         assert rows["ceiling_speedup"] == pytest.approx(4 * 600 / (1 * (600 - rows["control"]["tail"]) + 4 * rows["control"]["tail"]))
         assert confs["ridgefill+kscale"]["control"]["arm"] == "ridgefill" and confs["ridgefill+kscale"]["extra_rows"] == 0
+        measured = ["ridgefill+kscale"] if mode == "adaptive" else list(confs)
+        plain_ceiling = next(e for e in res["splits"] if e["split"] == 2)["ceiling_speedup"]  # the maps' edge
+        reasons = set()
         for name, c in confs.items():
             pairs = [(r["exact"], r["arms"][f"1/{name}"]) for r in res["needles"] if f"1/{name}" in r["arms"]]
-            assert c["figures"]["needle_n"] == len(pairs) > 0
-            assert c["verdict"] == "within"  # no key ΔNLL here, and the random model answers no needle
+            assert c["figures"]["needle_n"] == len(pairs)
+            if name in measured:
+                assert len(pairs) > 0
+                assert c["verdict"] == "within"  # no key ΔNLL here, and the random model answers no needle
+            else:
+                # no key ΔNLL to tell a configuration from its control: it cannot beat it, so only the control (a
+                # longer tail) could be a candidate, and +kscale, of higher ceiling, is within budget already
+                assert len(pairs) == 0 and c["verdict"] is None and c["beats_control"] is False
+                assert c["decided"] == "not measured: its key ΔNLL (–) is not below its control's (–), so it cannot beat it"
+                assert c["control"]["verdict"] is None
+                k, bar = confs["ridgefill+kscale"]["ceiling_speedup"], plain_ceiling
+                assert c["ceiling_speedup"] < k
+                why = (f"not measured: its ceiling x{c['ceiling_speedup']:.2f} is not above the plain fill's x{bar:.2f}"
+                       if c["ceiling_speedup"] <= bar else
+                       f"not measured: a candidate of higher ceiling (x{k:.2f}) is within budget")
+                assert c["control"]["decided"] == why
+                reasons.add(why.split(" ")[3])
+                assert not any(f"1/{name}" in key for key in res["cost"]["needle_prompts"])
         # +kscale's control is the plain fill at split 1, over budget: it beats it; the others' controls (a longer
         # tail) are as good, with no key ΔNLL to tell them apart.
         assert confs["ridgefill+kscale"]["beats_control"] is True
-        assert confs["ridgefill+rows"]["beats_control"] is False and confs["ridgefill+rows"]["control"]["verdict"] == "within"
+        assert reasons == ({"ceiling", "candidate"} if mode == "adaptive" else set())  # both reasons are met here
+        if mode == "exhaustive":
+            assert confs["ridgefill+rows"]["beats_control"] is False
+            assert confs["ridgefill+rows"]["control"]["verdict"] == "within"
         rec = res["recommended"]
         assert (rec["split"], rec["configuration"], rec["tail"], rec["kind"]) == (1, "ridgefill+kscale", 48, "configuration")
         kinds = {(c["split"], c["configuration"], c["kind"]) for c in rec["candidates"]}
-        assert (1, "ridgefill", "longer tail") in kinds and (2, "ridgefill", "plain") in kinds
+        assert (2, "ridgefill", "plain") in kinds
+        assert ((1, "ridgefill", "longer tail") in kinds) == (mode == "exhaustive")
         assert all(not e["configurations"] for e in res["splits"] if e["split"] != 1)
 
 

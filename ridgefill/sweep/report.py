@@ -194,7 +194,7 @@ def _macs(m: dict | None) -> str:
 
 
 def _mark(v: str | None) -> str:
-    return {"within": WITHIN, "over": OVER}.get(v or "", "?")
+    return {"within": WITHIN, "over": OVER}.get(v or "", "–")  # "–": not measured (it could not change the choice)
 
 
 def _rows(result: dict, rec: dict) -> list[tuple[list[str], bool]]:

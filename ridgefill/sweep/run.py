@@ -40,6 +40,7 @@ from ridgefill.sweep.sequential import GROUP, TOLERANCE, WITHIN_FACTOR, Rule
 
 FORMAT_VERSION = 3  # 2: later sinks (outlier rows) run exactly; 3: needles by bisection and a sequential rule, in
 # noise and prose haystacks; quality configurations beside their controls; timing in rounds; multiply-accumulates
+# 4: an adaptive sweep measures only the configurations that can change the recommendation, by ceiling
 ARMS = ("ridgefill", "identity")
 ARM_PLAN = [Arm(a) for a in ARMS]
 CONFIGS = CONFIGURATIONS[1:]  # the quality configurations a release can record, beyond the plain fill
@@ -315,7 +316,8 @@ class Measurement:
         how = {k: _decided(k, key_over, jobs, search) for k in verdicts}
         edge = search["ridgefill"]["edge"]
         near = _config_splits(self.splits, edge)
-        configs = self._configurations(near, verdicts, jobs) if near and cfg.configurations else {}
+        bar = _ceiling_speedup(cfg.length, cfg.tail, edge, self.L) if edge is not None else None
+        configs = self._configurations(near, verdicts, bar) if near and cfg.configurations else {}
         result = self._result(model, docs, figs, verdicts, how, jobs, search, configs)
         result["recommended"] = recommend(result)
         result["advantage"] = advantage(result)
@@ -366,11 +368,12 @@ class Measurement:
                 made.append(run.result(self.cfg.tail))
                 names.append(None)
             for s in splits:
-                arms = _with_selected([a for t, a in todo if t == s])
+                want = [a for t, a in todo if t == s]
+                arms = _with_selected(want)  # a control's selected arm counts its rows; only the jobs are decoded
                 res, added = fills(self.lm, run, self.sources[s], arms, self.cfg.tail, logits_rows=1, seed=self.cfg.seed)
-                for a in arms:
-                    made.append(res[a.name])
-                    names.append((s, a.name))
+                for a in want:
+                    made.append(res[a])
+                    names.append((s, a))
                 for a, n in added.items():
                     data["added"][memo.key(i, s, a)] = n
             ok = []
@@ -392,10 +395,14 @@ class Measurement:
 
     # ------------------------------------------------------------------------------------------ configurations
 
-    def _configurations(self, near: list[int], verdicts: dict, jobs: dict) -> dict:
+    def _configurations(self, near: list[int], verdicts: dict, bar: float | None) -> dict:
         """The quality configurations at the splits `near` (just shallower than the fitted maps' edge), each beside
         its equal-cost control. -> {(split, name): {"figures", "verdict", "decided", "control": {...},
-        "beats_control", "why"}}."""
+        "beats_control", "why"}}. `bar`: the plain recommendation's ceiling (None: no split is within).
+
+        Key ΔNLL first, on documents. Then the needles, of every configuration and control not over on it in an
+        exhaustive sweep; an adaptive one measures only what can change the recommendation (`_config_groups`), in
+        order of ceiling, and stops at the first that is within budget: every later one has a lower ceiling."""
         names = [c for c in CONFIGS if c != "ridgefill+kscale" or _kscale_applies(self.lm, min(near))]
         names = [c for c in names if c != "ridgefill+protected" or all(self.sources[s].protected for s in near)]
         if not names:
@@ -406,18 +413,34 @@ class Measurement:
         docs = self._documents(near, arms, "configuration_documents")
         figs = {(s, a.name): _doc_figures(docs, s, a.name, self) for s in near for a in arms}
         key_over = {k: self._key_over(k, f) for k, f in figs.items()}
-        # Every configuration and control not over on key ΔNLL: a control within budget is a candidate itself (a
-        # longer tail) where its configuration does not beat it.
-        want = [(s, a.name) for s in near for a in arms if a.name in names + [CONTROL[c] for c in names]
-                and not key_over[(s, a.name)]]
-        got = run_pass(want, self.rule, self._measure) if want else {}
+        groups = self._config_groups(near, names, figs, key_over)
+        got, skipped = {}, {}
+        if self.cfg.exhaustive:  # every configuration and control not over on key ΔNLL, side by side
+            want = [(s, a) for s in near for c in names for a in (c, CONTROL[c]) if a and not key_over[(s, a)]]
+            got = run_pass(list(dict.fromkeys(want)), self.rule, self._measure)
+        else:
+            skipped = {j: why for g in groups for j, why in g["skip"].items()}
+            best = None
+            for g in sorted(groups, key=lambda g: (-g["ceiling"], -g["split"])):
+                if bar is not None and g["ceiling"] <= bar + TOLERANCE:
+                    why = f"not measured: its ceiling x{g['ceiling']:.2f} is not above the plain fill's x{bar:.2f}"
+                elif best is not None and g["ceiling"] < best - TOLERANCE:
+                    why = f"not measured: a candidate of higher ceiling (x{best:.2f}) is within budget"
+                else:
+                    res = run_pass(g["jobs"], self.rule, self._measure) if g["jobs"] else {}
+                    got.update(res)
+                    if any(d.verdict == "within" for d, _ in res.values()):
+                        best = g["ceiling"] if best is None else max(best, g["ceiling"])
+                    continue
+                skipped.update({j: why for j in g["jobs"]})
         out = {}
         for s in near:
             for c in names:
-                entry = {"figures": figs[(s, c)], **_verdict((s, c), key_over, got), "pairs": _pairs_of(got, (s, c))}
+                entry = {"figures": figs[(s, c)], **_verdict((s, c), key_over, got, skipped),
+                         "pairs": _pairs_of(got, (s, c))}
                 ctl = CONTROL[c]
                 if ctl:
-                    entry["control"] = {"arm": ctl, "figures": figs[(s, ctl)], **_verdict((s, ctl), key_over, got),
+                    entry["control"] = {"arm": ctl, "figures": figs[(s, ctl)], **_verdict((s, ctl), key_over, got, skipped),
                                         "pairs": _pairs_of(got, (s, ctl))}
                 else:  # a correction costs no rows: its control is the plain fill at the same split
                     entry["control"] = {"arm": "ridgefill", "figures": None, "verdict": verdicts[(s, "ridgefill")],
@@ -426,6 +449,34 @@ class Measurement:
                 entry["extra_rows"] = self._extra_rows(s, c)
                 out[(s, c)] = entry
         return out
+
+    def _config_groups(self, near, names, figs, key_over) -> list[dict]:
+        """What an adaptive sweep may measure of each configuration: {"split", "name", "ceiling" (with the rows it
+        adds on the documents), "jobs", "skip": {job: why not measured}}. A configuration beside a control it
+        cannot beat (the control is within key ΔNLL with a key ΔNLL as low) is not measured: its control alone is,
+        as a longer tail. Every group in which something is within budget is a candidate at its ceiling (a
+        configuration or control within is a candidate: a control beaten is the configuration's win)."""
+        cfg = self.cfg
+        groups = []
+        for s in near:
+            for c in names:
+                ctl = CONTROL[c]
+                jobs, skip = [], {}
+                key = figs[(s, c)].get("dnll_key")
+                if not key_over[(s, c)]:
+                    ctl_key = figs[(s, ctl)].get("dnll_key") if ctl else None
+                    if ctl and not key_over[(s, ctl)] and (key is None or ctl_key is None or key >= ctl_key):
+                        f = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+                        skip[(s, c)] = (f"not measured: its key ΔNLL ({f(key)}) is not below its control's "
+                                        f"({f(ctl_key)}), so it cannot beat it")
+                    else:
+                        jobs.append((s, c))
+                if ctl and not key_over[(s, ctl)]:
+                    jobs.append((s, ctl))
+                rows = round(self._extra_rows(s, c))
+                ceiling = _ceiling_speedup(cfg.length, min(cfg.tail + rows, cfg.length), s, self.L)
+                groups.append({"split": s, "name": c, "ceiling": ceiling, "jobs": jobs, "skip": skip})
+        return groups
 
     def _extra_rows(self, split: int, arm: str) -> float:
         """The mean number of prefix rows a configuration runs exactly beyond the plain fill's, over the needle
@@ -653,9 +704,11 @@ def _pairs_of(got: dict, job) -> list:
     return got[job][1] if job in got else []
 
 
-def _verdict(job, key_over: dict, got: dict) -> dict:
+def _verdict(job, key_over: dict, got: dict, skipped: dict) -> dict:
     if key_over[job]:
         return {"verdict": "over", "decided": "key ΔNLL"}
+    if job not in got:
+        return {"verdict": None, "decided": skipped.get(job, "not measured")}
     d = got[job][0]
     return {"verdict": d.verdict, "decided": f"needles, {d.n} prompts" + (" (sequential rule)" if d.early else "")}
 
@@ -663,11 +716,15 @@ def _verdict(job, key_over: dict, got: dict) -> dict:
 def _beats(entry: dict, got: dict, job, control) -> tuple[bool, str]:
     """Whether a configuration within budget beats its equal-cost control: the control is over budget, or the
     configuration has the lower key-token ΔNLL and answers at least as many of the needles both were measured on."""
+    if entry["verdict"] is None:
+        return False, entry["decided"]
     if entry["verdict"] != "within":
         return False, "over budget"
     ctl = entry["control"]
-    if ctl["verdict"] != "within":
+    if ctl["verdict"] == "over":
         return True, f"its control ({ctl['arm']}) is over budget"
+    if ctl["verdict"] is None:
+        return False, f"its control ({ctl['arm']}) was not measured"
     if control is None:
         return False, "the plain fill at this split is within budget too"
     ours, theirs = got[job][1], got[control][1]
