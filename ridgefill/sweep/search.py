@@ -6,12 +6,15 @@ giving the pair (exact right, arm right), until the sequential rule (`sequential
 undecided, so they share its exact forward. `Bisection` finds one arm's shallowest split within budget among the
 candidates, assuming that an arm within budget at a split is within budget at every deeper one (needle retrieval
 has been monotone in the split in every sweep so far): it visits the middle candidate of the splits still open,
-and a verdict closes every split on its side. A split whose verdict is known without needles (its key-token ΔNLL
-is over budget) costs no prompt.
+and a verdict closes every split on its side. When at most TOGETHER splits are still open it measures them all in
+one pass: a pass costs one forward of the early layers per prompt whatever it holds, and a fill about a quarter of
+that, so measuring the last few side by side costs less than visiting them in turn. A split whose verdict is known
+without needles (its key-token ΔNLL is over budget) costs no prompt.
 
     b = Bisection([8, 10, 12, 14], known={8: "over"})
-    while (s := b.next()) is not None:
-        b.record(s, verdict_of(s))
+    while splits := b.next_splits():
+        for s in splits:
+            b.record(s, verdict_of(s))
     b.edge        # the shallowest split within budget (None: none is)
 """
 
@@ -20,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ridgefill.sweep.sequential import Decision, Rule
+
+TOGETHER = 3  # the open splits measured in one pass once no more than this many remain
 
 
 @dataclass
@@ -46,7 +51,20 @@ class Bisection:
                 self._hi = mid
             else:
                 self._lo = mid + 1
+        # Splits measured side by side may disagree with monotonicity (a deeper one over): the edge lies below no
+        # split over, as the exhaustive sweep's does.
+        over = [i for i, c in enumerate(self.candidates) if (self.verdicts.get(c) or self.known.get(c)) == "over"]
+        self._lo = self._hi = max([self._lo] + [i + 1 for i in over])
         return None
+
+    def next_splits(self) -> list[int]:
+        """The splits to measure next, side by side: the middle one still open, or every open one when no more than
+        TOGETHER remain; [] when the edge is found."""
+        s = self.next()
+        if s is None:
+            return []
+        open_ = [c for c in self.candidates[self._lo : self._hi] if c not in self.verdicts and c not in self.known]
+        return open_ if len(open_) <= TOGETHER else [s]
 
     def record(self, split: int, verdict: str) -> None:
         if verdict not in ("within", "over"):
@@ -86,11 +104,11 @@ def run_pass(jobs, rule: Rule, measure) -> dict:
 
 
 def bisect_arms(arms: dict, rule: Rule, measure) -> tuple[dict, dict]:
-    """One `Bisection` per arm ({arm: Bisection}), advanced together: each pass measures every arm's next split.
+    """One `Bisection` per arm ({arm: Bisection}), advanced together: each pass measures every arm's next splits.
     -> (arms, {(split, arm): (Decision, pairs)} for every job measured)."""
     results: dict = {}
     while True:
-        jobs = [(s, arm) for arm, b in arms.items() if (s := b.next()) is not None]
+        jobs = [(s, arm) for arm, b in arms.items() for s in b.next_splits()]
         if not jobs:
             return arms, results
         got = run_pass(jobs, rule, measure)
@@ -99,4 +117,4 @@ def bisect_arms(arms: dict, rule: Rule, measure) -> tuple[dict, dict]:
             results[(s, arm)] = (d, pairs)
 
 
-__all__ = ["Bisection", "Decision", "bisect_arms", "run_pass"]
+__all__ = ["TOGETHER", "Bisection", "Decision", "bisect_arms", "run_pass"]
