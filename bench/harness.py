@@ -163,6 +163,9 @@ class Bench:
         self.store = Path(args.store) if args.store else None
 
     def __enter__(self) -> "Bench":
+        from ridgefill.memory import keep_freed_memory
+
+        keep_freed_memory()  # as the CLI does
         try:
             if self.model:
                 model_cache(MODEL_CACHE, self.model)  # outside every timing

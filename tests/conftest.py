@@ -18,6 +18,9 @@ from tiny import make_tiny_model  # noqa: E402
 
 
 def pytest_configure(config):
+    from ridgefill.memory import keep_freed_memory
+
+    keep_freed_memory()  # as the CLI does: the in-process CLI runs and the models reuse freed memory
     # Registered here so that no pytest.ini is needed and `--strict-markers` accepts it.
     config.addinivalue_line("markers", "slow: loads a real built-in model (tens of seconds); -m 'not slow' skips")
     config.addinivalue_line("markers", "engines: runs a serving engine from .engines/ (scripts/test-engines.sh)")

@@ -14,11 +14,11 @@ from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ridgefill"
-# Bottom to top: a package may import only the ones before it. errors, output, numerics and lazy hold no ridgefill
-# imports; formats reads and writes files; hub talks to the Hub; models loads them; runtime is the fill; then the
+# Bottom to top: a package may import only the ones before it. errors, output, numerics, lazy and memory hold no
+# ridgefill imports; formats reads and writes files; hub talks to the Hub; models loads them; runtime is the fill; then the
 # stages in pipeline order (sweep measures splits with eval's code; fold stands apart); recipe runs the chain; cli
 # parses and prints. engines (connectors for serving engines) has its place before it exists.
-ORDER = ["errors", "output", "numerics", "lazy", "artifacts", "formats", "hub", "models", "runtime", "capture", "solve",
+ORDER = ["errors", "output", "numerics", "lazy", "memory", "artifacts", "formats", "hub", "models", "runtime", "capture", "solve",
          "quantize", "export", "evaluate", "sweep", "fold", "engines", "recipe", "cli", "__main__"]
 
 

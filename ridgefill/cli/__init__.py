@@ -93,7 +93,9 @@ app.add_typer(engine.app, name="engine")
 def main() -> None:
     from ridgefill.cli import common
     from ridgefill.errors import RidgefillError
+    from ridgefill.memory import keep_freed_memory
 
+    keep_freed_memory()  # this process runs models: freed activations are reused, not faulted in again
     common.reset()
     try:
         code = app(standalone_mode=False, prog_name=PROG)
