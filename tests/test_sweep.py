@@ -190,6 +190,9 @@ def test_configurations_beside_their_controls(both):
 def test_timing_rounds_and_macs(both):
     _, arts = both
     res = arts["adaptive"][1]
+    secs = res["cost"]["seconds"]  # where this run's time went
+    assert set(secs) == {"solve", "documents", "needles", "configurations", "timing"}
+    assert all(v["cpu"] >= 0 and v["wall"] >= 0 for v in secs.values()) and secs["needles"]["cpu"] > 0
     t = res["timing"]
     assert t["repeats"] == 3 and len(t["rounds"]) == 3
     for r in t["rounds"]:

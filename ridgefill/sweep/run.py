@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -183,7 +184,7 @@ def sweep(
     else:
         cap_cfg = CaptureConfig(**{**(capture_args or {}), "splits": splits})
         cap, _ = capture(store, model, list(data or ["builtin:default"]), cap_cfg, out, place=capture_place or place)
-    fits = []
+    fits, clock = [], _Clock()
     for s in splits:
         out.info(f"[bold]split {s}[/bold]: solve{' + quantize' if cfg.quantize else ''}")
         sol, _ = solve(store, cap.id, out, **(solve_args or {}), split=s, alpha_per_layer=cfg.alpha_per_layer,
@@ -208,7 +209,9 @@ def sweep(
         for s, sol, q in fits:  # each split's maps as eval loads them, on the model's devices
             src = load_source(store, (q or sol).id)
             sources[s] = replace(src, maps=maps_on_devices(lm, src.maps, range(s, ref.num_layers)))
+        clock.lap("solve")  # with quantize and loading the model
         result = Measurement(lm, cfg, sources, fits, calibration_hashes(cap), out, build.work).run(model)
+        result["cost"]["seconds"] = {**clock.laps, **result["cost"]["seconds"]}
         from ridgefill.sweep.report import plot, write_markdown
 
         write_json(build.path / RESULT, result)
@@ -295,9 +298,11 @@ class Measurement:
         from ridgefill.sweep.report import advantage, recommend
 
         cfg = self.cfg
+        clock = _Clock()
         docs = self._documents(self.splits, ARM_PLAN, "documents")
         figs = {(s, a): _doc_figures(docs, s, a, self) for s in self.splits for a in ARMS}
         key_over = {k: self._key_over(k, f) for k, f in figs.items()}
+        clock.lap("documents")
         self.suite = needle_suite(self.lm, cfg)
         jobs = {}
         if cfg.exhaustive:
@@ -314,16 +319,20 @@ class Measurement:
             verdicts = {(s, a): v for a, b in bis.items() for s, v in b.inferred().items()}
             search = {a: {"edge": b.edge, "measured": b.measured} for a, b in bis.items()}
         how = {k: _decided(k, key_over, jobs, search) for k in verdicts}
+        clock.lap("needles")
         edge = search["ridgefill"]["edge"]
         near = _config_splits(self.splits, edge)
         bar = _ceiling_speedup(cfg.length, cfg.tail, edge, self.L) if edge is not None else None
         configs = self._configurations(near, verdicts, bar) if near and cfg.configurations else {}
+        clock.lap("configurations")
         result = self._result(model, docs, figs, verdicts, how, jobs, search, configs)
         result["recommended"] = recommend(result)
         result["advantage"] = advantage(result)
         result["identity_edge"] = result["advantage"]["identity"]
         result["timing"] = self._timing(result)
         _speeds(result)
+        clock.lap("timing")
+        result["cost"]["seconds"] = clock.laps
         return result
 
     def _key_over(self, job, figs: dict) -> bool:
@@ -615,6 +624,19 @@ class Measurement:
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+
+
+class _Clock:
+    """CPU and wall seconds of each phase of this process's run (a resumed sweep counts only what it did again)."""
+
+    def __init__(self):
+        self.laps: dict = {}
+        self._cpu, self._wall = time.process_time(), time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        cpu, wall = time.process_time(), time.perf_counter()
+        self.laps[name] = {"cpu": round(cpu - self._cpu, 2), "wall": round(wall - self._wall, 2)}
+        self._cpu, self._wall = cpu, wall
 
 
 def early_run(lm, ids, splits):
