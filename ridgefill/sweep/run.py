@@ -39,7 +39,7 @@ from ridgefill.sweep.artifact import PLOT, RESULT, TABLE
 from ridgefill.sweep.search import Bisection, bisect_arms, run_pass
 from ridgefill.sweep.sequential import GROUP, TOLERANCE, WITHIN_FACTOR, Rule
 
-FORMAT_VERSION = 3  # 2: later sinks (outlier rows) run exactly; 3: needles by bisection and a sequential rule, in
+FORMAT_VERSION = 4  # 2: later sinks (outlier rows) run exactly; 3: needles by bisection and a sequential rule, in
 # noise and prose haystacks; quality configurations beside their controls; timing in rounds; multiply-accumulates
 # 4: an adaptive sweep measures only the configurations that can change the recommendation, by ceiling
 ARMS = ("ridgefill", "identity")
