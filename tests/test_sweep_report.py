@@ -268,6 +268,26 @@ def test_plot_draws_the_figures_and_the_noise(tmp_path):
     png_chunks(plot(r3, tmp_path / "empty.png").read_bytes())
 
 
+def test_plot_draws_a_recommended_configuration_or_longer_tail_at_its_ceiling(tmp_path):
+    from ridgefill.sweep.report import _recommended_figure
+
+    r = sweep()  # +rows at 18 is the recommendation
+    rec = recommend(r)
+    assert rec["kind"] == "configuration" and _recommended_figure(r, rec, "needle") == 40.0
+    base = plot(r, tmp_path / "base.png").read_bytes()
+    r["splits"][2]["configurations"]["ridgefill+rows"]["figures"]["needle"] = 55.0
+    assert plot(r, tmp_path / "moved.png").read_bytes() != base
+    # its control as good: the longer tail is recommended, drawn with the control's figures
+    r = sweep()
+    c = r["splits"][2]["configurations"]["ridgefill+rows"]
+    c["beats_control"], c["control"]["verdict"] = False, "within"
+    c["control"]["figures"]["dnll_key"] = 0.123
+    rec = recommend(r)
+    assert rec["kind"] == "longer tail" and _recommended_figure(r, rec, "dnll_key") == 0.123
+    assert _recommended_figure(r, {**rec, "kind": "plain"}, "needle") is None
+    png_chunks(plot(r, tmp_path / "tail.png").read_bytes())
+
+
 def test_plot_refuses_a_missing_folder_and_writes_nothing(tmp_path):
     with pytest.raises(BadInput, match=r"^cannot write the plot to '.*/nope/p.png': folder '.*/nope' does not exist$"):
         plot(sweep(), tmp_path / "nope" / "p.png")

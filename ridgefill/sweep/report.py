@@ -298,12 +298,28 @@ def _points(result: dict, arm: str, panel: str) -> list[tuple]:
     return pts
 
 
+def _recommended_figure(result: dict, rec: dict, key: str):
+    """A figure ("needle", "dnll_key") of the recommended configuration or longer tail: the configuration's own, or
+    that of the control whose tail was recommended; None for a plain recommendation or a figure not measured."""
+    e = next((e for e in _splits(result) if e["split"] == rec.get("split")), None)
+    if e is None or rec.get("kind") not in ("configuration", "longer tail"):
+        return None
+    for name, c in sorted((e.get("configurations") or {}).items()):
+        if rec["kind"] == "configuration" and name == rec["configuration"]:
+            return (c.get("figures") or {}).get(key)
+        ctl = c.get("control") or {}
+        if rec["kind"] == "longer tail" and ctl.get("tail") == rec["tail"] and ctl.get("verdict") == "within":
+            return (ctl.get("figures") or {}).get(key)
+    return None
+
+
 def plot(result: dict, path: Path) -> Path:
     """Write the sweep's PNG, three panels against the compute ceiling (the horizontal axis): needle accuracy with
     the interval of (arm - exact) placed on exact's accuracy, key-token ΔNLL with its interval, each for the fitted
     maps and the identity fill, the budget dashed and the recommendation ringed; and the measured speed-up, its
     median with the [min, max] of the timing rounds, beside the line y = x that no prefill can beat: a median above
-    it is drawn hollow and grey, as noise. Fixed size, no date or version in the file, written by rename."""
+    it is drawn hollow and grey, as noise. A recommended configuration or longer tail is a green star at its own
+    ceiling. Fixed size, no date or version in the file, written by rename."""
     path = Path(path)
     if not path.parent.is_dir():
         raise BadInput(f"cannot write the plot to '{path}': folder '{path.parent}' does not exist")
@@ -342,6 +358,13 @@ def plot(result: dict, path: Path) -> Path:
                             markerfacecolor="none", markeredgecolor="tab:green", markeredgewidth=2,
                             label=f"recommended: split {rec['split']}",
                             transform=offset_copy(ax.transData, fig=fig, x=-DODGE, y=0, units="points"))
+                y = _recommended_figure(result, rec, "needle" if panel == "needle" else "dnll_key")
+                if rec.get("kind") != "plain" and y is not None:  # a configuration or a longer tail: its own point
+                    what = (f"tail {rec['tail']}" if rec["kind"] == "longer tail"
+                            else rec["configuration"].removeprefix("ridgefill"))
+                    ax.plot([rec["ceiling_speedup"]], [y], linestyle="none", marker="*", markersize=12,
+                            color="tab:green", label=f"recommended: split {rec['split']}, {what}")
+                    ax.update_datalim([(rec["ceiling_speedup"], y)])
         if ex is not None:
             ax_n.axhline(ex, color="black", linewidth=1, label=f"exact ({ex:.1f} %)")
             ax_n.axhline(ex - b["max_needle_drop"], color="tab:red", linestyle="--", linewidth=1,
@@ -368,7 +391,7 @@ def plot(result: dict, path: Path) -> Path:
         for ax in (ax_n, ax_d, ax_s):
             ax.margins(x=0.06, y=0.08)
             ax.autoscale_view()
-            ax.set_xlabel("compute ceiling 1/r (speed-up if only skipped layer-rows counted)")
+            ax.set_xlabel("compute ceiling 1/r")
             ax.grid(True, linewidth=0.4, alpha=0.5)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8, loc="best")
@@ -381,7 +404,9 @@ def plot(result: dict, path: Path) -> Path:
         fig.suptitle(f"{result.get('model', '?')} ({result.get('mode', '?')}): length {result.get('length', '?')}, "
                      f"tail {result.get('tail', '?')}, {result.get('samples', '?')} needle prompts at most, "
                      f"{result.get('documents', '?')} documents", fontsize=11)
-        fig.subplots_adjust(left=0.05, right=0.99, bottom=0.13, top=0.86, wspace=0.22)
+        fig.text(0.5, 0.01, "compute ceiling 1/r: the speed-up if only the skipped layer-rows counted",
+                 ha="center", va="bottom", fontsize=9)
+        fig.subplots_adjust(left=0.05, right=0.985, bottom=0.17, top=0.86, wspace=0.22)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             umask = os.umask(0)
