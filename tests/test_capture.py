@@ -280,6 +280,38 @@ def test_resume_inside_a_document_is_byte_identical(tmp_path, corpus, request, a
     assert not state_file(store, ref_art.id).parent.exists()
 
 
+def test_a_linear_layers_row_count_is_saved_and_restored(tmp_path, tiny_qwen3_next, monkeypatch):
+    """From transformers 5.25 a Gated DeltaNet cache layer counts the rows it has seen (`cumulative_length_linear`,
+    the cache's length, which the positions read): a checkpoint keeps it, and one without it is refused where the
+    layer counts (a transformers that counts is simulated here by giving the layer class the counter)."""
+    import torch
+    from transformers.cache_utils import LinearAttentionLayer
+
+    from ridgefill.capture import kvstate
+    from ridgefill.capture.forward import new_cache
+    from ridgefill.models import load_model, resolve_model
+
+    lm = load_model(resolve_model(str(tiny_qwen3_next), store_root=tmp_path), store_root=tmp_path)
+    cache = new_cache(lm)
+    with torch.no_grad():
+        lm.model(input_ids=torch.arange(3, 40)[None], cache=cache, use_cache=True)
+    linear = [l for l, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionLayer)]
+    assert linear
+    for l in linear:
+        cache.layers[l].cumulative_length_linear = torch.tensor(37)
+    saved = kvstate.snapshot(cache)
+    assert [saved.layout["layers"][l]["cumulative_length_linear"] for l in linear] == [37] * len(linear)
+    monkeypatch.setattr(LinearAttentionLayer, "cumulative_length_linear", torch.tensor(0), raising=False)
+    back = kvstate.restore(lm, saved, lambda: new_cache(lm), "ckpt/")
+    assert [int(back.layers[l].cumulative_length_linear) for l in linear] == [37] * len(linear)
+    for l in linear:
+        del saved.layout["layers"][l]["cumulative_length_linear"]
+    with pytest.raises(RidgefillError, match=rf"^the capture checkpoint in ckpt/ stopped inside a document .* \(cache "
+                       rf"layer {linear[0]} counts its rows \(transformers 5.25 or newer\), which the checkpoint did not "
+                       "save\\); delete ckpt/ to start the capture over$"):
+        kvstate.restore(lm, saved, lambda: new_cache(lm), "ckpt/")
+
+
 @pytest.mark.parametrize("arch, placement", [("tiny_qwen3_next", "bfloat16"), ("tiny_gemma3", "bfloat16"),
                                              ("tiny_llama", "disk offload")])
 def test_resume_inside_a_document_in_bfloat16_and_offloaded(tmp_path, corpus, request, arch, placement):

@@ -10,7 +10,9 @@ holds, and all that is saved of it, every tensor exactly (its own dtype and shap
     DynamicSlidingWindowLayer                keys, values of the window only (the last sliding_window - 1 rows)
                                              and `cumulative_length`, the rows seen (the mask and positions read it)
     LinearAttentionLayer (Gated DeltaNet)    per state i: `conv_states[i]` [batch, channels, conv_kernel_size] with
-                                             its `conv_kernel_size[i]`, `recurrent_states[i]`, `has_previous_state[i]`
+                                             its `conv_kernel_size[i]`, `recurrent_states[i]`, `has_previous_state[i]`;
+                                             and, from transformers 5.25, `cumulative_length_linear`, the rows seen
+                                             (the cache's length, which the positions read)
     LinearAttentionAnd{Full,SlidingWindow}AttentionLayer   both of the above
     DummyLayer (no cache)                    nothing
 
@@ -108,6 +110,8 @@ def snapshot(cache) -> Snapshot:
                                          else None for i in range(n)]
             entry["recurrent"] = [bool(layer.is_recurrent_states_initialized[i]) for i in range(n)]
             entry["previous"] = [bool(layer.has_previous_state[i]) for i in range(n)]
+            if hasattr(layer, "cumulative_length_linear"):  # transformers >= 5.25: the rows seen
+                entry["cumulative_length_linear"] = int(layer.cumulative_length_linear)
             for i in range(n):
                 if layer.is_conv_states_initialized[i]:
                     tensors[f"{PREFIX}{l}.conv.{i}"] = _lazy(layer.conv_states[i])
@@ -183,5 +187,12 @@ def restore(lm, saved: Snapshot, new_cache: Callable[[], object], where: str):
                         layer.lazy_initialization(recurrent_states=r, state_idx=i)
                         layer.recurrent_states[i].copy_(r)
                     layer.has_previous_state[i] = bool(entry["previous"][i])
+                if hasattr(layer, "cumulative_length_linear"):
+                    if "cumulative_length_linear" not in entry:
+                        raise refuse(f"cache layer {l} counts its rows (transformers 5.25 or newer), which the "
+                                     "checkpoint did not save")
+                    count = layer.cumulative_length_linear
+                    layer.cumulative_length_linear = torch.tensor(int(entry["cumulative_length_linear"]),
+                                                                  dtype=count.dtype, device=count.device)
     return cache
 
