@@ -230,6 +230,27 @@ def test_export_refusals_write_nothing(store_chain, tmp_path):
         assert not out.exists() and exports() == before
 
 
+def test_export_refuses_kscale_where_no_layer_above_the_split_has_keys(store_chain, tmp_path, monkeypatch):
+    """+kscale rescales keys: a model whose every layer above the split is linear attention (a Gated DeltaNet hybrid
+    split above its last full-attention layer) has none, as the runtime says; refused before anything is written."""
+    from ridgefill.capture import artifact as captured
+
+    st, ids = store_chain
+    monkeypatch.setattr(captured, "captured_kinds", lambda *a: ["full_attention"] * 2 + ["linear_attention"] * 12)
+    before = sorted(p.name for p in (st.root / "export").iterdir()) if (st.root / "export").exists() else []
+    r, _ = export_cli(st, ids["quantize"], "--out", tmp_path / "rel", "--configuration", "ridgefill+kscale")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "Error: --configuration ridgefill+kscale rescales keys, and every layer above split 2 is linear attention "
+        "(no keys): choose another configuration")
+    assert not (tmp_path / "rel").exists()
+    assert (sorted(p.name for p in (st.root / "export").iterdir()) if (st.root / "export").exists() else []) == before
+    r, _ = export_cli(st, ids["quantize"], "--configuration", "ridgefill+rows")  # other configurations: as before
+    assert r.returncode == 0, r.stderr
+    monkeypatch.setattr(captured, "captured_kinds", lambda *a: ["linear_attention"] * 13 + ["full_attention"])
+    r, _ = export_cli(st, ids["quantize"], "--configuration", "ridgefill+kscale")  # one layer with keys is enough
+    assert r.returncode == 0, r.stderr
+
+
 def test_gguf_carries_the_configuration(store_chain, tmp_path):
     from ridgefill.formats import gguf
 

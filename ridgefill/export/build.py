@@ -25,7 +25,8 @@ from ridgefill.export.artifact import release_files
 from ridgefill.quantize.artifact import group_size, load_quant
 from ridgefill.export.card import model_card
 from ridgefill.formats import release
-from ridgefill.formats.release.names import CONFIGURATIONS, PLAIN, PROTECTED_CONFIGURATION, ROWS_CONFIGURATION
+from ridgefill.formats.release.names import (CONFIGURATIONS, KSCALE_CONFIGURATION, PLAIN, PROTECTED_CONFIGURATION,
+                                             ROWS_CONFIGURATION)
 from ridgefill.output import Output
 from ridgefill.solve import artifact as solved
 
@@ -44,7 +45,8 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
     `sweep` (a sweep artifact of the store) and `row_share` (ridgefill+rows only; default the runtime's) are
     recorded as the release's `configuration` (`configuration_fact`). BadInput, before anything is written, for
     an unknown configuration, a row share that does not apply or is out of (0, 1), a sweep id that is not a sweep
-    artifact, or ridgefill+protected from a solve without a protected-token table."""
+    artifact, ridgefill+protected from a solve without a protected-token table, or ridgefill+kscale where every
+    layer above the split is linear attention."""
     if tail < 1:
         raise BadInput("--tail must be >= 1")
     src = store.get(ref)
@@ -59,6 +61,8 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
         raise BadInput(f"--configuration {PROTECTED_CONFIGURATION} needs a protected-token table, and solve {sol.id} "
                        "has none")
     cap = store.upstream(sol, "capture")
+    if conf is not None and conf["arm"] == KSCALE_CONFIGURATION:
+        _check_kscale(store, sol, cap, model)
     recipe = {"stage": "export", "version": FORMAT_VERSION, "source": f"{src.stage}/{src.id}", "tail": tail,
               **({"configuration": conf} if conf is not None else {})}
     art = store.cached("export", recipe)
@@ -107,6 +111,18 @@ def configuration_fact(store: Store, configuration: str | None, sweep: str | Non
     if arm == PLAIN and sweep_id is None:
         return None
     return {"arm": arm, "sweep": sweep_id, **({"row_share": float(share)} if arm == ROWS_CONFIGURATION else {})}
+
+
+def _check_kscale(store: Store, sol: Artifact, cap: Artifact, model: str | None) -> None:
+    """BadInput where the key rescale has no keys to rescale: every layer above the split is linear attention (a
+    Gated DeltaNet keeps a recurrent state, no keys), as the runtime refuses the correction there."""
+    from ridgefill.models.kinds import LINEAR
+
+    split = int(sol.recipe["split"])
+    kinds = captured.captured_kinds(cap, store, captured.captured_model(cap, store, model))
+    if all(k == LINEAR for k in kinds[split:]):
+        raise BadInput(f"--configuration {KSCALE_CONFIGURATION} rescales keys, and every layer above split {split} is "
+                       "linear attention (no keys): choose another configuration")
 
 
 def _flatten(rel: Path, dest: Path) -> None:
