@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ridgefill.errors import BadInput
-from ridgefill.runtime import (ARMS, OUTLIER_RATIO, SlotCache, ceiling, exact_run, greedy, outlier_rows, prefill,
-                               prefill_from)
+from ridgefill.runtime import (ARMS, OUTLIER_RATIO, SlotCache, ceiling, exact_run, fill_rows, greedy, outlier_rows,
+                               prefill, prefill_from, selects_from)
 from conftest import TINY_FIXTURES
 from tiny import TEXT as TINY_TEXT
 
@@ -626,8 +626,20 @@ def test_prefill_from_an_exact_run_equals_prefill(arch, lm_of):
             kw = dict(split=S, tail=T, maps=maps[S] if arm == "ridgefill" else None, exact_rows=[4])
             got, want = prefill_from(lm, run, arm, **kw), prefill(lm, ids, arm, **kw)
             torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
-            assert got.exact_rows == want.exact_rows == [0, 4]
+            assert got.exact_rows == want.exact_rows == [0, 4] == fill_rows(lm, run, arm, **kw)
             _same_cache(lm, got.cache, want.cache, nxt)
+        # "+rows" selects its rows from the run's keys where every layer below the split kept them all
+        kw = dict(split=S, tail=T, maps=maps[S], row_share=0.3, probe=[10, 11, 12, 13])
+        if selects_from(lm, run, S):
+            got, want = prefill_from(lm, run, "ridgefill+rows", **kw), prefill(lm, ids, "ridgefill+rows", **kw)
+            torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+            assert got.exact_rows == want.exact_rows == fill_rows(lm, run, "ridgefill+rows", **kw)
+            assert len(got.exact_rows) >= 6  # row 0 and the 30 % (6 of 20 rows) most attended from the probe rows
+            _same_cache(lm, got.cache, want.cache, nxt)
+        else:
+            assert S > 0 and arch in ("gemma3_text", "qwen3_next", "qwen3_5")
+            with pytest.raises(BadInput, match="sliding-window or Gated DeltaNet layer there"):
+                prefill_from(lm, run, "ridgefill+rows", **kw)
     again = prefill_from(lm, run, "ridgefill", split=2, tail=T, maps=maps[2], logits_rows=1)
     torch.testing.assert_close(again.logits, prefill(lm, ids, "ridgefill", split=2, tail=T, maps=maps[2]).logits[-1:],
                                atol=1e-4, rtol=1e-4)
@@ -640,8 +652,8 @@ def test_prefill_from_refusals(lm_of):
     run = exact_run(lm, ids, splits=[2])
     with pytest.raises(BadInput, match="kept no state for split 1"):
         prefill_from(lm, run, "identity", split=1, tail=4)
-    with pytest.raises(BadInput, match="use prefill"):
-        prefill_from(lm, run, "ridgefill+rows", split=2, tail=4, maps=random_maps(lm, 2))
+    with pytest.raises(BadInput, match="not 'exact' .use prefill"):
+        prefill_from(lm, run, "exact", split=2, tail=4)
     with pytest.raises(BadInput, match="logits_rows must be in 1..4"):
         prefill_from(lm, run, "identity", split=2, tail=4, logits_rows=5)
     with pytest.raises(BadInput, match="out of range"):

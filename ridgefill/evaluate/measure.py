@@ -72,23 +72,30 @@ def rows_rng(seed: int, ids) -> np.random.Generator:
 
 
 def fills(lm, run, src: MapsSource, arms, tail: int, probe=None, logits_rows=None, seed: int = 0,
-          timed: bool = False) -> tuple[dict, dict]:
+          timed: bool = False, counted=()) -> tuple[dict, dict]:
     """Each arm's PrefillResult for one prompt, and the number of rows each selected-rows arm added.
 
     With `timed` every arm is a real, timed `prefill`; otherwise the arms are built from the prompt's exact run
-    (`runtime.prefill_from`: the fill arms only run their late layers), but for "+rows", which picks its rows
-    inside a prefill of its own. A selector's rows are the prefix rows it makes exact beyond the arm's own exact
-    rows (row 0 and the outlier rows); its controls get as many: random filled rows, or a longer tail."""
-    from ridgefill.runtime import prefill, prefill_from
+    (`runtime.prefill_from`: the fill arms only run their late layers; "+rows" also its probe rows, or a prefill of
+    its own where the run lacks the keys it selects from). A selector's rows are the prefix rows it makes exact
+    beyond the arm's own exact rows (row 0 and the outlier rows); its controls get as many: random filled rows, or
+    a longer tail. `counted`: names of selector arms wanted only for their rows (a control's count): they get no
+    result, and no late layers run for them."""
+    from ridgefill.runtime import fill_rows, prefill, prefill_from, selects_from
 
     ids = run.ids
     n = int(ids.shape[0])
 
     def fill(arm, base: str, **extra):
         args = fill_args(src, arm, tail) | extra
-        if timed or base == "ridgefill+rows":
+        if timed or (base == "ridgefill+rows" and not selects_from(lm, run, src.split)):
             return prefill(lm, ids, base, logits_rows=logits_rows, **args)
         return prefill_from(lm, run, base, logits_rows=logits_rows, **args)
+
+    def rows_of(arm, base: str, **extra) -> list[int]:
+        if base == "ridgefill+rows" and not selects_from(lm, run, src.split):
+            return fill(arm, base, **extra).exact_rows
+        return fill_rows(lm, run, base, **(fill_args(src, arm, tail) | extra))
 
     res, added, own = {}, {}, None
     for arm in arms:
@@ -103,15 +110,19 @@ def fills(lm, run, src: MapsSource, arms, tail: int, probe=None, logits_rows=Non
             res[arm.name] = fill(arm, arm.base)
             own = own or res[arm.name].exact_rows
             continue
-        if own is None:  # the arm's own exact rows (row 0, the outliers), from a plain fill of this prompt
-            own = fill(Arm("ridgefill"), "ridgefill").exact_rows
+        if own is None:  # the arm's own exact rows (row 0, the outliers), as a plain fill of this prompt has them
+            own = rows_of(Arm("ridgefill"), "ridgefill")
         if arm.control is None:
             if arm.selector == "rows":
-                r = fill(arm, "ridgefill+rows", **({"probe": probe} if probe is not None else {}))
+                how = ("ridgefill+rows", {"probe": probe} if probe is not None else {})
             else:  # the prefix rows holding a protected token, as the runtime's `protected` option picks them
-                r = fill(arm, "ridgefill", protected=src.protected)
-            added[arm.name] = sorted(set(r.exact_rows) - set(own))
-            res[arm.name] = r
+                how = ("ridgefill", {"protected": src.protected})
+            if arm.name in counted and not timed:
+                rows = rows_of(arm, how[0], **how[1])
+            else:
+                res[arm.name] = fill(arm, how[0], **how[1])
+                rows = res[arm.name].exact_rows
+            added[arm.name] = sorted(set(rows) - set(own))
             continue
         count = len(added[arm.selected.name])
         if arm.control == "random":

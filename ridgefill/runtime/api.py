@@ -75,7 +75,8 @@ from ridgefill.runtime.cache import SlotCache, cache_copy
 from ridgefill.runtime.fill import fill, late_layers, late_slots
 from ridgefill.runtime.layers import Layers
 from ridgefill.runtime.maps import maps_on_devices
-from ridgefill.runtime.rows import ANCHOR_ROWS, OUTLIER_RATIO, PROBE_ROWS, ROW_SHARE, with_outliers
+from ridgefill.runtime.rows import (ANCHOR_ROWS, OUTLIER_RATIO, PROBE_ROWS, ROW_SHARE, attention_received,
+                                    most_attended, with_outliers)
 
 ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
 
@@ -197,6 +198,18 @@ def _plan(lm, ids: torch.Tensor, arm: str, o: FillOptions) -> _Plan:
     return _Plan(rows, fix, keep)
 
 
+def _select(arm: str, o: FillOptions, n: int) -> tuple[int, list[int]] | None:
+    """"ridgefill+rows"'s selection for a prompt of n rows: (rows to pick, probe rows); None for another arm."""
+    if arm != "ridgefill+rows":
+        return None
+    if not 0 < o.row_share < 1:
+        raise BadInput(f"row_share must be in (0, 1), got {o.row_share}")
+    probe = list(range(max(0, n - PROBE_ROWS), n)) if o.probe is None else sorted({int(p) for p in o.probe})
+    if not probe or probe[0] < 0 or probe[-1] >= n:
+        raise BadInput(f"probe rows must be prompt positions in 0..{n - 1}")
+    return round(o.row_share * n), probe
+
+
 def prefill(lm, input_ids: torch.Tensor, arm: str, **options) -> PrefillResult:
     """Prefill `input_ids` [N] (one sequence) with `arm`; `options` are `FillOptions` (split and tail required).
     See the module docstring."""
@@ -204,14 +217,7 @@ def prefill(lm, input_ids: torch.Tensor, arm: str, **options) -> PrefillResult:
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     n = int(ids.shape[0])
     plan = _plan(lm, ids, arm, o)
-    select = None
-    if arm == "ridgefill+rows":
-        if not 0 < o.row_share < 1:
-            raise BadInput(f"row_share must be in (0, 1), got {o.row_share}")
-        probe = list(range(max(0, n - PROBE_ROWS), n)) if o.probe is None else sorted({int(p) for p in o.probe})
-        if not probe or probe[0] < 0 or probe[-1] >= n:
-            raise BadInput(f"probe rows must be prompt positions in 0..{n - 1}")
-        select = (round(o.row_share * n), probe)
+    select = _select(arm, o, n)
     ids = ids.to(lm.adapter.device)
     maps = o.maps
     if arm.startswith("ridgefill"):
@@ -310,21 +316,17 @@ def exact_run(lm, input_ids: torch.Tensor, *, splits=(), logits_rows: int = 1) -
 
 
 def prefill_from(lm, run: ExactRun, arm: str, **options) -> PrefillResult:
-    """The fill arm `arm` ("ridgefill", "identity" or "nofill") at `split`, built from an exact run of the same
-    prompt: the same result as `prefill(lm, run.ids, arm, **options)` up to float round-off, for the cost of the
-    late layers alone. `seconds` is the time of that remaining work, not a prefill's: time arms with `prefill`."""
+    """The fill arm `arm` ("ridgefill", "identity", "nofill" or "ridgefill+rows") at `split`, built from an exact run
+    of the same prompt: the same result as `prefill(lm, run.ids, arm, **options)` up to float round-off, for the cost
+    of the late layers alone ("+rows" also runs its probe rows through the early layers, to select its rows; only
+    where every layer below the split kept every row's keys, `selects_from`). `seconds` is the time of that
+    remaining work, not a prefill's: time arms with `prefill`."""
     o = FillOptions(**options)
-    n = int(run.ids.shape[0])
-    if arm not in ("ridgefill", "identity", "nofill"):
-        raise BadInput(f"prefill_from builds 'ridgefill', 'identity' or 'nofill', not '{arm}' (use prefill)")
-    if o.split not in run.states:
-        raise BadInput(f"the exact run kept no state for split {o.split} (it has {sorted(run.states)})")
-    plan = _plan(lm, run.ids, arm, o)
-    split, tail = o.split, o.tail
-    rows = with_outliers(plan.rows, run.states[split], n - tail, o.outliers)
+    rows, plan = _rows_from_run(lm, run, arm, o)
+    split, tail, n = o.split, o.tail, int(run.ids.shape[0])
     ad = lm.adapter
     maps = o.maps
-    if arm == "ridgefill":
+    if arm.startswith("ridgefill"):
         maps = maps_on_devices(lm, maps, range(split, ad.num_layers))
     _sync()
     start = time.perf_counter()
@@ -353,6 +355,61 @@ def prefill_from(lm, run: ExactRun, arm: str, **options) -> PrefillResult:
     _sync()
     return PrefillResult(logits=logits, cache=cache, seconds=time.perf_counter() - start, arm=arm, split=split,
                          tail=tail, num_rows=n, exact_rows=rows)
+
+
+def fill_rows(lm, run: ExactRun, arm: str, **options) -> list[int]:
+    """The exact rows (prefix positions) of `prefill_from(lm, run, arm, **options)`, without the late layers: what a
+    configuration's equal-cost control needs to know of it."""
+    return _rows_from_run(lm, run, arm, FillOptions(**options))[0]
+
+
+def selects_from(lm, run: ExactRun, split: int) -> bool:
+    """Whether `prefill_from` can make "ridgefill+rows"'s selection at `split` from the exact run: every layer below
+    the split is attention that kept the keys of every row (not a sliding window's last rows, not Gated
+    DeltaNet)."""
+    n = int(run.ids.shape[0])
+    return all(not lm.adapter.is_linear(l) and run.cache.layers[l].keys.shape[-2] == n for l in range(split))
+
+
+def _rows_from_run(lm, run: ExactRun, arm: str, o: FillOptions) -> tuple[list[int], _Plan]:
+    """prefill_from's checks and its exact rows: the plan's, "+rows"'s selection, the outliers at the split."""
+    n = int(run.ids.shape[0])
+    if arm not in ("ridgefill", "identity", "nofill", "ridgefill+rows"):
+        raise BadInput(f"prefill_from builds 'ridgefill', 'identity', 'nofill' or 'ridgefill+rows', not '{arm}' "
+                       "(use prefill)")
+    if o.split not in run.states:
+        raise BadInput(f"the exact run kept no state for split {o.split} (it has {sorted(run.states)})")
+    plan = _plan(lm, run.ids, arm, o)
+    rows, select, prefix = plan.rows, _select(arm, o, n), n - o.tail
+    if select:
+        if not selects_from(lm, run, o.split):
+            raise BadInput("prefill_from selects 'ridgefill+rows' rows from the keys of every row below the split; "
+                           "this model has a sliding-window or Gated DeltaNet layer there (use prefill)")
+        with torch.no_grad():
+            received = _received_from_run(lm, run, o.split, select[1])
+        rows = sorted(set(rows) | set(most_attended(received, prefix, select[0])))
+    return with_outliers(rows, run.states[o.split], prefix, o.outliers), plan
+
+
+def _received_from_run(lm, run: ExactRun, split: int, probe: list[int]) -> torch.Tensor:
+    """The attention each row receives from the `probe` rows in the layers below `split`, as `fill` sums it inside a
+    prefill, from the exact run: the probe rows alone run those layers (their inputs are what `fill` needs),
+    attending causally to the exact run's keys and values, which already hold every row. [N] float32."""
+    ad = lm.adapter
+    layers = Layers(lm)
+    n = int(run.ids.shape[0])
+    pos = torch.tensor(probe, dtype=torch.long, device=ad.device)
+    h = ad.base.embed_tokens(run.ids[pos][None])  # [1, P, d]; Gemma's embedding scales
+    rope = layers.rope(h, pos)
+    received = torch.zeros(n, device=ad.device)
+    valid = torch.ones(n, dtype=torch.bool, device=ad.device)
+    for l in range(split):
+        kv = run.cache.layers[l]
+        layer_in = h
+        # the probe rows write their own keys/values again (equal up to round-off): into copies, as the run is shared
+        h = layers.run(l, h, pos, rope, kv.keys.clone(), kv.values.clone(), kv_valid=valid)
+        received += attention_received(ad, l, layer_in[0], pos, kv.keys, layers.window).to(ad.device)
+    return received
 
 
 def _sync() -> None:

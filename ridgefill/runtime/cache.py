@@ -170,12 +170,12 @@ def decoding_cache(lm, caches: list, room: int):
         if holds_state(layer):
             cache.layers[l] = _stacked_states([c.layers[l] for c in caches])
             continue
-        keys, values = _stack([c.layers[l].keys for c in caches]), _stack([c.layers[l].values for c in caches])
+        keys, values = [c.layers[l].keys for c in caches], [c.layers[l].values for c in caches]
         if type(layer) is DynamicLayer:
             cache.layers[l] = _Roomy(keys, values, room)
         else:
             merged = copy.copy(layer)
-            merged.keys, merged.values = keys, values
+            merged.keys, merged.values = _stack(keys), _stack(values)
             cache.layers[l] = merged
     return cache
 
@@ -204,13 +204,19 @@ class _Roomy(DynamicLayer):
     """A DynamicLayer over a buffer with room for more rows: `update` writes them in place (no copy of the rows before),
     and `keys` / `values` are views of the rows written so far."""
 
-    def __init__(self, keys, values, room: int):
+    def __init__(self, keys: list, values: list, room: int):
+        """keys, values: the prefills' tensors (batch, heads, rows, dim), written once into one buffer stacked along
+        the batch (a fresh buffer costs its first write; a stack then a copy would pay it twice)."""
         super().__init__()
-        b, h, n, d = keys.shape
-        self._k = keys.new_empty((b, h, n + room, d))
-        self._v = values.new_empty((b, h, n + room, values.shape[-1]))
-        self._k[:, :, :n], self._v[:, :, :n] = keys, values
-        self._n, self.device, self.is_initialized = n, keys.device, True
+        _, h, n, d = keys[0].shape
+        b = sum(k.shape[0] for k in keys)
+        self._k = keys[0].new_empty((b, h, n + room, d))
+        self._v = values[0].new_empty((b, h, n + room, values[0].shape[-1]))
+        at = 0
+        for k, v in zip(keys, values):
+            self._k[at : at + k.shape[0], :, :n], self._v[at : at + k.shape[0], :, :n] = k, v
+            at += k.shape[0]
+        self._n, self.device, self.is_initialized = n, self._k.device, True
         self._views()
 
     def _views(self):

@@ -379,7 +379,8 @@ class Measurement:
             for s in splits:
                 want = [a for t, a in todo if t == s]
                 arms = _with_selected(want)  # a control's selected arm counts its rows; only the jobs are decoded
-                res, added = fills(self.lm, run, self.sources[s], arms, self.cfg.tail, logits_rows=1, seed=self.cfg.seed)
+                res, added = fills(self.lm, run, self.sources[s], arms, self.cfg.tail, logits_rows=1,
+                                   seed=self.cfg.seed, counted={a.name for a in arms} - set(want))
                 for a in want:
                     made.append(res[a])
                     names.append((s, a))
