@@ -191,7 +191,17 @@ def _stacked_states(layers: list):
     for name in ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
                  "conv_kernel_size"):
         setattr(merged, name, dict(getattr(layers[0], name)))
+    _own_count(merged)
     return merged
+
+
+def _own_count(layer) -> None:
+    """Give a copied linear-attention cache layer its own row count: transformers 5.25+ keeps the rows seen in a
+    tensor (`cumulative_length_linear`, which the positions of the next rows read) and adds to it in place while
+    decoding, so a shallow copy would advance the count of the layer it was copied from."""
+    count = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(count, torch.Tensor):
+        layer.cumulative_length_linear = count.clone()
 
 
 def _stack(xs: list) -> torch.Tensor:
@@ -263,4 +273,5 @@ def copy_layer(layer):
                      "is_recurrent_states_initialized", "has_previous_state", "conv_kernel_size"):
             states = getattr(layer, name)
             setattr(new, name, {i: t.clone() if isinstance(t, torch.Tensor) else t for i, t in states.items()})
+        _own_count(new)
     return new
