@@ -699,3 +699,23 @@ def test_decoding_cache_continues_like_the_stock_cache(arch, lm_of):
     got = decode_logits(lm, decoding_cache(lm, [res.cache], room=1), nxt)
     same(snapshot(res.cache), before)
     torch.testing.assert_close(got, decode_logits(lm, copy.deepcopy(res.cache), nxt), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_copied_linear_layers_count_their_own_rows(arch, lm_of):
+    """transformers 5.25 counts a Gated DeltaNet layer's rows in a tensor (`cumulative_length_linear`) that decoding
+    advances in place: a copy for decoding (`copy_layer`, the stacked layers of `decoding_cache`) has its own, so
+    decoding from it leaves the original's count (and so the next copy's positions) as they were. Set here by hand
+    where the installed transformers has no such count."""
+    from ridgefill.runtime.cache import copy_layer, decoding_cache
+
+    lm = lm_of(arch)
+    res = prefill(lm, tokens(20, seed=41), "ridgefill", split=2, tail=6, maps=random_maps(lm, 2, seed=6))
+    linear = [layer for layer in res.cache.layers if hasattr(layer, "recurrent_states")]
+    assert linear
+    for layer in linear:
+        layer.cumulative_length_linear = torch.tensor(20)
+    for copy_of in (copy_layer(linear[0]), decoding_cache(lm, [res.cache, res.cache], room=1).layers[
+            res.cache.layers.index(linear[0])]):
+        copy_of.cumulative_length_linear.add_(1)
+        assert int(copy_of.cumulative_length_linear) == 21 and int(linear[0].cumulative_length_linear) == 20
