@@ -152,6 +152,9 @@ def eval_documents(lm, tokens: int, count: int, calibration) -> list:
     return docs
 
 
+SCORE_ELEMENTS = 1 << 20  # logits scored together: [rows, vocab] float64 temporaries of 8 MB
+
+
 def _host(logits):
     """Logits (float32, on the model's head device) as a float32 numpy array on the host."""
     return logits.float().cpu().numpy()
@@ -179,8 +182,16 @@ class DocumentScore:
         from ridgefill.evaluate import metrics
 
         la = _host(res.logits[self.pick])
-        return metrics.doc_summary(self.nll, metrics.token_nll(la, self.targets), metrics.kl_exact_arm(self.exact, la),
-                                   metrics.top1_agree(self.exact, la), self.novel, self.key)
+        # A few rows at a time: the float64 [rows, vocab] temporaries of a whole stretch are 100 MB each, which the
+        # allocator maps fresh (and the kernel zeroes) every time; a few rows' fit in memory it keeps. Row by row,
+        # the figures are the same.
+        step = max(1, SCORE_ELEMENTS // max(la.shape[1], 1))
+        parts = [(metrics.token_nll(la[at : at + step], self.targets[at : at + step]),
+                  metrics.kl_exact_arm(self.exact[at : at + step], la[at : at + step]),
+                  metrics.top1_agree(self.exact[at : at + step], la[at : at + step]))
+                 for at in range(0, max(len(la), 1), step)]  # fmt: skip
+        nll, kl, top1 = (np.concatenate(x) for x in zip(*parts))
+        return metrics.doc_summary(self.nll, nll, kl, top1, self.novel, self.key)
 
 
 def measure_documents(lm, docs, length: int, sources: dict, arms, tail: int, scored: int, out, *, row,
