@@ -719,3 +719,27 @@ def test_copied_linear_layers_count_their_own_rows(arch, lm_of):
             res.cache.layers.index(linear[0])]):
         copy_of.cumulative_length_linear.add_(1)
         assert int(copy_of.cumulative_length_linear) == 21 and int(linear[0].cumulative_length_linear) == 20
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_fills_counts_a_controls_rows_without_its_fill(arch, lm_of):
+    """`fills(counted=...)`: a selector arm wanted only for its row count gets no result, and its controls get the
+    same rows and results as when the selector is built in full; "+rows" from the exact run where it kept every
+    row's keys (llama), from a prefill of its own where a sliding layer did not (Gemma)."""
+    from ridgefill.evaluate.arms import parse_arm
+    from ridgefill.evaluate.measure import fills
+    from ridgefill.evaluate.source import MapsSource
+
+    lm = lm_of(arch)
+    ids, S, T = tokens(40, seed=51), 2, 6
+    run = exact_run(lm, ids, splits=[S], logits_rows=T)
+    src = MapsSource(maps=random_maps(lm, S, seed=7), split=S, fingerprint="", ident="", calibration=frozenset(),
+                     release_dir=None, protected=frozenset(int(t) for t in ids[5:9]), row_share=0.2)
+    assert selects_from(lm, run, S) == (arch == "llama")
+    for sel in ("ridgefill+rows", "ridgefill+protected"):
+        arms = [parse_arm(sel), parse_arm(f"{sel}:tail")]
+        full, n_full = fills(lm, run, src, arms, T)
+        part, n_part = fills(lm, run, src, arms, T, counted={sel})
+        assert n_part == n_full and n_full[sel] > 0 and sel not in part
+        torch.testing.assert_close(part[f"{sel}:tail"].logits, full[f"{sel}:tail"].logits, atol=0, rtol=0)
+        assert part[f"{sel}:tail"].tail == T + n_full[sel]

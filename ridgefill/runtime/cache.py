@@ -205,8 +205,8 @@ def _own_count(layer) -> None:
 
 
 def _stack(xs: list) -> torch.Tensor:
-    """Tensors stacked along the batch; one is passed as it is (nothing writes into it: _Roomy copies it, a
-    sliding layer replaces its tensors when it updates)."""
+    """Tensors stacked along the batch; one is passed as it is (nothing writes into it: a sliding layer replaces its
+    tensors when it updates)."""
     return xs[0] if len(xs) == 1 else torch.cat(xs, dim=0)
 
 
