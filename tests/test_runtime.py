@@ -729,6 +729,7 @@ def test_fills_counts_a_controls_rows_without_its_fill(arch, lm_of):
     from ridgefill.evaluate.arms import parse_arm
     from ridgefill.evaluate.measure import fills
     from ridgefill.evaluate.source import MapsSource
+    from ridgefill.runtime import ExactRun
 
     lm = lm_of(arch)
     ids, S, T = tokens(40, seed=51), 2, 6
@@ -743,3 +744,7 @@ def test_fills_counts_a_controls_rows_without_its_fill(arch, lm_of):
         assert n_part == n_full and n_full[sel] > 0 and sel not in part
         torch.testing.assert_close(part[f"{sel}:tail"].logits, full[f"{sel}:tail"].logits, atol=0, rtol=0)
         assert part[f"{sel}:tail"].tail == T + n_full[sel]
+        # timed, as the sweep times a recommended control: every arm a prefill of its own, no exact run to build on
+        bare = ExactRun(ids=run.ids, logits=None, cache=None, states={}, seconds=0.0)
+        timed, n_timed = fills(lm, bare, src, arms, T, timed=True, counted={sel})
+        assert n_timed == n_full and list(timed) == [f"{sel}:tail"]

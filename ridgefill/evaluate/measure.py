@@ -86,14 +86,17 @@ def fills(lm, run, src: MapsSource, arms, tail: int, probe=None, logits_rows=Non
     ids = run.ids
     n = int(ids.shape[0])
 
+    def own_prefill(base: str) -> bool:  # a prefill of its own, not one built from the exact run
+        return timed or (base == "ridgefill+rows" and not selects_from(lm, run, src.split))
+
     def fill(arm, base: str, **extra):
         args = fill_args(src, arm, tail) | extra
-        if timed or (base == "ridgefill+rows" and not selects_from(lm, run, src.split)):
+        if own_prefill(base):
             return prefill(lm, ids, base, logits_rows=logits_rows, **args)
         return prefill_from(lm, run, base, logits_rows=logits_rows, **args)
 
     def rows_of(arm, base: str, **extra) -> list[int]:
-        if base == "ridgefill+rows" and not selects_from(lm, run, src.split):
+        if own_prefill(base):
             return fill(arm, base, **extra).exact_rows
         return fill_rows(lm, run, base, **(fill_args(src, arm, tail) | extra))
 
@@ -117,7 +120,7 @@ def fills(lm, run, src: MapsSource, arms, tail: int, probe=None, logits_rows=Non
                 how = ("ridgefill+rows", {"probe": probe} if probe is not None else {})
             else:  # the prefix rows holding a protected token, as the runtime's `protected` option picks them
                 how = ("ridgefill", {"protected": src.protected})
-            if arm.name in counted and not timed:
+            if arm.name in counted:
                 rows = rows_of(arm, how[0], **how[1])
             else:
                 res[arm.name] = fill(arm, how[0], **how[1])
