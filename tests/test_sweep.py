@@ -78,6 +78,8 @@ def test_adaptive_and_exhaustive_recommend_the_same(both):
     """Same recommendation, fewer needle prompts; the adaptive one measures no needle where key ΔNLL decides."""
     _, arts = both
     (ad_art, ad), (_, ex) = arts["adaptive"], arts["exhaustive"]
+    # the configuration pass read the early layers the needle pass kept instead of running them again
+    assert ad["cost"]["early_layers_read_back"] > 0 and ex["cost"]["early_layers_read_back"] > 0
     assert (ad["mode"], ex["mode"]) == ("adaptive", "exhaustive")
     for k in ("split", "configuration", "tail"):
         assert ad["recommended"][k] == ex["recommended"][k]
@@ -320,3 +322,48 @@ def test_kscale_is_measured_only_without_a_qk_norm(tiny_llama, tiny_gemma3, tmp_
     lms = {p: load_model(resolve_model(str(p), store_root=tmp_path), store_root=tmp_path) for p in (tiny_llama, tiny_gemma3)}
     assert _kscale_applies(lms[tiny_llama], 1) is True
     assert lms[tiny_gemma3].adapter.has_qk_norm and _kscale_applies(lms[tiny_gemma3], 1) is False
+
+
+@pytest.mark.parametrize("fixture,dtype", [("tiny_llama", "float32"), ("tiny_gemma3", "float32"),
+                                           ("tiny_llama", "bfloat16")])
+def test_early_layers_read_back_give_the_fills_of_the_whole_forward(fixture, dtype, request, tmp_path):
+    """The early layers a sweep keeps on disk between needle passes (EarlyCaches), read back, give bit for bit the
+    fills of the exact run they were saved from, "+rows" included (it selects from the keys below the split; on
+    Gemma the sliding layers keep a window and their count of rows), in bfloat16 too. Splits not kept, or a run
+    past the disk limit, are not read back: the sweep runs the early layers again."""
+    from ridgefill.models import load_model, resolve_model
+    from ridgefill.runtime import exact_run, prefill_from, selects_from
+    from ridgefill.sweep.run import EarlyCaches
+
+    path = request.getfixturevalue(fixture)
+    lm = load_model(resolve_model(str(path), store_root=tmp_path), store_root=tmp_path, dtype=dtype)
+    ids = torch.randint(5, 200, (96,), generator=torch.Generator().manual_seed(0))
+    full = exact_run(lm, ids, splits=[1, 2, 3])
+    keep = EarlyCaches(tmp_path / "work", lm, (1, 2), 1 << 30)
+    assert keep.save(0, full) and not keep.save(0, full)  # kept once
+    assert keep.load(0, ids, [3]) is None and keep.load(1, ids, [1]) is None
+    back = keep.load(0, ids, [1, 2])
+    assert set(back.states) == {1, 2} and back.logits is None
+    assert all(back.states[s].dtype == full.states[s].dtype == getattr(torch, dtype) for s in (1, 2))
+    arms = ["identity", "ridgefill+rows"] if selects_from(lm, full, 2) else ["identity"]
+    assert (fixture == "tiny_llama") == ("ridgefill+rows" in arms)
+    for split in (1, 2):
+        for arm in arms:
+            opts = {"split": split, "tail": 24}
+            if arm == "ridgefill+rows":
+                opts |= {"maps": _identity_maps(lm, split), "probe": range(40, 72), "row_share": 0.1}
+            a, b = prefill_from(lm, full, arm, **opts), prefill_from(lm, back, arm, **opts)
+            torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
+            assert a.exact_rows == b.exact_rows
+            for la, lb in zip(a.cache.layers, b.cache.layers):
+                torch.testing.assert_close(la.keys, lb.keys, rtol=0, atol=0)
+                assert getattr(la, "cumulative_length", None) == getattr(lb, "cumulative_length", None)
+    small = EarlyCaches(tmp_path / "small", lm, (1, 2), 1000)
+    assert not small.save(0, full) and small.load(0, ids, [1]) is None and not (tmp_path / "small").exists()
+    keep.clear()
+    assert not (tmp_path / "work" / "early").exists() and keep.load(0, ids, [1]) is None
+
+
+def _identity_maps(lm, split):
+    d = lm.adapter.hidden_size
+    return {l: (torch.eye(d).numpy(), torch.zeros(d).numpy()) for l in range(split, lm.adapter.num_layers)}

@@ -46,9 +46,11 @@ def sweep(
     result = load_result(art)
     out.table(table(result))
     out.info(f"what the maps earn: {result['advantage']['line']}")
-    out.info(f"needle prompts measured: {sum(result['cost']['needle_prompts'].values())} over "
-             f"{len(result['cost']['needle_prompts'])} (split, arm) pairs; {result['cost']['exact_forwards']} exact "
-             "forwards")
+    cost = result["cost"]
+    back = cost.get("early_layers_read_back")  # (a sweep made before early layers were kept lacks the count)
+    out.info(f"needle prompts measured: {sum(cost['needle_prompts'].values())} over {len(cost['needle_prompts'])} "
+             f"(split, arm) pairs; {cost['exact_forwards']} exact forwards"
+             + (f", {back} early layers read back" if back else ""))
     out.info(f"[bold]recommended:[/bold] {result['recommended']['reason']}")
     out.info(f"plot: {art.path / PLOT}")
     done(out, "sweep", art, cached)
