@@ -312,6 +312,38 @@ def test_a_linear_layers_row_count_is_saved_and_restored(tmp_path, tiny_qwen3_ne
         kvstate.restore(lm, saved, lambda: new_cache(lm), "ckpt/")
 
 
+@pytest.mark.parametrize("arch", ["tiny_gemma3", "tiny_qwen3_next"])
+def test_a_snapshot_cut_keeps_the_first_layers(tmp_path, request, arch):
+    """`snapshot(cache, layers=n)` keeps the first n layers exactly (a sliding layer with its count of rows) and
+    restores the later ones uninitialized, as a forward that stopped before them leaves them; a cut with a Gated
+    DeltaNet layer after it is not saved."""
+    import torch
+
+    from ridgefill.capture import kvstate
+    from ridgefill.capture.forward import new_cache
+    from ridgefill.models import load_model, resolve_model
+
+    lm = load_model(resolve_model(str(request.getfixturevalue(arch)), store_root=tmp_path), store_root=tmp_path)
+    cache = new_cache(lm)
+    with torch.no_grad():
+        lm.model(input_ids=torch.arange(3, 40)[None], cache=cache, use_cache=True)
+    if arch == "tiny_qwen3_next":
+        with pytest.raises(kvstate.NotSaved, match="with Gated DeltaNet layer"):
+            kvstate.snapshot(cache, layers=1)
+        return
+    saved = kvstate.snapshot(cache, layers=2)
+    assert sorted(saved.tensors) == ["cache.0.keys", "cache.0.values", "cache.1.keys", "cache.1.values"]
+    back = kvstate.restore(lm, saved, lambda: new_cache(lm), "work/")
+    for l, (a, b) in enumerate(zip(cache.layers, back.layers)):
+        assert type(a) is type(b)
+        if l < 2:
+            torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=0)
+            assert getattr(a, "cumulative_length", None) == getattr(b, "cumulative_length", None)
+        else:
+            assert a.is_initialized and not b.is_initialized
+    assert any(getattr(layer, "cumulative_length", 0) == 37 for layer in back.layers[:2])
+
+
 @pytest.mark.parametrize("arch, placement", [("tiny_qwen3_next", "bfloat16"), ("tiny_gemma3", "bfloat16"),
                                              ("tiny_llama", "disk offload")])
 def test_resume_inside_a_document_in_bfloat16_and_offloaded(tmp_path, corpus, request, arch, placement):

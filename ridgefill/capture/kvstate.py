@@ -18,7 +18,9 @@ holds, and all that is saved of it, every tensor exactly (its own dtype and shap
 
 `snapshot` describes a cache as a `Snapshot`: a JSON-able layout (the class of every layer and its non-tensor
 state) and the tensors as {name: Lazy}, each copied to the host only when the checkpoint writer reaches it, so a
-checkpoint holds at most one layer's tensor in host memory beyond the cache itself. `restore` builds a fresh cache
+checkpoint holds at most one layer's tensor in host memory beyond the cache itself. `snapshot(cache, layers=n)`
+keeps only the first n layers, the rest as a forward stopped before them leaves them (uninitialized): the sweep
+keeps a prompt's early layers that way (sweep/run.py, `EarlyCaches`). `restore` builds a fresh cache
 from the model's config, checks that its layers are of the same classes, and fills them through the layers' own
 `lazy_initialization` and public attributes, on each layer's device. A cache with a layer of any other class
 (e.g. a model's own remote code) or a tensor of another dtype is not known to be saved faithfully: `snapshot`
@@ -63,7 +65,7 @@ def _classes() -> dict[str, type]:
     return {n: getattr(cu, n) for n in names if hasattr(cu, n)}
 
 
-def _lazy(t) -> Lazy:
+def lazy(t) -> Lazy:
     """A torch tensor as a Lazy: copied to the host (contiguous) only when fetched."""
     import torch
 
@@ -81,15 +83,17 @@ def _lazy(t) -> Lazy:
     return Lazy(st, tuple(t.shape), t.numel() * t.element_size(), fetch)
 
 
-def snapshot(cache) -> Snapshot:
+def snapshot(cache, layers: int | None = None) -> Snapshot:
     """The cache's state as a Snapshot (no tensor copied yet). NotSaved if it holds a layer this module does not know
-    how to save and restore exactly (or one that records its past, or an offloading cache: capture makes neither)."""
+    how to save and restore exactly (or one that records its past, or an offloading cache: capture makes neither).
+    `layers`: keep only the first `layers` attention layers; the later ones are saved uninitialized (NotSaved if
+    one of them is a Gated DeltaNet layer, whose fresh state this module does not write)."""
     from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
     known = _classes()
     if type(cache).__name__ != "DynamicCache" or getattr(cache, "offloading", False):
         raise NotSaved(f"a {type(cache).__name__}{' that offloads' if getattr(cache, 'offloading', False) else ''}")
-    layers, tensors = [], {}
+    layers_out, tensors = [], {}
     for l, layer in enumerate(cache.layers):
         kind = type(layer).__name__
         if known.get(kind) is not type(layer):
@@ -97,10 +101,15 @@ def snapshot(cache) -> Snapshot:
         if getattr(layer, "record_past", False):
             raise NotSaved(f"cache layer {l} records its past")
         entry: dict = {"type": kind}
+        if layers is not None and l >= layers:  # cut: as a forward that stopped before this layer leaves it
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                raise NotSaved(f"a cut at layer {layers} with Gated DeltaNet layer {l} after it")
+            layers_out.append(entry | {"kv": False})
+            continue
         if isinstance(layer, CacheLayerMixin):
             entry["kv"] = bool(layer.is_initialized)
             if layer.is_initialized:
-                tensors[f"{PREFIX}{l}.keys"], tensors[f"{PREFIX}{l}.values"] = _lazy(layer.keys), _lazy(layer.values)
+                tensors[f"{PREFIX}{l}.keys"], tensors[f"{PREFIX}{l}.values"] = lazy(layer.keys), lazy(layer.values)
             if hasattr(layer, "cumulative_length"):  # sliding window: the rows seen, beyond the window it keeps
                 entry["cumulative_length"] = int(layer.cumulative_length)
         if isinstance(layer, LinearAttentionCacheLayerMixin):
@@ -114,14 +123,14 @@ def snapshot(cache) -> Snapshot:
                 entry["cumulative_length_linear"] = int(layer.cumulative_length_linear)
             for i in range(n):
                 if layer.is_conv_states_initialized[i]:
-                    tensors[f"{PREFIX}{l}.conv.{i}"] = _lazy(layer.conv_states[i])
+                    tensors[f"{PREFIX}{l}.conv.{i}"] = lazy(layer.conv_states[i])
                 if layer.is_recurrent_states_initialized[i]:
-                    tensors[f"{PREFIX}{l}.recurrent.{i}"] = _lazy(layer.recurrent_states[i])
-        layers.append(entry)
-    return Snapshot({"version": LAYOUT_VERSION, "layers": layers}, tensors)
+                    tensors[f"{PREFIX}{l}.recurrent.{i}"] = lazy(layer.recurrent_states[i])
+        layers_out.append(entry)
+    return Snapshot({"version": LAYOUT_VERSION, "layers": layers_out}, tensors)
 
 
-def _tensor(a, device):
+def tensor(a, device):
     """A host array from the checkpoint (bfloat16 as `safetensors.BF16`) as a torch tensor on `device`, in memory of
     torch's own (not the array's)."""
     import torch
@@ -160,7 +169,7 @@ def restore(lm, saved: Snapshot, new_cache: Callable[[], object], where: str):
     def get(name: str, device):
         if name not in saved.tensors:
             raise refuse(f"tensor {name} is missing")
-        return _tensor(saved.tensors[name].fetch(), device)
+        return tensor(saved.tensors[name].fetch(), device)
 
     with torch.inference_mode():  # the cache's own tensors are inference tensors: filled in place as in the forward
         for l, (layer, entry) in enumerate(zip(cache.layers, entries)):

@@ -690,10 +690,11 @@ class EarlyCaches:
     configuration pass may measure at) and is saved up to the deepest of them: the keys and values of the layers
     below it, and those states. A later pass at some of those splits reads them back instead of running the early
     layers again (`early_run`). On a CPU that is the cheaper way: for a 4K-token SmolLM2 prompt, saving layers 0-21
-    and four states (168 MB) costs 1-2 s of CPU (the kernel's pages for the file), reading them back 0.03 s, while
-    running 18 layers again costs 5.6 s. The runs read back are the ones saved, so the fills built on them are
-    bit-identical. Only where `_keeps_early` (the model on the CPU, a cache of keys and values alone) and within
-    `limit` bytes (and half the free disk); a prompt not kept is run again, as before."""
+    and four states (168 MB) costs up to 2 s of CPU (mostly the kernel's fresh pages for the file), reading them
+    back 0.05 s, while running 18 layers again costs 5.6 s. The runs read back are the ones saved, so the fills
+    built on them are bit-identical. The file is a cache snapshot as capture checkpoints write it (`capture.kvstate`, cut at the
+    deepest split) with the states beside it. Only where `_keeps_early` (the model on the CPU, a cache of keys and
+    values alone) and within `limit` bytes (and half the free disk); a prompt not kept is run again, as before."""
 
     def __init__(self, work, lm, splits, limit: int):
         import shutil
@@ -710,25 +711,22 @@ class EarlyCaches:
 
     def save(self, i: int, run) -> bool:
         """Keep prompt i's run (an exact run holding the states entering `splits`); False where it is not kept."""
-        from ridgefill.formats.safetensors import save
+        from ridgefill.capture import kvstate
+        from ridgefill.formats import safetensors
 
         if not self.splits or self._path(i).is_file():
             return False
-        layers = run.cache.layers[: self.depth]
-        if any(type(layer).__name__ not in KEPT_LAYERS for layer in layers):
+        try:
+            snap = kvstate.snapshot(run.cache, layers=self.depth)
+        except kvstate.NotSaved:
             return False
-        arrays, rows = {}, {}
-        for l, layer in enumerate(layers):
-            arrays[f"keys.{l}"], arrays[f"values.{l}"] = _array(layer.keys), _array(layer.values)
-            if getattr(layer, "cumulative_length", None) is not None:  # a sliding layer's count of rows seen
-                rows[f"rows.{l}"] = str(int(layer.cumulative_length))
-        for s in self.splits:
-            arrays[f"state.{s}"] = _array(run.states[s])
-        size = sum(getattr(a, "bits", a).nbytes for a in arrays.values())
+        tensors = snap.tensors | {f"state.{s}": kvstate.lazy(run.states[s]) for s in self.splits}
+        size = sum(t.nbytes for t in tensors.values())
         if self.used + size > self.limit:
             return False
         self.dir.mkdir(parents=True, exist_ok=True)
-        save(self._path(i), arrays, rows)  # (via a temporary file: a stopped sweep leaves none half-written)
+        layout = json.dumps(snap.layout, separators=(",", ":"), sort_keys=True)
+        safetensors.save_streamed(self._path(i), tensors, {"cache": layout})  # (via a temporary file)
         self.used += size
         return True
 
@@ -738,51 +736,25 @@ class EarlyCaches:
         import torch
         from transformers import DynamicCache
 
-        from ridgefill.formats.safetensors import LazyFile
+        from ridgefill.capture import kvstate
+        from ridgefill.formats import safetensors
         from ridgefill.runtime import ExactRun
 
         if not self.splits or not set(splits) <= set(self.splits) or not self._path(i).is_file():
             return None
-        f = LazyFile(self._path(i))
-        cache = DynamicCache(config=self.lm.model.config)
-        for l in range(max(splits)):
-            layer = cache.layers[l]
-            keys, values = _tensor(f[f"keys.{l}"]), _tensor(f[f"values.{l}"])
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-            if f"rows.{l}" in f.metadata:
-                layer.cumulative_length = int(f.metadata[f"rows.{l}"])
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
-        return ExactRun(ids=ids, logits=None, cache=cache, states={s: _tensor(f[f"state.{s}"]) for s in splits},
-                        seconds=0.0)
+        f, ad = safetensors.LazyFile(self._path(i)), self.lm.adapter
+        snap = kvstate.Snapshot(json.loads(f.metadata["cache"]),
+                                {n: f.lazy(n) for n in f.names if n.startswith(kvstate.PREFIX)})
+        cache = kvstate.restore(self.lm, snap, lambda: DynamicCache(config=self.lm.model.config), str(self.dir))
+        states = {s: kvstate.tensor(f[f"state.{s}"], ad.layer_device(s)) for s in splits}
+        return ExactRun(ids=torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(ad.device), logits=None, cache=cache,
+                        states=states, seconds=0.0)
 
     def clear(self) -> None:
         import shutil
 
         shutil.rmtree(self.dir, ignore_errors=True)
         self.used = 0
-
-
-KEPT_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")  # cache layers EarlyCaches saves and restores
-
-
-def _array(t):
-    """A CPU tensor as an array for safetensors, exactly (bfloat16 as its bit patterns); no copy."""
-    import torch
-
-    from ridgefill.formats.safetensors import BF16
-
-    t = t.detach().contiguous()
-    return BF16(t.view(torch.uint16).numpy()) if t.dtype == torch.bfloat16 else t.numpy()
-
-
-def _tensor(a):
-    """`_array`'s inverse."""
-    import torch
-
-    from ridgefill.formats.safetensors import BF16
-
-    return torch.from_numpy(a.bits).view(torch.bfloat16) if isinstance(a, BF16) else torch.from_numpy(a)
 
 
 def _keeps_early(lm) -> bool:
