@@ -692,9 +692,10 @@ class EarlyCaches:
     layers again (`early_run`). On a CPU that is the cheaper way: for a 4K-token SmolLM2 prompt, saving layers 0-21
     and four states (168 MB) costs up to 2 s of CPU (mostly the kernel's fresh pages for the file), reading them
     back 0.05 s, while running 18 layers again costs 5.6 s. The runs read back are the ones saved, so the fills
-    built on them are bit-identical. The file is a cache snapshot as capture checkpoints write it (`capture.kvstate`, cut at the
-    deepest split) with the states beside it. Only where `_keeps_early` (the model on the CPU, a cache of keys and
-    values alone) and within `limit` bytes (and half the free disk); a prompt not kept is run again, as before."""
+    built on them are bit-identical. The file is a cache snapshot as capture checkpoints write it
+    (`capture.kvstate`, cut at the deepest split) with the states beside it. Only where `_keeps_early` (the model
+    on the CPU, a cache of keys and values alone) and within `limit` bytes (and half the free disk); a prompt not
+    kept is run again, as before."""
 
     def __init__(self, work, lm, splits, limit: int):
         import shutil
