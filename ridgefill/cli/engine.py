@@ -1,5 +1,6 @@
 """`ridgefill engine prefix MODEL RELEASE --prompt FILE --out DIR` and `ridgefill engine fold FOLD --question TEXT
---out DIR`: engine cache folders for vLLM and llama.cpp (docs/engines.md)."""
+--out DIR`: engine cache folders for vLLM and llama.cpp; `ridgefill engine model MODEL --out DIR`: a Hugging Face
+folder vLLM serves, for a GGUF model (docs/engines.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import typer
 
 from ridgefill.cli.common import ModelArg, output, placed, store
 
-app = typer.Typer(help="Caches for serving engines (vLLM, llama.cpp): a RidgeFill prefix or a folded cache.",
+app = typer.Typer(help="For serving engines (vLLM, llama.cpp): a RidgeFill prefix or a folded cache; a model folder.",
                   no_args_is_help=True)
 Out = Annotated[Path, typer.Option("--out", help="Engine cache folder to write (cache.safetensors, prompt.safetensors).")]
 Force = Annotated[bool, typer.Option("--force", help="Replace an engine cache folder in --out.")]
@@ -62,3 +63,29 @@ def fold(
 
     ec = make_fold(store(), fold_id, question, out, dtype=cache_dtype, force=force, model=model, place=place)
     _report(output(), ec, out, False)
+
+
+ModelOut = Annotated[Path, typer.Option("--out", help="Model folder to write (config, safetensors weights, "
+                                                       "tokenizer, ridgefill-model.json).")]
+WeightsDtype = Annotated[str, typer.Option("--dtype", help="Weights' dtype: auto (float32: a GGUF's dequantized "
+                                                           "weights, unrounded), float32, bfloat16, float16.")]
+
+
+@app.command("model")
+def model(
+    model: ModelArg,
+    out: ModelOut,
+    dtype: WeightsDtype = "auto",
+    force: Annotated[bool, typer.Option("--force", help="Replace an engine model folder in --out.")] = False,
+) -> None:
+    """A Hugging Face folder vLLM serves, for a GGUF model (the built-ins too), marked with the model it comes from."""
+    from ridgefill.engines.model_dir import write_model_dir
+
+    o = output()
+    md = write_model_dir(store(), model, out, dtype=dtype, force=force, info=o.info)
+    o.info(f"engine model: {md.source['name']} ({md.source['fingerprint'][:12]}) as {md.dtype}, {len(md.files)} "
+           f"files, {md.bytes / 1e6:.1f} MB in {md.seconds['total']:.1f} s; folder fingerprint {md.fingerprint[:12]} "
+           f"-> {out}")
+    o.result({"out": str(out), "dtype": md.dtype, "fingerprint": md.fingerprint, "source": md.source,
+              "files": md.files, "bytes": md.bytes, "seconds": md.seconds, "built_cache": md.built_cache},
+             primary=str(out))
