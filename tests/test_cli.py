@@ -78,7 +78,7 @@ def tiny_release(folder) -> None:
     maps = {3: {"codes": codes, "scale_bits": bits, "bias": np.zeros(32, np.float32)}}
     manifest = {"model": {"name": "tiny", "architecture": "llama", "num_layers": 4, "hidden_size": 32,
                           "fingerprint": "0" * 64}, "split": 3, "tail_default": 8,
-                "layers": [{"index": 3, "kind": "attention"}]}
+                "layers": [{"index": 3, "kind": "attention"}], "fit": {"exact_norm": 812.5}}
     release.write_release(folder, maps, manifest, "# card\n")
 
 

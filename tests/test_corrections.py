@@ -92,7 +92,7 @@ def test_kv_corrections_in_the_runtime(arch, lm_of):
     ad = lm.adapter
     ids, S, T, m = tokens(30, seed=5), 2, 10, 4
     maps = random_maps(lm, S, seed=6)
-    plain = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, outliers=0)
+    plain = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps)
     with torch.no_grad():
         hs = lm.model(input_ids=ids[None], output_hidden_states=True).hidden_states
     attn = [l for l in range(S, ad.num_layers) if not ad.is_linear(l)]
@@ -103,7 +103,7 @@ def test_kv_corrections_in_the_runtime(arch, lm_of):
             lambda mod, args, kw, l=l: seen.__setitem__(l, (args[0] if args else kw["hidden_states"])[0].clone()),
             with_kwargs=True) for l in attn]  # fmt: skip
         try:
-            res = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, outliers=0, corrections=which,
+            res = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, corrections=which,
                           correction_rows=m)  # fmt: skip
         finally:
             for h in hooks:
@@ -140,7 +140,7 @@ def test_state_correction_in_the_runtime(lm_of):
     maps = random_maps(lm, S, seed=10)
     g = torch.Generator().manual_seed(11)
     offsets = {2: torch.randn(4, 8, 8, generator=g)}  # layer 2: 4 value heads, key and value dim 8
-    plain = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, outliers=0)
+    plain = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps)
     # The correction lands at the end of the prefix; the tail then runs on from there. Compare the prefix alone:
     # a prompt whose tail is its last row, with the correction measured at the end of the prefix.
     with torch.no_grad():
@@ -154,7 +154,7 @@ def test_state_correction_in_the_runtime(lm_of):
         gates = (-gdn.A_log.exp() * torch.nn.functional.softplus(a + gdn.dt_bias)).double().numpy()
     w = np.exp(np.cumsum(gates[::-1], axis=0)[::-1] - gates)
     share = w[1:].sum(0) / w.sum(0)
-    fixed = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, outliers=0, corrections=("state",),
+    fixed = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, corrections=("state",),
                     state_offsets=offsets)  # fmt: skip
     assert not torch.allclose(fixed.logits, plain.logits)
     # Replay: the uncorrected state at the end of the prefix, plus share x offset, then the tail: equals the fix.

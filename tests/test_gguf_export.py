@@ -35,7 +35,7 @@ def manifest(d_out: int = D_OUT) -> dict:
         "layers": [{"index": l, "kind": "sliding_attention" if l == 12 else "attention"} for l in LAYERS],
         "fit": {"alpha": 1e-4, "lambda": 0.0123456789, "rows": 98304, "documents": 2, "tokens": 98306,
                 "calibration_sha256": ["a" * 64, "c" * 64], "capture_id": "1" * 16, "solve_id": "2" * 16,
-                "skip_first_rows": 1, "chat": False, "chat_share": None},
+                "skip_first_rows": 1, "chat": False, "chat_share": None, "exact_norm": 812.5},
         "heldout": {"fitted": {"k_cosine": 0.96512, "v_cosine": 0.80934}, "identity": {"k_cosine": 0.857,
                     "v_cosine": 0.574}, "rows": 1843, "metric": "kv", "int8_score": 0.8856, "float_score": 0.8871},
     }

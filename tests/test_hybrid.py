@@ -229,7 +229,7 @@ def test_filled_state_is_the_stock_layer_run_on_the_predicted_inputs(arch, lm_of
     g = torch.Generator().manual_seed(8)
     d = ad.hidden_size
     maps = {l: (torch.randn(d, d, generator=g) / d**0.5, torch.randn(d, generator=g)) for l in range(S, 4)}
-    res = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, outliers=0)
+    res = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps)
     assert res.exact_rows == [0]
     with torch.no_grad():
         hs = lm.model(input_ids=ids[None], output_hidden_states=True).hidden_states

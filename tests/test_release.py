@@ -39,7 +39,7 @@ def make_manifest() -> dict:
         "split": 12,
         "tail_default": 512,
         "layers": [{"index": i, "kind": "attention"} for i in LAYERS],
-        "fit": {"alpha": 1e-4, "lambda": 0.0123456, "rows": 98304, "documents": 211},
+        "fit": {"alpha": 1e-4, "lambda": 0.0123456, "rows": 98304, "documents": 211, "exact_norm": 812.5},
         "heldout": {
             "fitted": {"k_cosine": 0.96512, "v_cosine": 0.80934, "input_cosine": 0.9321},
             "identity": {"k_cosine": 0.85701, "v_cosine": 0.57432, "input_cosine": 0.7788},
@@ -444,6 +444,44 @@ def test_a_release_without_recorded_facts_is_refused(rel):
     refused(rel, "^maps.safetensors: 'ridgefill.facts' metadata is not a JSON object")
 
 
+def _quant_tensors() -> dict:
+    """quant_maps() as {name: (safetensors dtype, array)}, what `write` puts in maps.safetensors."""
+    tensors = {}
+    for layer, m in quant_maps().items():
+        tensors[f"layer.{layer}.codes"] = ("I8", m["codes"])
+        tensors[f"layer.{layer}.scales"] = ("BF16", m["scale_bits"])
+        tensors[f"layer.{layer}.bias"] = ("BF16", int8.f32_to_bf16_bits(m["bias"]))
+    return tensors
+
+
+@pytest.mark.parametrize("fit, shown", [({}, "missing"), ({"exact_norm": 0}, "0"), ({"exact_norm": -2.5}, "-2.5"),
+                                        ({"exact_norm": True}, "true"), ({"exact_norm": "812.5"}, '"812.5"'),
+                                        ({"exact_norm": None}, "null")],
+                         ids=["missing", "zero", "negative", "bool", "string", "null"])
+def test_the_exact_row_norm_is_required(rel, tmp_path, fit, shown):
+    """`fit.exact_norm`, the split-state norm above which a runtime runs a prefix row exactly, is a positive number in
+    every release: the writer never writes a release without one, and the reader refuses one (a release exported
+    before the field existed) in one line, by verify and load alike, even with every hash resealed."""
+    def change(m):
+        m["fit"].pop("exact_norm")
+        m["fit"].update(fit)
+
+    manifest = make_manifest()
+    change(manifest)
+    with pytest.raises(ValueError, match=re.escape(f"'fit.exact_norm' is {shown}")):
+        write(tmp_path / "new", manifest=manifest)
+    assert not (tmp_path / "new").exists()
+    _replace_maps(rel, _encode(_quant_tensors(), _facts(rel, change)))
+    edit_manifest(rel, change)  # the facts and the manifest agree, every hash matches
+    for fn in (release.verify_release, release.load_release):
+        msg = refused(rel, "^ridgefill.json: 'fit.exact_norm' is ", fn=fn)
+        if shown == "missing":
+            assert msg == ("ridgefill.json: 'fit.exact_norm' is missing (a release exported before the exact-row norm "
+                           "existed: export it again)")
+        else:
+            assert msg.startswith(f"ridgefill.json: 'fit.exact_norm' is {shown}, expected a positive number")
+
+
 def test_maps_file_must_be_listed(rel):
     (rel / "more.safetensors").write_bytes((rel / MAPS_FILE).read_bytes())
     (rel / MAPS_FILE).unlink()
@@ -559,7 +597,7 @@ def test_hf_download_leftovers_cannot_be_listed(rel, name):
 def test_export_takes_the_group_size_of_the_quantize_artifact(tmp_path):
     """A quantize artifact made with groups of 64: the release records 64 and decodes with it, and eval's loader
     decodes the artifact with it too (a literal 128 would refuse the scales' shape)."""
-    from fakestore import LAYERS as FL, fake_chain, float_maps as fmaps
+    from fakestore import EXACT_NORM, LAYERS as FL, fake_chain, float_maps as fmaps
 
     from ridgefill.artifacts import Store
     from ridgefill.evaluate.source import load_source
@@ -574,6 +612,7 @@ def test_export_takes_the_group_size_of_the_quantize_artifact(tmp_path):
     export(st, ids["quantize"], out, Output(quiet=True))
     manifest, maps = release.load_release(out)
     assert manifest["projector"]["group_size"] == 64
+    assert manifest["fit"]["exact_norm"] == EXACT_NORM  # the solve's exact-row norm, through the quantize artifact
     assert "groups of 64" in (out / CARD).read_text()
     src = load_source(st, ids["quantize"])
     for layer, m in load_quant(q).items():
@@ -581,6 +620,28 @@ def test_export_takes_the_group_size_of_the_quantize_artifact(tmp_path):
         assert m["scale_bits"].shape == (fmaps()[layer]["weight"].shape[0], 3)  # ceil(160 / 64)
         assert np.array_equal(maps[layer]["weight"], want) and np.array_equal(src.maps[layer][0], want)
     assert sorted(maps) == list(FL)
+    assert src.exact_norm == load_source(st, ids["solve"]).exact_norm == EXACT_NORM
+
+
+def test_a_solve_without_the_exact_row_norm_is_refused(tmp_path):
+    """A solve made before format 5 fixed no exact-row norm: export and eval's loader refuse it (and a quantize
+    artifact made from it) in one line, before anything is written."""
+    from fakestore import fake_chain
+
+    from ridgefill.artifacts import Store
+    from ridgefill.evaluate.source import load_source
+    from ridgefill.export.build import export
+    from ridgefill.output import Output
+
+    st = Store(tmp_path / "store")
+    ids = fake_chain(st.root, exact_norm=None)
+    wording = rf"^solve {ids['solve']} has no exact-row norm \(made before solve format 5\): solve its capture again$"
+    for stage in ("solve", "quantize"):
+        with pytest.raises(BadInput, match=wording):
+            export(st, ids[stage], tmp_path / "rel", Output(quiet=True))
+        with pytest.raises(BadInput, match=wording):
+            load_source(st, ids[stage])
+    assert not (tmp_path / "rel").exists() and not list((st.root / "export").glob("*"))
 
 
 def test_group_size_must_agree_between_recipe_and_file(tmp_path):

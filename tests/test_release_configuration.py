@@ -34,7 +34,8 @@ D = 64  # the tiny models' width
 def small_manifest(**extra) -> dict:
     return {"model": {"name": "example/model-1", "revision": None, "architecture": "llama", "num_layers": 4,
                       "hidden_size": D, "fingerprint": "ab" * 32},
-            "split": 2, "tail_default": 8, "layers": [{"index": l, "kind": "full_attention"} for l in (2, 3)], **extra}
+            "split": 2, "tail_default": 8, "layers": [{"index": l, "kind": "full_attention"} for l in (2, 3)],
+            "fit": {"exact_norm": 812.5}, **extra}
 
 
 def small_maps(seed: int = 0) -> dict:
@@ -195,7 +196,9 @@ def test_export_without_a_configuration_keeps_its_id(store_chain, tmp_path):
     """The plain fill without a sweep records nothing: the export is the one made before configurations existed
     (its recipe, so its id, and its files)."""
     st, ids = store_chain
-    legacy = {"stage": "export", "version": 3, "source": f"quantize/{ids['quantize']}", "tail": 512}
+    from ridgefill.export.build import FORMAT_VERSION
+
+    legacy = {"stage": "export", "version": FORMAT_VERSION, "source": f"quantize/{ids['quantize']}", "tail": 512}
     r, doc = export_cli(st, ids["quantize"], "--out", tmp_path / "rel")
     assert r.returncode == 0, r.stderr
     assert doc["id"] == recipe_id(legacy) and st.get(doc["id"]).recipe == legacy
@@ -276,7 +279,8 @@ def test_gguf_carries_the_configuration(store_chain, tmp_path):
 
 
 def tiny_release(lm, folder: Path, configuration=None, table=None) -> Path:
-    """A release of random maps at split 2, tail 6, for the loaded tiny model (fit: row 0 and outliers by 20x)."""
+    """A release of random maps at split 2, tail 6, for the loaded tiny model (fit: row 0, and the rows above a norm of
+    1e4, which no row of a tiny model reaches)."""
     ref, ad = lm.ref, lm.adapter
     g = torch.Generator().manual_seed(3)
     maps = {l: {"weight": (torch.randn(D, D, generator=g) / D**0.5).numpy(), "bias": torch.randn(D, generator=g).numpy()}
@@ -284,7 +288,7 @@ def tiny_release(lm, folder: Path, configuration=None, table=None) -> Path:
     m = {"model": {"name": ref.name, "revision": ref.revision, "architecture": ref.model_type,
                    "num_layers": ad.num_layers, "hidden_size": D, "fingerprint": ref.fingerprint},
          "split": 2, "tail_default": 6, "layers": [{"index": l, "kind": ad.layer_kinds[l]} for l in maps],
-         "fit": {"skip_first_rows": 1, "outlier_ratio": 20.0},
+         "fit": {"skip_first_rows": 1, "outlier_ratio": 20.0, "exact_norm": 1e4},
          **({"configuration": configuration} if configuration else {})}
     kw = {} if table is None else {"protected": np.asarray(table, dtype=np.int32), "protected_facts": {"types": 3}}
     release.write_release(folder, maps, m, card_mod.model_card, weight_dtype="f32", **kw)
@@ -304,7 +308,7 @@ def test_the_runtime_applies_each_configuration_as_the_explicit_call(arch, lm_of
 
     lm = lm_of(arch)
     ids, table, positions = ids_and_table()
-    base = {"split": 2, "tail": 6, "anchor": 1, "outliers": 20.0}
+    base = {"split": 2, "tail": 6, "anchor": 1, "exact_norm": 1e4}
     cases = [(None, "ridgefill", {}),
              ({"arm": "ridgefill", "sweep": "s1"}, "ridgefill", {}),
              ({"arm": "ridgefill+rows", "sweep": None, "row_share": 0.25}, "ridgefill+rows", {"row_share": 0.25}),

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ridgefill.errors import BadInput
-from ridgefill.runtime import (ARMS, OUTLIER_RATIO, SlotCache, ceiling, exact_run, fill_rows, greedy, outlier_rows,
-                               prefill, prefill_from, selects_from)
+from ridgefill.runtime import (ARMS, OUTLIER_RATIO, SlotCache, ceiling, exact_run, fill_rows, greedy, norm_rows,
+                               prefill, prefill_from, prefix_prefill, selects_from)
 from conftest import TINY_FIXTURES
 from tiny import TEXT as TINY_TEXT
 
@@ -386,35 +386,114 @@ def test_row_0_runs_exactly_in_every_fill_arm(arch, arm, lm_of):
         prefill(lm, ids, arm, split=S, tail=T, maps=maps, anchor=-1)
 
 
+def norm_between(norms) -> float:
+    """An exact-row norm for the rows' norms [n] (float64) that at least 3 and at most half of them exceed: the
+    middle of the widest relative gap among the largest norms, so that no row lies within float32 round-off of it."""
+    top = torch.sort(norms, descending=True).values
+    k = max(range(3, len(top) // 2 + 1), key=lambda k: float(top[k - 1] / top[k]))  # top k above, the rest below
+    assert float(top[k - 1] / top[k]) > 1 + 1e-4
+    return float((top[k - 1] + top[k]) / 2)
+
+
 @pytest.mark.parametrize("arch", MAIN)
 @pytest.mark.parametrize("arm", ["ridgefill", "identity", "nofill"])
-def test_outlier_rows_run_exactly(arch, arm, lm_of):
-    """Prefix rows whose split state's norm exceeds `outliers` x the prefix's median (brute force from the stock
-    model's hidden states) join the exact rows, in prefill and prefill_from alike; the result equals naming those
-    rows as exact rows with the rule off. A tiny random model has no real later sink, so a low ratio makes some."""
+def test_rows_above_the_exact_norm_run_exactly(arch, arm, lm_of):
+    """Prefix rows whose split state's norm exceeds `exact_norm` (brute force: float64 norms of the stock model's
+    hidden states) join the exact rows, in prefill and prefill_from alike; the result equals naming those rows as
+    exact rows with the rule off. A tiny random model has no real later sink, so a low norm makes some."""
     lm = lm_of(arch)
-    ids, S, T, ratio = tokens(24, seed=31), 2, 6, 1.05
+    ids, S, T = tokens(24, seed=31), 2, 6
     maps = random_maps(lm, S) if arm == "ridgefill" else None
-    h = hidden_states(lm, ids)[S][0, : 24 - T].double()
-    norms = h.norm(dim=-1)
-    want = sorted({0} | set(torch.nonzero(norms > ratio * norms.median()).flatten().tolist()))
-    assert 1 < len(want) < 24 - T
-    res = prefill(lm, ids, arm, split=S, tail=T, maps=maps, outliers=ratio)
+    norms = hidden_states(lm, ids)[S][0, : 24 - T].double().norm(dim=-1)
+    tau = norm_between(norms)
+    want = sorted({0} | set(torch.nonzero(norms > tau).flatten().tolist()))
+    assert 2 < len(want) < 24 - T
+    res = prefill(lm, ids, arm, split=S, tail=T, maps=maps, exact_norm=tau)
     assert res.exact_rows == want
-    same = prefill(lm, ids, arm, split=S, tail=T, maps=maps, exact_rows=want, outliers=0)
+    same = prefill(lm, ids, arm, split=S, tail=T, maps=maps, exact_rows=want)
     torch.testing.assert_close(res.logits, same.logits, atol=0, rtol=0)
     run = exact_run(lm, ids, splits=[S], logits_rows=T)
-    got = prefill_from(lm, run, arm, split=S, tail=T, maps=maps, outliers=ratio)
-    assert got.exact_rows == want
+    got = prefill_from(lm, run, arm, split=S, tail=T, maps=maps, exact_norm=tau)
+    assert got.exact_rows == want == fill_rows(lm, run, arm, split=S, tail=T, maps=maps, exact_norm=tau)
     torch.testing.assert_close(got.logits, res.logits, atol=1e-4, rtol=1e-4)
-    # The default ratio finds no sink in a random model, and the rule changes nothing then.
+    # Without a norm (the default) no row runs exactly for its norm; a norm above every row changes nothing.
     assert prefill(lm, ids, arm, split=S, tail=T, maps=maps).exact_rows == [0]
-    for bad in (-1, 0.5, 1):
-        with pytest.raises(BadInput, match="outliers must be 0 .off. or a norm ratio above 1"):
-            prefill(lm, ids, arm, split=S, tail=T, maps=maps, outliers=bad)
+    assert prefill(lm, ids, arm, split=S, tail=T, maps=maps, exact_norm=float(norms.max()) * 2).exact_rows == [0]
+    for bad in (-1, 0, True, float("inf"), float("nan"), "3"):
+        with pytest.raises(BadInput, match=r"exact_norm must be None \(off\) or a positive norm"):
+            prefill(lm, ids, arm, split=S, tail=T, maps=maps, exact_norm=bad)
 
 
-def test_outlier_rows_rule():
+@pytest.mark.parametrize("arch", MAIN)
+def test_the_exact_rows_of_a_prefix_do_not_depend_on_later_rows(arch, lm_of):
+    """The point of the rule: a row's verdict is its own. A chunked computation (the prompt fed 8 rows at a time,
+    each chunk's rows judged as they arrive, from a forward of the rows so far) chooses the prefill's exact rows;
+    a prompt and a longer one with the same start choose the same exact rows among their shared prefix rows, and
+    so does `prefix_prefill`, which never sees the tail. (20x a prefix's median would move with the rows after.)"""
+    lm = lm_of(arch)
+    ids, S, T, n = tokens(40, seed=32), 2, 6, 40
+    maps = random_maps(lm, S)
+    tau = norm_between(hidden_states(lm, ids)[S][0, : n - T].double().norm(dim=-1))
+    chunked = {0}
+    for start in range(0, n - T, 8):
+        end = min(start + 8, n - T)
+        h = exact_run(lm, ids[:end], splits=[S]).states[S]  # the rows so far: what a chunk's rows can see
+        chunked |= {start + i for i in torch.nonzero(norm_rows(h[start:end], tau)).flatten().tolist()}
+    full = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, exact_norm=tau)
+    assert full.exact_rows == sorted(chunked) and len(chunked) > 2
+    for m in (14, 22, 30):
+        short = prefill(lm, ids[:m], "ridgefill", split=S, tail=T, maps=maps, exact_norm=tau)
+        assert short.exact_rows == [r for r in full.exact_rows if r < m - T]
+        if arch in ("llama", "gemma3_text"):  # prefix_prefill fails on the hybrids (before this rule too)
+            part = prefix_prefill(lm, ids[:m], "ridgefill", split=S, tail=T, maps=maps, exact_norm=tau)
+            assert part.exact_rows == short.exact_rows
+
+
+def test_the_exact_row_rule_against_brute_force():
+    """`norm_rows`: a row runs exactly iff its L2 norm, in float32, exceeds the norm; against float64 numpy norms,
+    for float32 and bfloat16 states, each row judged alone (the same verdict in any company)."""
+    from ridgefill.runtime.rows import with_norm_rows
+
+    rng = np.random.default_rng(5)
+    h = (rng.standard_normal((300, 64)) * rng.uniform(0.1, 50.0, (300, 1))).astype(np.float32)  # [300, 64]
+    for x in (torch.from_numpy(h), torch.from_numpy(h).bfloat16()):
+        norms = np.linalg.norm(x.double().numpy(), axis=1)  # [300] float64
+        tau = 1.5 * float(np.median(norms))
+        assert np.abs(norms / tau - 1).min() > 1e-5  # no row within float32 round-off of the norm
+        want = norms > tau
+        assert 0 < want.sum() < 300
+        assert np.array_equal(norm_rows(x, tau).numpy(), want)
+        perm = torch.from_numpy(rng.permutation(300))
+        assert np.array_equal(norm_rows(x[perm], tau).numpy(), want[perm.numpy()])
+        assert all(bool(norm_rows(x[i : i + 1], tau)[0]) == want[i] for i in range(300))
+        assert with_norm_rows([0, 7], x, 200, tau) == sorted({0, 7} | set(np.nonzero(want[:200])[0].tolist()))
+    assert not norm_rows(torch.from_numpy(h), None).any()
+    assert with_norm_rows([0], torch.from_numpy(h), 300, None) == [0]
+
+
+def test_the_exact_row_norm_is_20x_the_median_norm():
+    """`fit_exact_norm` (what solve records from the held-out rows): 20 x numpy's median of the float64 row norms,
+    the mean of the two middle ones for an even count."""
+    from ridgefill.runtime.rows import fit_exact_norm
+
+    rng = np.random.default_rng(6)
+    for rows in (2047, 2048):
+        x = (rng.standard_normal((rows, 48)) * rng.uniform(0.5, 2.0, (rows, 1))).astype(np.float32)
+        norms = np.sqrt((x.astype(np.float64) ** 2).sum(axis=1))
+        s = np.sort(norms)
+        median = s[rows // 2] if rows % 2 else (s[rows // 2 - 1] + s[rows // 2]) / 2
+        assert fit_exact_norm(x) == pytest.approx(20.0 * median, rel=1e-14)
+        assert fit_exact_norm(x, 10.0) == pytest.approx(10.0 * median, rel=1e-14)
+    for bad in (np.zeros((0, 4), np.float32), np.zeros((3, 4), np.float32)):
+        with pytest.raises(ValueError):
+            fit_exact_norm(bad)
+
+
+def test_capture_leaves_out_rows_by_its_chunk_median():
+    """Capture's own rule (which rows it leaves out of the fit) stays 20x its chunk's median norm."""
+    from ridgefill.capture.run import CaptureConfig
+    from ridgefill.runtime.rows import outlier_rows
+
     h = torch.ones(9, 4)
     h[3] *= 25  # 25x the median norm
     h[5] *= 19
@@ -422,9 +501,7 @@ def test_outlier_rows_rule():
     assert OUTLIER_RATIO == 20
     assert torch.nonzero(outlier_rows(h, 10)).flatten().tolist() == [3, 5]
     assert not outlier_rows(h, 0).any()
-    from ridgefill.capture.run import CaptureConfig
-
-    assert CaptureConfig().outlier_ratio == OUTLIER_RATIO  # capture leaves out the rows the runtime runs exactly
+    assert CaptureConfig().outlier_ratio == OUTLIER_RATIO
 
 
 # -- eager attention ------------------------------------------------------------------------------------------------
@@ -494,7 +571,7 @@ def write_tiny_release(lm, folder, maps, split, tail, layers=None, fit=None):
                           "num_layers": ad.num_layers, "hidden_size": ad.hidden_size, "fingerprint": ref.fingerprint},
                 "split": split, "tail_default": tail,
                 "layers": [{"index": l, "kind": ad.layer_kinds[l]} for l in sorted(layers or maps)],
-                **({"fit": fit} if fit is not None else {})}  # fmt: skip
+                "fit": fit if fit is not None else {"exact_norm": 1e6}}  # no row is above it
     arrays = {l: {"weight": np.asarray(W, np.float32), "bias": np.asarray(b, np.float32)} for l, (W, b) in maps.items()}
     return write_release(folder, arrays, manifest, "tiny release\n", weight_dtype="f32")
 
@@ -518,8 +595,8 @@ def test_load_release_maps(lm_of, tmp_path):
 
 
 def test_a_release_prescribes_the_rows_its_fit_left_out(lm_of, tmp_path):
-    """`rel.options()` carries the fit's rules: the first `fit.skip_first_rows` rows and the outliers by
-    `fit.outlier_ratio` run exactly (null: a fit that kept the outliers, so none), as eval applies them too."""
+    """`rel.options()` carries the fit's rules: the first `fit.skip_first_rows` rows and the prefix rows above
+    `fit.exact_norm` run exactly, as eval applies them too."""
     from ridgefill.evaluate.source import load_source
     from ridgefill.runtime import load_release_maps
 
@@ -527,25 +604,23 @@ def test_a_release_prescribes_the_rows_its_fit_left_out(lm_of, tmp_path):
     maps, ids = random_maps(lm, 1, seed=3), tokens(24, seed=4)
     h = exact_run(lm, ids, splits=[1]).states[1]
     norms = h.float().norm(dim=-1)[:19]
-    ratio = float(norms.max() / norms.median()) * 0.999  # the largest row is just over the ratio
+    tau = float(norms.max()) * 0.999  # the largest row is just over it
     big = int(norms.argmax())
-    for fit, anchor, outliers, rows in (({"skip_first_rows": 3, "outlier_ratio": ratio}, 3, ratio, {0, 1, 2, big}),
-                                        ({"skip_first_rows": 1, "outlier_ratio": None}, 1, 0.0, {0})):
+    for fit, anchor, rows in (({"skip_first_rows": 3, "exact_norm": tau}, 3, {0, 1, 2, big}),
+                              ({"skip_first_rows": 1, "exact_norm": float(norms.max()) * 2}, 1, {0})):
         write_tiny_release(lm, tmp_path / "rel", maps, 1, 5, fit=fit)
         rel = load_release_maps(lm, tmp_path / "rel")
-        assert (rel.anchor, rel.outliers) == (anchor, outliers)
-        assert rel.options() == {"split": 1, "tail": 5, "maps": rel.maps, "anchor": anchor, "outliers": outliers}
+        assert (rel.anchor, rel.exact_norm) == (anchor, fit["exact_norm"])
+        assert rel.options() == {"split": 1, "tail": 5, "maps": rel.maps, "anchor": anchor,
+                                 "exact_norm": fit["exact_norm"]}
         res = prefill(lm, ids, "ridgefill", **rel.options())
         assert set(res.exact_rows) == rows
         src = load_source(None, str(tmp_path / "rel"))
-        assert (src.anchor, src.outliers) == (anchor, outliers)
+        assert (src.anchor, src.exact_norm) == (anchor, fit["exact_norm"])
         shutil.rmtree(tmp_path / "rel")
-    for fit, wording in (({"skip_first_rows": "1"}, "'fit.skip_first_rows' is '1', not a number of rows"),
-                         ({"skip_first_rows": 1, "outlier_ratio": 0.5}, "'fit.outlier_ratio' is 0.5, not null, 0 or")):
-        write_tiny_release(lm, tmp_path / "rel", maps, 1, 5, fit=fit)
-        with pytest.raises(BadInput, match=re.escape(wording)):
-            load_release_maps(lm, tmp_path / "rel")
-        shutil.rmtree(tmp_path / "rel")
+    write_tiny_release(lm, tmp_path / "rel", maps, 1, 5, fit={"skip_first_rows": "1", "exact_norm": 10.0})
+    with pytest.raises(BadInput, match=re.escape("'fit.skip_first_rows' is '1', not a number of rows")):
+        load_release_maps(lm, tmp_path / "rel")
 
 
 def test_load_release_maps_refusals(lm_of, tmp_path):

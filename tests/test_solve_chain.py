@@ -82,6 +82,15 @@ def test_solve_maps_and_choice_match_brute_force(chain, tiny_llama):
         np.testing.assert_allclose(arrays[f"layer.{l}.bias"], b[i], rtol=1e-4, atol=1e-5)
     # the identity fill scores layer S (whose input is h_S itself) perfectly
     assert rep["identity"]["layers"]["2"]["k_cosine"] == pytest.approx(1.0, abs=1e-6)
+    # the exact-row norm: 20 x the median L2 norm of the held-out rows at the split (64 rows: the mean of the two
+    # middle ones), recorded in maps.safetensors, the report and the summary
+    norms = np.sqrt((x ** 2).sum(axis=1))
+    mid = np.sort(norms)[len(norms) // 2 - 1 : len(norms) // 2 + 1]
+    want = 20.0 * float(np.median(norms))
+    assert len(norms) % 2 == 0 and want == pytest.approx(20.0 * mid.mean(), rel=1e-15)
+    recorded = float(safetensors.read_header(sol.file("maps.safetensors"))[1]["exact_norm"])
+    assert recorded == pytest.approx(want, rel=1e-12)
+    assert rep["exact_norm"] == sol.manifest["summary"]["exact_norm"] == recorded
 
 
 def test_solve_cli_equals_the_library_and_is_cached(chain, tmp_path):
@@ -133,6 +142,7 @@ def test_quantize_export_verify(chain):
     man = json.loads((out / "ridgefill.json").read_text())
     assert man["format"] == "ridgefill-maps/1" and man["split"] == 2 and man["projector"]["dtype"] == "int8"
     assert [x["index"] for x in man["layers"]] == [2, 3]
+    assert man["fit"]["exact_norm"] == chain["sol"].manifest["summary"]["exact_norm"] > 0  # the solve's, via quantize
     r = cli("verify", out)
     assert r.returncode == 0, r.stderr
     # the release decodes to the quantized maps

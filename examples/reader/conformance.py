@@ -51,7 +51,7 @@ def _manifest(kinds: dict[int, str] | None = None) -> dict:
         "tail_default": 512,
         "layers": [{"index": i, "kind": kinds.get(i, "full_attention")} for i in LAYERS],
         "fit": {"alpha": 0.001, "lambda": 0.03, "rows": 4096, "documents": 12, "tokens": 4108, "chat": False,
-                "chat_share": None, "skip_first_rows": 1, "outlier_ratio": 20.0,
+                "chat_share": None, "skip_first_rows": 1, "outlier_ratio": 20.0, "exact_norm": 812.5,
                 "calibration_sha256": ["cd" * 32]},
         "heldout": {"fitted": {"k_cosine": 0.95, "v_cosine": 0.81}, "identity": {"k_cosine": 0.85, "v_cosine": 0.5},
                     "rows": 512, "metric": "kv"},
@@ -360,6 +360,7 @@ CASES = [
         "arm": "ridgefill+protected", "sweep": None})), 0),
     Case("valid-configured-plain", int8_release, facts(lambda m: m.update(configuration={
         "arm": "ridgefill", "sweep": None})), 0),
+    Case("valid-exact-norm-integer", int8_release, facts(lambda m: m["fit"].update(exact_norm=812)), 0),
     Case("valid-facts-not-canonical", int8_release, lambda d: (tensors(MAPS, _unsorted_facts, resealed=False)(d),
                                                                _fix_maps_sha(d)), 0),
     Case("manifest-missing", int8_release, lambda d: (d / MANIFEST).unlink(), 1, MANIFEST),
@@ -482,6 +483,18 @@ CASES = [
         "arm": "ridgefill+kscale", "sweep": None, "row_share": 0.1})), 10, MANIFEST, ("'configuration'",)),
     Case("configuration-protected-without-table", int8_release, facts(lambda m: m.update(configuration={
         "arm": "ridgefill+protected", "sweep": None})), 10, MANIFEST, ("'configuration.arm'",)),
+    Case("exact-norm-missing", int8_release, facts(lambda m: m["fit"].pop("exact_norm")), 10, MANIFEST,
+         ("'fit.exact_norm'",)),
+    Case("exact-norm-zero", int8_release, facts(lambda m: m["fit"].update(exact_norm=0)), 10, MANIFEST,
+         ("'fit.exact_norm'",)),
+    Case("exact-norm-negative", int8_release, facts(lambda m: m["fit"].update(exact_norm=-812.5)), 10, MANIFEST,
+         ("'fit.exact_norm'",)),
+    Case("exact-norm-string", int8_release, facts(lambda m: m["fit"].update(exact_norm="812.5")), 10, MANIFEST,
+         ("'fit.exact_norm'",)),
+    Case("exact-norm-bool", int8_release, facts(lambda m: m["fit"].update(exact_norm=True)), 10, MANIFEST,
+         ("'fit.exact_norm'",)),
+    Case("exact-norm-null", int8_release, facts(lambda m: m["fit"].update(exact_norm=None)), 10, MANIFEST,
+         ("'fit.exact_norm'",)),
     Case("protected-not-ascending", protected_release, tensors(PROTECTED, lambda ts, m: _set(
         ts["protected_token_ids"], 0, struct.pack("<i", 9))), 10, PROTECTED),
     Case("protected-wrong-dtype", protected_release, tensors(PROTECTED, lambda ts, m: ts[

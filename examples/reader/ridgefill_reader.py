@@ -261,6 +261,7 @@ def read_release(folder):
         for t, (dtype, _, _) in sorted(tensors.items()):
             need(dtype in NUMPY, name, f"tensor {q(t)} has dtype {dtype}, not one of I8, I32, BF16, F32")
     check_configuration(manifest)
+    check_exact_norm(manifest)
     return manifest, tensor_checks(manifest, parsed, pfiles, named)
 
 
@@ -282,6 +283,16 @@ def check_configuration(manifest):
          f"'configuration.row_share' is {show(share)}, not a number in (0, 1)")
     need(arm != "ridgefill+protected" or "protected_tokens" in manifest, MANIFEST,
          "'configuration.arm' is ridgefill+protected, but the release has no 'protected_tokens'")
+
+
+def check_exact_norm(manifest):
+    """Rule 10's `fit.exact_norm`: a positive number (the split-state norm above which a prefix row runs exactly); a
+    release without it was exported before the field existed."""
+    norm = get(manifest, "fit.exact_norm")
+    need(norm is not MISSING, MANIFEST, "'fit.exact_norm' is missing (exported before the field existed: export it "
+                                        "again)")
+    need(type(norm) in (int, float) and 0 < norm < math.inf, MANIFEST,
+         f"'fit.exact_norm' is {show(norm)}, not a positive number")
 
 
 def tensor_checks(manifest, parsed, pfiles, named):

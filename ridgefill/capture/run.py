@@ -3,7 +3,8 @@
 Each document is one unit of work, fed chunk by chunk through the model's KV cache (capture/forward.py), so
 every row keeps its whole left context; the document's first row (an attention sink with outsized
 activations) is left out of the fit, and so is any later row whose state at a split is an outlier by norm
-(more than `outlier_ratio` x the median of its chunk's rows: a second sink, which the fill runs exactly). `max_length` truncates documents (default: the model's context).
+(more than `outlier_ratio` x the median of its chunk's rows: a second sink, which the fill runs exactly by the
+solve's exact-row norm). `max_length` truncates documents (default: the model's context).
 
 Units are grouped into blocks that depend on the input alone (contiguous, balanced by tokens). A block's
 statistics are merged from empty, unit by unit and chunk by chunk, and the blocks are merged into the totals in

@@ -6,9 +6,9 @@ sent `ids` (P cached positions first, then the rows it must still compute) and l
 and values instead of computing them.
 
 - `prefix_cache`: a prompt's first P = N - T rows, from the exact model ("exact") or filled ("ridgefill" with a
-  release's maps, "identity"), exactly as the reference runtime fills them (its anchor and outlier rows run
-  every layer, attending to the filled rows before them). The engine computes the T tail rows itself, as the
-  reference runtime does.
+  release's maps, "identity"), exactly as the reference runtime fills them (its anchor and the rows above its
+  exact-row norm run every layer, attending to the filled rows before them). The engine computes the T tail rows
+  itself, as the reference runtime does.
 - `present_fold`: a folded cache of r entries per KV head as r placeholder positions. Each key carries RoPE at its
   original position p, and the continuation must see it as after a context of N tokens; the engine instead places
   the next token at r. Rotating every key by -(N - r) keeps each (query, key) pair's relative rotation, which is
@@ -62,7 +62,7 @@ def _engine_ready(lm) -> None:
 
 def prefix_cache(lm, ids, arm: str, **options) -> EngineCache:
     """The first N - tail rows of `ids` [N] as an engine cache, computed by `arm` ("exact", "ridgefill",
-    "identity") with the fill options (`tail` required; `split`, `maps`, `anchor`, `outliers`): the rows a prefill
+    "identity") with the fill options (`tail` required; `split`, `maps`, `anchor`, `exact_norm`): the rows a prefill
     of all N rows writes there (`runtime.prefix_prefill`). `seconds` is that computation's wall time."""
     import torch
 
@@ -108,7 +108,7 @@ def present_fold(lm, folded: dict[int, dict[str, np.ndarray]], context_tokens: i
 def fill_model_dir(lm, rel, out: Path, *, tail: int | None = None) -> Path:
     """A model folder for the vLLM fill plugin (`ridgefill.engines.vllm_fill`): the model's float weights, the
     release's maps as float32 (`ridgefill/maps-f32.safetensors`: `layer.<l>.weight`, `layer.<l>.bias`) and config.json's
-    architecture and `ridgefill` entry (split, tail, anchor, outlier ratio: the release's options)."""
+    architecture and `ridgefill` entry (split, tail, anchor, exact-row norm: the release's options)."""
     import json
 
     _engine_ready(lm)
@@ -125,6 +125,6 @@ def fill_model_dir(lm, rel, out: Path, *, tail: int | None = None) -> Path:
     cfg = json.loads((out / "config.json").read_text())
     cfg["architectures"] = ["RidgefillLlamaForCausalLM"]
     cfg["ridgefill"] = {"maps": "ridgefill/maps-f32.safetensors", "split": rel.split, "tail": int(tail or rel.tail),
-                        "anchor": rel.anchor, "outliers": rel.outliers}  # fmt: skip
+                        "anchor": rel.anchor, "exact_norm": rel.exact_norm}  # fmt: skip
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out

@@ -38,12 +38,12 @@ Arms (as in ridgefill.runtime; N rows, split S, tail T, prefix P = N - T):
   DeltaNet layer runs its whole token mixer (input projections, convolution, recurrence, out_proj) over the
   filled rows too, from their predicted input, as the reference does; only its MLP is skipped for them
   ("nofill": the mixer runs over the query rows alone).
-- `exact_rows`: every prefix row that runs every layer: the anchor, the outliers, the selected rows and any asked
-  for, which is what `PrefillResult.exact_rows` lists. A list gives their positions, and the count is exact. A
-  number r means the first r positions (0..r-1, where the anchor is; at most the prefix). Other positions of the
-  same count cost the same except for their own attention (a later exact row sees more keys, so the first rows
-  give the least attention) and, on sliding layers, which filled rows are written. The default, 1, is the
-  runtime's default anchor.
+- `exact_rows`: every prefix row that runs every layer: the anchor, the rows above the exact-row norm, the selected
+  rows and any asked for, which is what `PrefillResult.exact_rows` lists. A list gives their positions, and the
+  count is exact. A number r means the first r positions (0..r-1, where the anchor is; at most the prefix). Other
+  positions of the same count cost the same except for their own attention (a later exact row sees more keys, so
+  the first rows give the least attention) and, on sliding layers, which filled rows are written. The default, 1,
+  is the runtime's default anchor.
 
 Not counted: the corrections (`corrections=`: the key/value projections of the first tail rows, twice, and a map
 of them, per late attention layer; the "state" correction's gate projections).

@@ -55,7 +55,7 @@ class _Rows:
 def fill_args(src: MapsSource, arm: Arm, tail: int) -> dict:
     """prefill / prefill_from options of a fill arm ("+rows" with the source's row share)."""
     args = {"split": src.split, "tail": tail, "maps": src.maps if arm.base == "ridgefill" else None,
-            "anchor": src.anchor, "outliers": src.outliers}
+            "anchor": src.anchor, "exact_norm": src.exact_norm}
     if arm.selector == "rows" and arm.control is None:
         args["row_share"] = src.row_share
     if arm.corrections:
@@ -78,9 +78,9 @@ def fills(lm, run, src: MapsSource, arms, tail: int, probe=None, logits_rows=Non
     With `timed` every arm is a real, timed `prefill`; otherwise the arms are built from the prompt's exact run
     (`runtime.prefill_from`: the fill arms only run their late layers; "+rows" also its probe rows, or a prefill of
     its own where the run lacks the keys it selects from). A selector's rows are the prefix rows it makes exact
-    beyond the arm's own exact rows (row 0 and the outlier rows); its controls get as many: random filled rows, or
-    a longer tail. `counted`: names of selector arms wanted only for their rows (a control's count): they get no
-    result, and no late layers run for them."""
+    beyond the arm's own exact rows (row 0 and the rows above the exact-row norm); its controls get as many: random
+    filled rows, or a longer tail. `counted`: names of selector arms wanted only for their rows (a control's
+    count): they get no result, and no late layers run for them."""
     from ridgefill.runtime import fill_rows, prefill, prefill_from, selects_from
 
     ids = run.ids
@@ -113,7 +113,7 @@ def fills(lm, run, src: MapsSource, arms, tail: int, probe=None, logits_rows=Non
             res[arm.name] = fill(arm, arm.base)
             own = own or res[arm.name].exact_rows
             continue
-        if own is None:  # the arm's own exact rows (row 0, the outliers), as a plain fill of this prompt has them
+        if own is None:  # the arm's own exact rows (row 0, rows above the norm), as a plain fill has them
             own = rows_of(Arm("ridgefill"), "ridgefill")
         if arm.control is None:
             if arm.selector == "rows":

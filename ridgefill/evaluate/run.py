@@ -29,10 +29,11 @@ from ridgefill.evaluate.source import MapsSource, load_source
 from ridgefill.evaluate.summary import manifest_summary, summarize
 from ridgefill.output import Output
 
-FORMAT_VERSION = 7  # 2: single needles in noise filler; 3: nofill needles, "ridgefill+rows"; 4: row 0 exact;
+FORMAT_VERSION = 8  # 2: single needles in noise filler; 3: nofill needles, "ridgefill+rows"; 4: row 0 exact;
 # 5: arms built from one exact run per prompt, speed from one timed prefill per arm and length ("timing");
 # 6: prefix rows whose split state is an outlier by norm (later sinks) run exactly; 7: corrections, selectors and
-# their controls (evaluate/arms.py), paired comparisons ("pairs")
+# their controls (evaluate/arms.py), paired comparisons ("pairs"); 8: those rows by the maps' exact-row norm, row by
+# row, instead of 20x the prefix's median
 DEFAULT_ARMS = ("exact", "ridgefill", "identity", "nofill")  # the rest are asked for by name (evaluate/arms.py)
 
 

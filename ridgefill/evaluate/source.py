@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ridgefill.artifacts import Store, recipe_id
 from ridgefill.errors import BadInput
-from ridgefill.runtime.rows import ANCHOR_ROWS, OUTLIER_RATIO, ROW_SHARE, fit_rows
+from ridgefill.runtime.rows import ANCHOR_ROWS, ROW_SHARE, fit_rows
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class MapsSource:
     state_offsets: dict | None = None  # a hybrid's terminal-state offsets {layer: float32 array}
     protected: frozenset | None = None  # the protected-token table: token ids
     anchor: int = ANCHOR_ROWS  # leading rows run exactly: the rows the fit left out (`fit.skip_first_rows`)
-    outliers: float = OUTLIER_RATIO  # the fit's outlier rule (`fit.outlier_ratio`; 0: a fit that kept them)
+    exact_norm: float | None = None  # prefix rows above this split-state norm run exactly (`fit.exact_norm`)
     configuration: str = "ridgefill"  # the arm the release is applied with (`configuration.arm`; artifacts: plain)
     row_share: float = ROW_SHARE  # the share of rows "+rows" runs exactly (a ridgefill+rows release's own)
 
@@ -54,14 +54,14 @@ def load_source(store: Store, source: str) -> MapsSource:
                           frozenset(manifest.get("fit", {}).get("calibration_sha256", [])), p, rel.state_offsets,
                           None if rel.protected is None else frozenset(rel.protected),
                           **fit_rows((manifest.get("fit") or {}).get("skip_first_rows", ANCHOR_ROWS),
-                                     (manifest.get("fit") or {}).get("outlier_ratio"), str(p)),
+                                     (manifest.get("fit") or {}).get("exact_norm"), str(p)),
                           configuration=conf["arm"], row_share=conf.get("row_share", ROW_SHARE))
     art = store.get(source)
     if art.stage not in ("solve", "quantize"):
         raise BadInput(f"artifact {art.id} is a {art.stage} artifact; eval takes a release folder, solve or quantize artifact")
     from ridgefill.capture.artifact import calibration_hashes
     from ridgefill.quantize.artifact import float_maps
-    from ridgefill.solve.artifact import load_extras
+    from ridgefill.solve.artifact import load_exact_norm, load_extras
 
     maps = float_maps(art)  # int8 decoded with the artifact's own group size
     cap = store.upstream(art, "capture")
@@ -71,4 +71,4 @@ def load_source(store: Store, source: str) -> MapsSource:
     # the split and the model from the recipes, which the ids cover (never from an artifact's `info`)
     return MapsSource(maps, int(sol.recipe["split"]), sol.recipe["model"], f"{art.stage}:{art.id}", calib, None, offsets,
                       None if table is None else frozenset(table),
-                      **fit_rows(cap.recipe["skip_first"], cap.recipe.get("outlier_ratio"), f"capture {cap.id}"))
+                      **fit_rows(cap.recipe["skip_first"], load_exact_norm(sol), f"solve {sol.id}"))

@@ -30,7 +30,8 @@ from ridgefill.formats.release.names import (CONFIGURATIONS, KSCALE_CONFIGURATIO
 from ridgefill.output import Output
 from ridgefill.solve import artifact as solved
 
-FORMAT_VERSION = 3  # 2: maps.safetensors records the release facts; 3: and the sha256 of the other tensor files
+FORMAT_VERSION = 4  # 2: maps.safetensors records the release facts; 3: and the sha256 of the other tensor files;
+# 4: `fit.exact_norm`, the solve's exact-row norm
 RELEASE_DIR = "release"
 DEFAULT_TAIL = 512
 
@@ -56,6 +57,7 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
     if out_dir is not None:
         release.check_out_dir(out_dir)
     sol = store.upstream(src, "solve")
+    exact_norm = solved.load_exact_norm(sol)  # a solve made before it has none: refused before anything is written
     has_table = solved.PROTECTED in (sol.manifest.get("files") or {})
     if conf is not None and conf["arm"] == PROTECTED_CONFIGURATION and not has_table:
         raise BadInput(f"--configuration {PROTECTED_CONFIGURATION} needs a protected-token table, and solve {sol.id} "
@@ -76,7 +78,7 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
             maps, group = _float_maps(src), {"weight_dtype": "f32"}
         model_ref = captured.captured_model(cap, store, model)  # a ModelRef: nothing is loaded
         manifest = _manifest(src, sol, cap, rep, captured.documents(cap), tail, model_ref,
-                             captured.captured_kinds(cap, store, model_ref), sorted(maps))
+                             captured.captured_kinds(cap, store, model_ref), sorted(maps), exact_norm)
         if conf is not None:
             manifest["configuration"] = conf
         extras = _extras(sol, rep)
@@ -152,9 +154,9 @@ def _float_maps(src: Artifact) -> dict:
 
 
 def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list, tail: int, model, kinds: list[str],
-              layers: list[int]) -> dict:
+              layers: list[int], exact_norm: float) -> dict:
     """The release's facts. `model` is the captured model's ModelRef (fingerprint-checked) and `kinds` its layer
-    kinds; the split is the solve recipe's; `layers` are the maps' own layers."""
+    kinds; the split is the solve recipe's; `layers` are the maps' own layers; `exact_norm` the solve's."""
     split = sol.recipe["split"]
     calib = [d for d in docs if d["role"] == captured.CALIBRATION]
 
@@ -181,7 +183,7 @@ def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list
                 "tokens": sum(d["tokens"] for d in calib),
                 "calibration_sha256": sorted(d["sha256"] for d in calib),
                 "capture_id": cap.id, "solve_id": sol.id, "skip_first_rows": cap.recipe["skip_first"],
-                "outlier_ratio": cap.recipe.get("outlier_ratio"),
+                "outlier_ratio": cap.recipe.get("outlier_ratio"), "exact_norm": exact_norm,
                 "chat": cap.recipe["chat"], "chat_share": sol.recipe["chat_share"]},
         "heldout": heldout,
     }

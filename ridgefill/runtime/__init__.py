@@ -24,7 +24,7 @@ __getattr__, __all__ = exports(__name__, {
     "ARMS": "api", "ExactRun": "api", "FillOptions": "api", "PrefillResult": "api", "ceiling": "api",
     "exact_run": "api", "fill_rows": "api", "prefill": "api", "prefill_from": "api", "prefix_prefill": "api",
     "selects_from": "api",
-    "OUTLIER_RATIO": "rows", "outlier_rows": "rows",
+    "OUTLIER_RATIO": "rows", "norm_rows": "rows",
     "SlotCache": "cache", "greedy": "cache", "greedy_batch": "cache",
     "ReleaseMaps": "maps", "load_release_maps": "maps", "maps_on_devices": "maps",
 })  # fmt: skip

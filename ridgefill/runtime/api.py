@@ -19,7 +19,7 @@ Arms (N rows, L layers, split S, tail T, prefix P = N - T):
   `cache` is a `SlotCache`, which `greedy` (and `SlotCache.step`) decode from layer by layer.
 - Exact rows, in every arm but "exact": the first `anchor` prompt rows (default 1) and `exact_rows`, the prefix rows
   whose token id is in `protected` (a release's protected-token table, for its ridgefill+protected configuration),
-  and prefix rows whose split state is an outlier by norm (more than `outliers` x the prefix's median, default 20; 0
+  and prefix rows whose split state's norm exceeds `exact_norm` (the release's `fit.exact_norm`; None, the default,
   turns this off): sinks, which a map's prediction would extrapolate to (rows.py has the rules).
 - "ridgefill+rows": "ridgefill" plus attention-selected exact rows: the `row_share`
   (default 10 %) of prompt rows that receive the most attention from the `probe` rows (default: the last 64
@@ -29,7 +29,7 @@ Arms (N rows, L layers, split S, tail T, prefix P = N - T):
 `prefix_prefill` computes the first N - T rows' cache alone, for an engine that computes the tail itself.
 
 Options (`FillOptions`, keyword arguments of `prefill`, `prefill_from` and `prefix_prefill`): `split`, `tail`,
-`maps`, `exact_rows`, `row_share`, `probe`, `anchor`, `logits_rows`, `outliers`, `corrections`, `state_offsets`,
+`maps`, `exact_rows`, `row_share`, `probe`, `anchor`, `logits_rows`, `exact_norm`, `corrections`, `state_offsets`,
 `correction_rows`, `protected`. A release's maps and configuration give them: `prefill(lm, ids, rel.arm,
 **rel.options())` (maps.py).
 
@@ -75,8 +75,8 @@ from ridgefill.runtime.cache import SlotCache, cache_copy
 from ridgefill.runtime.fill import fill, late_layers, late_slots
 from ridgefill.runtime.layers import Layers
 from ridgefill.runtime.maps import maps_on_devices
-from ridgefill.runtime.rows import (ANCHOR_ROWS, OUTLIER_RATIO, PROBE_ROWS, ROW_SHARE, attention_received,
-                                    most_attended, with_outliers)
+from ridgefill.runtime.rows import (ANCHOR_ROWS, PROBE_ROWS, ROW_SHARE, attention_received, is_norm, most_attended,
+                                    with_norm_rows)
 
 ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
 
@@ -110,8 +110,9 @@ class FillOptions:
 
     `row_share` and `probe` (prompt positions; default the last 64) only matter for "ridgefill+rows". `anchor`:
     how many first prompt rows run every layer in the fill arms (0 fills the sink too, for comparison only).
-    `outliers`: prefix rows whose split state exceeds this many times the prefix's median norm run every layer
-    too (0: none). `logits_rows`: how many last rows get logits (default `tail`; 1 is enough to decode).
+    `exact_norm`: prefix rows whose split state's norm exceeds it run every layer too (None: none; a release's
+    `fit.exact_norm`, which `ReleaseMaps.options()` gives). `logits_rows`: how many last rows get logits (default
+    `tail`; 1 is enough to decode).
     `corrections`: any of "vscale", "kscale", "kshift" (measured on the first `correction_rows` tail rows) and
     "state" (with `state_offsets` {layer: [value heads, key dim, value dim]}), for the fill arms
     (ridgefill.runtime.corrections). `protected`: token ids (a list, set, array or tensor); in the fill arms every
@@ -125,7 +126,7 @@ class FillOptions:
     probe: Any = None
     anchor: int = ANCHOR_ROWS
     logits_rows: int | None = None
-    outliers: float = OUTLIER_RATIO
+    exact_norm: float | None = None
     corrections: Any = ()
     state_offsets: dict | None = None
     correction_rows: int = fixes.CORRECTION_ROWS
@@ -161,8 +162,8 @@ def _plan(lm, ids: torch.Tensor, arm: str, o: FillOptions) -> _Plan:
     L = lm.adapter.num_layers
     if not (isinstance(o.anchor, int) and o.anchor >= 0):
         raise BadInput(f"anchor must be a non-negative number of rows, got {o.anchor!r}")
-    if not (isinstance(o.outliers, (int, float)) and (o.outliers == 0 or o.outliers > 1)):
-        raise BadInput(f"outliers must be 0 (off) or a norm ratio above 1, got {o.outliers!r}")
+    if not (o.exact_norm is None or is_norm(o.exact_norm)):
+        raise BadInput(f"exact_norm must be None (off) or a positive norm, got {o.exact_norm!r}")
     if arm not in ARMS:
         raise BadInput(f"unknown arm '{arm}' (choose one of: {', '.join(ARMS)})")
     if n < 1:
@@ -231,7 +232,7 @@ def prefill(lm, input_ids: torch.Tensor, arm: str, **options) -> PrefillResult:
             logits = out.logits[0, -plan.keep:].float()
             cache = getattr(out, "cache", None)  # 5.x name; `past_key_values` is a deprecated alias
         else:
-            logits, cache, rows = fill(lm, ids, arm, o.split, o.tail, maps, rows, select, plan.keep, o.outliers,
+            logits, cache, rows = fill(lm, ids, arm, o.split, o.tail, maps, rows, select, plan.keep, o.exact_norm,
                                        plan.fix)
     _sync()  # a GPU runs asynchronously: the clock stops when its work is done
     seconds = time.perf_counter() - start
@@ -242,8 +243,9 @@ def prefill(lm, input_ids: torch.Tensor, arm: str, **options) -> PrefillResult:
 def prefix_prefill(lm, input_ids: torch.Tensor, arm: str, **options) -> PrefillResult:
     """The cache `prefill(lm, input_ids, arm, **options)` writes for the first P = N - tail rows, computed from those
     rows alone: the tail is left to whoever continues from it (a serving engine, docs/engines.md). The filled rows
-    and the exact rows (anchor, outliers) are those of a prefill of all N rows. Arms "exact", "ridgefill",
-    "identity"; corrections, measured on the tail, are refused. `logits` is empty; `seconds` the computation."""
+    and the exact rows (anchor, rows above the exact-row norm) are those of a prefill of all N rows. Arms "exact",
+    "ridgefill", "identity"; corrections, measured on the tail, are refused. `logits` is empty; `seconds` the
+    computation."""
     o = FillOptions(**options)
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     n = int(ids.shape[0])
@@ -263,7 +265,7 @@ def prefix_prefill(lm, input_ids: torch.Tensor, arm: str, **options) -> PrefillR
             cache = lm.model(input_ids=prefix[None], use_cache=True, logits_to_keep=1).cache
             rows = []
         else:  # tail 0: the late layers' query rows are the exact rows alone
-            _, cache, rows = fill(lm, prefix, arm, o.split, 0, maps, plan.rows, None, 1, o.outliers, plan.fix)
+            _, cache, rows = fill(lm, prefix, arm, o.split, 0, maps, plan.rows, None, 1, o.exact_norm, plan.fix)
     _sync()
     return PrefillResult(logits=torch.zeros(0), cache=cache, seconds=time.perf_counter() - start, arm=arm,
                          split=o.split, tail=o.tail, num_rows=n, exact_rows=rows)
@@ -372,7 +374,8 @@ def selects_from(lm, run: ExactRun, split: int) -> bool:
 
 
 def _rows_from_run(lm, run: ExactRun, arm: str, o: FillOptions) -> tuple[list[int], _Plan]:
-    """prefill_from's checks and its exact rows: the plan's, "+rows"'s selection, the outliers at the split."""
+    """prefill_from's checks and its exact rows: the plan's, "+rows"'s selection, the rows above the exact-row norm
+    at the split."""
     n = int(run.ids.shape[0])
     if arm not in ("ridgefill", "identity", "nofill", "ridgefill+rows"):
         raise BadInput(f"prefill_from builds 'ridgefill', 'identity', 'nofill' or 'ridgefill+rows', not '{arm}' "
@@ -388,7 +391,7 @@ def _rows_from_run(lm, run: ExactRun, arm: str, o: FillOptions) -> tuple[list[in
         with torch.no_grad():
             received = _received_from_run(lm, run, o.split, select[1])
         rows = sorted(set(rows) | set(most_attended(received, prefix, select[0])))
-    return with_outliers(rows, run.states[o.split], prefix, o.outliers), plan
+    return with_norm_rows(rows, run.states[o.split], prefix, o.exact_norm), plan
 
 
 def _received_from_run(lm, run: ExactRun, split: int, probe: list[int]) -> torch.Tensor:

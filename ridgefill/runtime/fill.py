@@ -12,13 +12,14 @@ import torch
 from ridgefill.runtime import corrections as fixes
 from ridgefill.runtime.cache import SlotCache
 from ridgefill.runtime.layers import SLIDING, Layers, final_logits
-from ridgefill.runtime.rows import attention_received, most_attended, with_outliers
+from ridgefill.runtime.rows import attention_received, most_attended, with_norm_rows
 
 
-def fill(lm, ids, arm, split, tail, maps, rows, select, keep, outliers, fix):
+def fill(lm, ids, arm, split, tail, maps, rows, select, keep, exact_norm, fix):
     """A fill arm's prefill of ids [N] on the input device: (last `keep` rows' logits, cache, exact rows).
 
-    `rows`: the exact rows asked for (with the anchor); `select`: "+rows"'s (count, probe rows) or None; `fix`: the
+    `rows`: the exact rows asked for (with the anchor); `select`: "+rows"'s (count, probe rows) or None;
+    `exact_norm`: prefix rows whose split state's norm exceeds it run exactly too (None: none); `fix`: the
     corrections (`corrections.Fix`)."""
     from transformers import DynamicCache
 
@@ -52,7 +53,7 @@ def fill(lm, ids, arm, split, tail, maps, rows, select, keep, outliers, fix):
             received += attention_received(ad, l, layer_in[0, probe], probe, keys, layers.window).to(device)
     if select:  # "+rows": the most-attended prefix rows become exact rows
         rows = sorted(set(rows) | set(most_attended(received, prefix, select[0])))
-    rows = with_outliers(rows, hidden[0], prefix, outliers)
+    rows = with_norm_rows(rows, hidden[0], prefix, exact_norm)
     logits, late = late_layers(lm, layers, hidden[0], rope, arm, split, tail, maps, rows, keep, cache, fix)
     if arm == "nofill":
         slots = [None if e is None else {"keys": e[0][0], "values": e[1][0],

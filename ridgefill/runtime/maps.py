@@ -31,7 +31,7 @@ import torch
 from ridgefill.errors import BadInput
 from ridgefill.formats.release.names import (KSCALE_CONFIGURATION, PLAIN, PROTECTED_CONFIGURATION,
                                              ROWS_CONFIGURATION)
-from ridgefill.runtime.rows import ANCHOR_ROWS, OUTLIER_RATIO, ROW_SHARE, fit_rows
+from ridgefill.runtime.rows import ANCHOR_ROWS, ROW_SHARE, fit_rows
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class ReleaseMaps:
     folder: Path
     state_offsets: dict | None = None  # {layer: float32 tensor} for prefill(corrections=("state",)), or None
     anchor: int = ANCHOR_ROWS  # leading rows the fit left out (`fit.skip_first_rows`): run exactly
-    outliers: float = OUTLIER_RATIO  # the fit's outlier ratio (`fit.outlier_ratio`; 0: the fit kept such rows)
+    exact_norm: float | None = None  # `fit.exact_norm`: prefix rows whose split-state norm exceeds it run exactly
     configuration: str = PLAIN  # the release's `configuration.arm` (formats.release.CONFIGURATIONS)
     row_share: float = ROW_SHARE  # `configuration.row_share` of a ridgefill+rows release
     protected: torch.Tensor | None = None  # the protected-token table (int64 token ids, ascending), or None
@@ -59,13 +59,14 @@ class ReleaseMaps:
 
     def options(self) -> dict:
         """The fill options the release prescribes: `prefill(lm, ids, rel.arm, **rel.options())` fills with its
-        split, default tail and maps, runs exactly the rows its fit left out (the first `anchor` rows and the
-        outliers by norm), and applies its configuration: `row_share` for ridgefill+rows, `corrections=("kscale",)`
-        for ridgefill+kscale, `protected` (the table) for ridgefill+protected. Any of them may be overridden:
+        split, default tail and maps, runs exactly the first `anchor` rows (which its fit left out) and the prefix
+        rows whose split state's norm exceeds `exact_norm` (later sinks), and applies its configuration:
+        `row_share` for ridgefill+rows, `corrections=("kscale",)` for ridgefill+kscale, `protected` (the table) for
+        ridgefill+protected. Any of them may be overridden:
         `prefill(..., **rel.options(), tail=256)` is an error, `prefill(..., **{**rel.options(), "tail": 256})` is
         not."""
         opts = {"split": self.split, "tail": self.tail, "maps": self.maps, "anchor": self.anchor,
-                "outliers": self.outliers}
+                "exact_norm": self.exact_norm}
         if self.configuration == ROWS_CONFIGURATION:
             opts["row_share"] = self.row_share
         elif self.configuration == KSCALE_CONFIGURATION:
@@ -128,7 +129,7 @@ def load_release_maps(lm, folder) -> ReleaseMaps:
             raise BadInput(f"{folder}: {e}") from None
         offsets = {l: torch.as_tensor(o).to(ad.layer_device(l)) for l, o in offsets.items()}
     fit = manifest.get("fit") or {}
-    rows = fit_rows(fit.get("skip_first_rows", ANCHOR_ROWS), fit.get("outlier_ratio"), str(folder / MANIFEST))
+    rows = fit_rows(fit.get("skip_first_rows", ANCHOR_ROWS), fit.get("exact_norm"), str(folder / MANIFEST))
     conf = rel.configuration
     if conf["arm"] == KSCALE_CONFIGURATION:
         try:

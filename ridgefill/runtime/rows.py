@@ -4,58 +4,96 @@ on are the rows the fill predicts).
 - The first `ANCHOR_ROWS` prompt rows: row 0 is the attention sink. Its split state is an outlier the fit leaves
   out (capture skips each document's first row), so a map's prediction for it is an extrapolation, and a filled
   sink can cost more than the whole fill saves.
-- Outlier rows (`outlier_rows`): a prefix row whose split state is more than `OUTLIER_RATIO` x the median row
-  norm. Some prompts grow a second attention sink after row 0: a row whose hidden state is two orders of magnitude
-  larger than the rest (SmolLM2 at layers 12+: 40-170x the median, while ordinary rows stay under 13x on both
-  built-ins). Capture leaves these rows out of the fit and the fill runs them exactly, by this one rule.
+- Rows above the exact-row norm (`norm_rows`): a prefix row whose split state's norm (float32) exceeds the
+  release's `fit.exact_norm`. Some prompts grow a second attention sink after row 0: a row whose hidden state is
+  two orders of magnitude larger than the rest (SmolLM2 at layers 12+: 40-170x the median, while ordinary rows stay
+  under 13x on both built-ins). Capture leaves rows above `OUTLIER_RATIO` x their chunk's median norm out of the
+  fit; solve fixes the threshold the fill uses, `OUTLIER_RATIO` x the median norm of the capture's held-out rows at
+  the split (`fit_exact_norm`). The rule looks at one row at a time, so the rows it picks in a prompt's first p
+  rows do not depend on the rows after them: an engine that prefills in chunks picks the same ones.
 - "ridgefill+rows": the `ROW_SHARE` of prompt rows that receive the most attention from the probe rows (default the
   last `PROBE_ROWS`), summed over the heads of every layer below the split (`attention_received`).
 
-Importing this module does not import torch (capture's configuration reads the constants).
+Importing this module does not import torch or numpy (capture's configuration reads the constants, and the vLLM
+fill plugin the rule).
 """
 
 from __future__ import annotations
 
 from ridgefill.models.kinds import SLIDING
 
-OUTLIER_RATIO = 20.0  # a prefix row whose split state is 20x the median norm (another sink) runs every layer
+OUTLIER_RATIO = 20.0  # a split state 20x the median norm is another sink: capture does not fit it, the fill runs it
 ANCHOR_ROWS = 1  # the first prompt row (the attention sink) runs every layer in every fill arm
 ROW_SHARE, PROBE_ROWS = 0.1, 64  # "+rows": 10 % of the prompt, by attention from its last 64 rows
 
 
-def fit_rows(skip_first, outlier_ratio, what: str = "the release") -> dict:
+def fit_exact_norm(h, ratio: float = OUTLIER_RATIO) -> float:
+    """The exact-row norm a release records (`fit.exact_norm`): `ratio` x the median L2 norm of the rows h [R, d]
+    (a capture's held-out rows at the split). Norms in float64; the median of an even count is the mean of the two
+    middle values (numpy's). ValueError for no rows or a median that is not positive and finite."""
+    import numpy as np
+
+    norms = np.linalg.norm(np.asarray(h, dtype=np.float64), axis=-1)  # [R]
+    if norms.size == 0:
+        raise ValueError("no rows to take the median norm of")
+    norm = float(ratio * np.median(norms))
+    if not (np.isfinite(norm) and norm > 0):
+        raise ValueError(f"the median row norm gives an exact-row norm of {norm!r}, not a positive number")
+    return norm
+
+
+def fit_rows(skip_first, exact_norm, what: str = "the release") -> dict:
     """The fill options that follow from how maps were fitted (a release's `fit.skip_first_rows` and
-    `fit.outlier_ratio`, or a capture's): the rows the fit left out run exactly, the first `skip_first` (`anchor`)
-    and the outliers by `outlier_ratio` (`outliers`; null: the fit kept them, so 0). BadInput naming `what` for
-    values that are not such numbers."""
+    `fit.exact_norm`, or a capture's and a solve's): the first `skip_first` rows, which the fit left out, run
+    exactly (`anchor`), and so does every prefix row whose split-state norm exceeds `exact_norm`. BadInput naming
+    `what` for values that are not such numbers."""
     from ridgefill.errors import BadInput
 
     if not (isinstance(skip_first, int) and not isinstance(skip_first, bool) and skip_first >= 0):
         raise BadInput(f"{what}: 'fit.skip_first_rows' is {skip_first!r}, not a number of rows")
-    if outlier_ratio is not None and not (isinstance(outlier_ratio, (int, float)) and not isinstance(
-            outlier_ratio, bool) and (outlier_ratio == 0 or outlier_ratio > 1)):
-        raise BadInput(f"{what}: 'fit.outlier_ratio' is {outlier_ratio!r}, not null, 0 or a ratio above 1")
-    return {"anchor": skip_first, "outliers": float(outlier_ratio or 0)}
+    if not is_norm(exact_norm):
+        raise BadInput(f"{what}: 'fit.exact_norm' is {exact_norm!r}, not a positive norm")
+    return {"anchor": skip_first, "exact_norm": float(exact_norm)}
+
+
+def is_norm(value) -> bool:
+    """Whether `value` can be an exact-row norm: a positive, finite number (not a bool)."""
+    import math
+
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def norm_rows(h, norm: float | None):
+    """The exact-row rule, row by row: rows of h [n, d] whose L2 norm, computed in float32, exceeds `norm`: [n]
+    bool (all False when norm is None). A row's verdict depends on that row alone."""
+    import torch
+
+    norms = h.float().norm(dim=-1)  # [n] float32
+    if norm is None:
+        return torch.zeros(norms.shape, dtype=torch.bool, device=norms.device)
+    return norms > norm
+
+
+def with_norm_rows(rows: list[int], h_split, prefix: int, norm: float | None) -> list[int]:
+    """`rows` plus the prefix rows (< prefix) whose split state h_split [N, d] is above the exact-row norm
+    (`norm_rows`)."""
+    import torch
+
+    if norm is None or prefix < 1:
+        return rows
+    found = torch.nonzero(norm_rows(h_split[:prefix], norm)).flatten().tolist()
+    return sorted(set(rows) | set(found))
 
 
 def outlier_rows(h, ratio: float = OUTLIER_RATIO):
-    """Rows of h [n, d] whose norm exceeds `ratio` x the median row norm: [n] bool (all False when ratio is 0)."""
+    """Capture's rule for the rows it leaves out of the fit: rows of h [n, d] (one chunk) whose norm exceeds `ratio`
+    x the chunk's median row norm: [n] bool (all False when ratio is 0). Not the fill's rule (`norm_rows`)."""
     import torch
 
     norms = h.float().norm(dim=-1)
     if not ratio or norms.numel() == 0:
         return torch.zeros(norms.shape, dtype=torch.bool, device=norms.device)
     return norms > ratio * norms.median()
-
-
-def with_outliers(rows: list[int], h_split, prefix: int, outliers: float) -> list[int]:
-    """`rows` plus the prefix rows whose split state h_split [N, d] is an outlier by norm (`outlier_rows`)."""
-    import torch
-
-    if not outliers or prefix < 1:
-        return rows
-    found = torch.nonzero(outlier_rows(h_split[:prefix], outliers)).flatten().tolist()
-    return sorted(set(rows) | set(found))
 
 
 def attention_received(ad, l, x, pos, keys, window):

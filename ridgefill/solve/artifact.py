@@ -2,7 +2,9 @@
 of its maps. Later stages read a solve only through this module.
 
     maps.safetensors        `layer.<l>.weight` float32 [d_out, d_in], `layer.<l>.bias` float32 [d_out] for every
-                            late layer; metadata {split, alpha} (or {split, alpha_per_layer: "l:alpha,..."})
+                            late layer; metadata {split, alpha} (or {split, alpha_per_layer: "l:alpha,..."}) and
+                            exact_norm (repr of a float: the exact-row norm, `runtime.rows.fit_exact_norm` of the
+                            capture's held-out rows at the split; since format 5)
     protected.safetensors   `token_ids` int32, ascending: the protected-token table (solve/protected.py);
                             metadata {share}
     state.safetensors       on a hybrid solved with --state-data: `layer.<l>.state_offset` float32 [value heads,
@@ -17,6 +19,7 @@ import json
 import numpy as np
 
 from ridgefill.artifacts import Artifact, Store
+from ridgefill.errors import BadInput
 from ridgefill.formats import safetensors
 
 MAPS = "maps.safetensors"
@@ -52,6 +55,15 @@ def load_maps(art: Artifact) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     arrays, _ = safetensors.load(art.file(MAPS))
     layers = sorted({int(k.split(".")[1]) for k in arrays})
     return {l: (arrays[f"layer.{l}.weight"], arrays[f"layer.{l}.bias"]) for l in layers}
+
+
+def load_exact_norm(art: Artifact) -> float:
+    """The exact-row norm a solve artifact fixed (its maps.safetensors' `exact_norm`): prefix rows whose split state's
+    norm exceeds it run exactly. BadInput for a solve made before format 5, which has none."""
+    value = safetensors.read_header(art.file(MAPS))[1].get("exact_norm")
+    if value is None:
+        raise BadInput(f"solve {art.id} has no exact-row norm (made before solve format 5): solve its capture again")
+    return float(value)
 
 
 def load_extras(art: Artifact) -> tuple[dict | None, np.ndarray | None]:

@@ -11,11 +11,12 @@ from ridgefill.artifacts.store import write_json
 from ridgefill.capture import artifact as captured
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
+from ridgefill.runtime.rows import fit_exact_norm
 from ridgefill.solve import artifact
 from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose, lam, maps_at, maps_per_layer, search, search_per_layer
 
-FORMAT_VERSION = 4  # 2: the grid is extended past an open edge (ridge.search); 3: the protected-token table;
-# 4: added tokens flagged special are special (never protected)
+FORMAT_VERSION = 5  # 2: the grid is extended past an open edge (ridge.search); 3: the protected-token table;
+# 4: added tokens flagged special are special (never protected); 5: the exact-row norm (`exact_norm`)
 METRIC_CHOICES = ("kv", "input")
 
 
@@ -91,6 +92,7 @@ def solve(
 
     m = captured.load_stats(cap, split, chat_share)
     held = captured.load_heldout(cap)
+    exact_norm = fit_exact_norm(held[f"hidden.{split}"])  # the fill runs prefix rows above it exactly
     t = time.perf_counter()
     e = decompose(m)
     t_eig = time.perf_counter() - t
@@ -139,7 +141,7 @@ def solve(
         t = time.perf_counter()
         ids = captured.tokenize(lm.tokenizer, Corpus(state_docs, 0, 0), False, lm.context_length())["raw"]  # as capture cuts
         fit = {l: (w[i], b[i]) for i, l in enumerate(layers)}
-        offsets, info = measure_offsets(lm, fit, split, ids, state_chunk, out)
+        offsets, info = measure_offsets(lm, fit, split, ids, state_chunk, exact_norm, out)
         state_report = {"documents": [{"name": d.name, "sha256": d.sha256, "tokens": len(x)}
                                       for d, x in zip(state_docs, ids)], **info}  # fmt: skip
         t_state = time.perf_counter() - t
@@ -147,6 +149,7 @@ def solve(
         "split": split, "metric": metric, "alpha": best["alpha"], "lambda": best["lambda"], "grid": grid,
         "extended": extended,
         "fitted": fitted, "identity": identity, "rows": int(m.n), "held_out_rows": int(scorer.x.shape[0]),
+        "exact_norm": exact_norm,
         "timings": {"eig_s": t_eig, "maps_all_alphas_s": t_maps, "grid_s": t_eig + t_maps,
                     "scoring_s": t_score},
     }
@@ -161,13 +164,13 @@ def solve(
     with store.build("solve", recipe) as build:
         meta = ({"alpha_per_layer": ",".join(f"{l}:{per_layer['alpha'][str(l)]!r}" for l in layers)}
                 if per_layer else {"alpha": repr(best["alpha"])})
-        artifact.write_maps(build.path, layers, w, b, {"split": str(split), **meta})
+        artifact.write_maps(build.path, layers, w, b, {"split": str(split), **meta, "exact_norm": repr(exact_norm)})
         if table is not None:
             artifact.write_protected(build.path, table, table_facts["share"])
         if offsets is not None:
             artifact.write_offsets(build.path, offsets, split, state_chunk)
         write_json(build.path / artifact.REPORT, report)
-        summary = {"split": split, "alpha": best["alpha"], "score": best["score"],
+        summary = {"split": split, "alpha": best["alpha"], "score": best["score"], "exact_norm": exact_norm,
                    "fitted": fitted["mean"], "identity": identity["mean"], "layers": layers}
         if per_layer:
             summary["per_layer"] = {k: per_layer[k] for k in ("alpha", "lambda", "score", "shared_score")}

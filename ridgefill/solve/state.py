@@ -7,8 +7,8 @@ solved, on documents kept apart from the calibration text:
 
 - each document runs through the stock model once; for every late Gated DeltaNet layer its true inputs are kept;
 - the layer's token mixer then runs over the document twice, chunk by chunk (`chunk` rows, default 2048): on the
-  true inputs, and on the fill's inputs (every row from the map's prediction but row 0 and the outlier rows, which
-  the runtime runs exactly too);
+  true inputs, and on the fill's inputs (every row from the map's prediction but row 0 and the rows above the
+  exact-row norm, which the runtime runs exactly too);
 - after each full chunk both recurrent states are read: offset = sum(exact - filled) / sum(share) over them, where
   share is the filled rows' share of that state (`filled_share`, per value head, near 1 here). Dividing by the
   share makes the offset the difference of a state with every row filled, which is what the runtime scales.
@@ -25,16 +25,18 @@ from ridgefill.errors import BadInput
 DEFAULT_CHUNK = 2048
 
 
-def measure_offsets(lm, maps: dict, split: int, documents: list, chunk: int, out=None) -> tuple[dict, dict]:
+def measure_offsets(lm, maps: dict, split: int, documents: list, chunk: int, row_norm: float | None,
+                    out=None) -> tuple[dict, dict]:
     """{layer: offset float32 [value heads, key dim, value dim]} for the Gated DeltaNet layers above `split`, and
-    what was measured. maps: {layer: (W [d, d], b [d])} float; documents: token id arrays."""
+    what was measured. maps: {layer: (W [d, d], b [d])} float; documents: token id arrays; row_norm: the solve's
+    exact-row norm (rows above it are not filled, as at run time)."""
     import torch
     from transformers import DynamicCache
 
     from ridgefill.runtime.corrections import filled_share
     from ridgefill.runtime.layers import Layers
     from ridgefill.runtime import exact_run
-    from ridgefill.runtime.rows import outlier_rows
+    from ridgefill.runtime.rows import norm_rows
 
     ad = lm.adapter
     linear = [l for l in range(split, ad.num_layers) if ad.is_linear(l)]
@@ -53,7 +55,7 @@ def measure_offsets(lm, maps: dict, split: int, documents: list, chunk: int, out
             n = int(ids.shape[0])
             run = exact_run(lm, ids, splits=[split] + linear)
             h_split = run.states[split]
-            exact_rows = outlier_rows(h_split)
+            exact_rows = norm_rows(h_split, row_norm)
             exact_rows[0] = True
             for l in linear:
                 dev = ad.layer_device(l)

@@ -41,7 +41,8 @@ from ridgefill.sweep.sequential import GROUP, TOLERANCE, WITHIN_FACTOR, Rule
 
 FORMAT_VERSION = 4  # 2: later sinks (outlier rows) run exactly; 3: needles by bisection and a sequential rule, in
 # noise and prose haystacks; quality configurations beside their controls; timing in rounds; multiply-accumulates
-# 4: an adaptive sweep measures only the configurations that can change the recommendation, by ceiling
+# 4: an adaptive sweep measures only the configurations that can change the recommendation, by ceiling; 5: later
+# sinks by each split's exact-row norm (solve format 5), row by row, instead of 20x the prompt prefix's median
 ARMS = ("ridgefill", "identity")
 ARM_PLAN = [Arm(a) for a in ARMS]
 CONFIGS = CONFIGURATIONS[1:]  # the quality configurations a release can record, beyond the plain fill

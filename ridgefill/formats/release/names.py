@@ -23,6 +23,8 @@ A release folder holds exactly:
                         describes it
     (no file)           the manifest's optional `configuration` {arm, sweep[, row_share]}: the quality
                         configuration the release is applied with (`CONFIGURATIONS`; absent: the plain fill)
+    (no file)           the manifest's `fit.exact_norm` (required): the split-state norm above which a runtime runs a
+                        prefix row exactly (`exact_norm_problem`)
     README.md           model card; optional, never hashed, because the Hub may rewrite it
 
 What is protected, and how. `files` holds the sha256 of maps.safetensors, and maps.safetensors records the
@@ -60,6 +62,10 @@ CONFIGURATIONS = ("ridgefill", "ridgefill+rows", "ridgefill+kscale", "ridgefill+
 PLAIN, ROWS_CONFIGURATION, KSCALE_CONFIGURATION, PROTECTED_CONFIGURATION = CONFIGURATIONS
 
 LINEAR_KIND = "linear_attention"  # `layers[].kind` of a Gated DeltaNet layer (transformers' layer type name)
+
+# `fit.exact_norm`: a prefix row whose split state's L2 norm (float32) is above it runs every layer exactly (a later
+# attention sink). Required since the rule replaced the prefix-median one; a release without it predates the field.
+FIT, EXACT_NORM = "fit", "exact_norm"
 
 CODES, SCALES, BIAS, WEIGHT = "codes", "scales", "bias", "weight"
 PROJECTOR_DTYPES = ("int8", "bf16", "f32")
@@ -156,4 +162,19 @@ def configuration_problem(value: object, protected: bool) -> str | None:
     if arm == PROTECTED_CONFIGURATION and not protected:
         return ("'configuration.arm' is \"ridgefill+protected\", but the release has no protected-token table "
                 "('protected_tokens')")
+    return None
+
+
+def exact_norm_problem(manifest: dict) -> str | None:
+    """What is wrong with a manifest's `fit.exact_norm`, as a phrase for a one-line refusal; None when it is valid:
+    a positive, finite number (a JSON number, not a boolean). A manifest without it was exported before the field
+    existed: the phrase says to export it again."""
+    fit = manifest.get(FIT)
+    if not isinstance(fit, dict) or EXACT_NORM not in fit:
+        return (f"'{FIT}.{EXACT_NORM}' is missing (a release exported before the exact-row norm existed: export it "
+                "again)")
+    value = fit[EXACT_NORM]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        return (f"'{FIT}.{EXACT_NORM}' is {json.dumps(value)[:60]}, expected a positive number (the split-state norm "
+                "above which a prefix row runs exactly)")
     return None

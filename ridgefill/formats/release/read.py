@@ -5,7 +5,8 @@
 the manifest (JSON without duplicate keys, NaN or infinity, format), `files` (bare names, hashes, the files the facts
 name), the folder's entries (nothing unlisted, no symbolic link), every file's sha256, the facts maps.safetensors
 records against the manifest (compared by value), the hashes the facts record for the other tensor files, and then
-the release's `configuration` and every tensor of every file, decoded as a runtime would use it. `verify_release`
+the release's `configuration`, its `fit.exact_norm` and every tensor of every file, decoded as a runtime would use
+it. `verify_release`
 and `load_release` are it; `release_configuration` is the configuration a verified manifest records.
 """
 
@@ -26,8 +27,8 @@ from ridgefill.formats.release.names import (BIAS, CODES, CORRECTIONS_FILE, DOWN
                                              HF_DIR, HUB_LEFTOVERS, LINEAR_KIND, MANIFEST, MAPS_FILE, META_FACTS,
                                              META_FORMAT, OFFSET_RE, PLAIN, PROJECTOR_DTYPES, PROTECTED_FILE,
                                              PROTECTED_IDS, SCALES, SHA256_RE, STATE_OFFSET, UNHASHED, WEIGHT,
-                                             configuration_problem, facts_of, is_bare_name, layer_indices,
-                                             parse_tensor_name, tensor_name)
+                                             configuration_problem, exact_norm_problem, facts_of, is_bare_name,
+                                             layer_indices, parse_tensor_name, tensor_name)
 from ridgefill.numerics import bf16_bits_to_f32
 
 _READ_DTYPES = ("I8", "I32", "BF16", "F32")  # what a release's tensor files may hold
@@ -53,6 +54,9 @@ def read_release(dir: Path) -> Release:
     dir = Path(dir)
     manifest = _verified_manifest(dir)
     release_configuration(manifest)
+    problem = exact_norm_problem(manifest)
+    if problem is not None:
+        raise BadInput(f"{MANIFEST}: {problem}")
     return Release(manifest, _maps(dir, manifest), _protected(dir, manifest), _state_offsets(dir, manifest))
 
 

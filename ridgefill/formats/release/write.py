@@ -22,8 +22,8 @@ from ridgefill.formats.release import folder
 from ridgefill.formats.release.names import (BIAS, CARD, CODES, CORRECTIONS_FILE, FORMAT, LINEAR_KIND, MANIFEST,
                                              MAPS_FILE,
                                              META_FACTS, META_FORMAT, PROTECTED_FILE, PROTECTED_IDS, SCALES, WEIGHT,
-                                             configuration_problem, facts_json, layer_indices, manifest_text,
-                                             offset_name, tensor_name)
+                                             configuration_problem, exact_norm_problem, facts_json, layer_indices,
+                                             manifest_text, offset_name, tensor_name)
 from ridgefill.formats.safetensors import BF16, encode
 from ridgefill.numerics import f32_to_bf16_bits
 
@@ -117,11 +117,13 @@ def write_release(
     heads, key dim, value dim]} (with `state_facts`, what was measured) go into corrections.safetensors, the
     `protected` token ids (with `protected_facts`) into protected.safetensors; the facts record each of these
     files' sha256, so that maps.safetensors' hash ties them to the release. A `configuration` in the manifest must
-    be one the reader accepts (`names.configuration_problem`: ridgefill+protected needs `protected`).
+    be one the reader accepts (`names.configuration_problem`: ridgefill+protected needs `protected`), and so must
+    its `fit.exact_norm`, which every release has (`names.exact_norm_problem`).
 
     An existing non-empty `out_dir` is refused (BadInput) unless `overwrite=True`, and even then only if it is a
     release folder (holds ridgefill.json), so a mistyped path never deletes unrelated files.
-    Raises ValueError for malformed maps, a manifest that is not plain JSON, or a configuration the reader refuses.
+    Raises ValueError for malformed maps, a manifest that is not plain JSON, or a configuration or exact-row norm the
+    reader refuses.
     """
     out_dir = Path(out_dir)
     tensors, dtype = _release_tensors(maps, weight_dtype, group_size)
@@ -159,6 +161,9 @@ def write_release(
         problem = configuration_problem(written["configuration"], "protected_tokens" in written)
         if problem is not None:
             raise ValueError(problem)
+    problem = exact_norm_problem(written)
+    if problem is not None:
+        raise ValueError(problem)
     blob = encode(tensors, {META_FORMAT: FORMAT, META_FACTS: facts_json(written)})
     written["files"] = {MAPS_FILE: hashlib.sha256(blob).hexdigest()}
     written["files"].update({name: hashlib.sha256(data).hexdigest() for name, data in extra.items()})
