@@ -208,6 +208,48 @@ def pull(spec: str, out_dir: Path, *, token: str | None = None, force: bool = Fa
     return {"repo": repo_id, "revision": revision, "commit": sha, "out": str(out_dir), "files": files}
 
 
+def pull_cached(spec: str, root: Path, *, token: str | None = None) -> Path:
+    """A release from the Hub as a verified local folder kept under `root` (what a serving engine reads on every
+    start): `<root>/<owner>--<name>/<commit>`, with `refs/<revision>` naming the commit a revision resolved to.
+    Online, the revision is resolved (one request) and the folder pulled only when that commit is not there yet;
+    with HF_HUB_OFFLINE set, or when the Hub cannot be reached, the commit the revision last resolved to is used.
+    Nothing cached then: BadInput offline, RidgefillError for an unreachable Hub. The folder is verified by the
+    caller's reader like any other."""
+    repo_id, revision = parse_spec(spec)
+    home = Path(root) / repo_id.replace("/", "--")
+    ref = home / "refs" / revision.replace("/", "--")
+
+    def cached() -> Path | None:
+        sha = ref.read_text().strip() if ref.is_file() else revision if client.COMMIT_SHA.match(revision) else None
+        return home / sha if sha and (home / sha / release.MANIFEST).is_file() else None
+
+    if client.offline():
+        found = cached()
+        if found is None:
+            raise BadInput(f"{spec}: {client.offline_variable()} is set and the release is not cached in {home}")
+        return found
+    from huggingface_hub import HfApi
+
+    token = client.token(token)
+    api = HfApi(endpoint=client.endpoint(), token=token)
+    try:
+        with client.hub_errors(repo_id, f"{repo_id}@{revision}", token), client.session(False):
+            sha = api.repo_info(repo_id, revision=revision).sha
+    except RidgefillError as e:
+        found = cached()
+        if found is None or isinstance(e, BadInput):
+            raise
+        return found  # the Hub cannot be reached: the copy pulled before
+    folder = home / sha
+    if not (folder / release.MANIFEST).is_file():
+        pull(f"{repo_id}@{sha}", folder, token=token, force=True)
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ref.with_name(f".{ref.name}.{os.getpid()}")
+    tmp.write_text(sha + "\n")
+    os.replace(tmp, ref)
+    return folder
+
+
 def _fetcher(api, repo_id: str, sha: str, cache: Path, stage: Path, token, where: str):
     """fetch(name) downloads one file of the pinned commit into the stage; False when the Hub has no such file."""
     from huggingface_hub import hf_hub_download

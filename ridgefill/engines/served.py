@@ -1,0 +1,140 @@
+"""The release a serving engine fills with (docs/engines.md, "Serving a release with vLLM"): named by
+`RIDGEFILL_RELEASE`, read with the project's own release reader, and checked against the model the engine serves.
+
+    from ridgefill.engines import served
+    fill = served.from_environment()          # None when RIDGEFILL_RELEASE is unset or empty
+    served.check_model(fill, config, path)    # BadInput naming the first mismatch
+
+`RIDGEFILL_RELEASE` is a release folder, or a Hub repo id `owner/name[@rev]`, pulled and verified as `ridgefill
+pull` does into `$RIDGEFILL_CACHE/releases` (default `~/.cache/ridgefill/releases`; `hub.releases.pull_cached`) and
+reused from there. Imports: the standard library, numpy and ridgefill's numpy-only modules (no torch, no
+transformers), so the engine's own environment reads it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ridgefill.errors import BadInput
+from ridgefill.formats.release import MANIFEST, MAPS_FILE, read_release
+from ridgefill.formats.release.names import PLAIN, PROTECTED_CONFIGURATION
+from ridgefill.models.kinds import FULL
+from ridgefill.runtime.rows import ANCHOR_ROWS, fit_rows
+
+ENV = "RIDGEFILL_RELEASE"
+CACHE_ENV = "RIDGEFILL_CACHE"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+CAUSAL = (PLAIN, PROTECTED_CONFIGURATION)  # configurations decided row by row; +rows and +kscale read the tail
+
+
+@dataclass(frozen=True)
+class Fill:
+    """A verified release, as an engine applies it."""
+
+    folder: Path
+    manifest: dict
+    sha256: str  # of maps.safetensors, whose hash covers every fact: the release's identity
+    split: int
+    tail: int  # the release's `tail_default`
+    anchor: int  # `fit.skip_first_rows`: leading rows that run exactly
+    exact_norm: float  # `fit.exact_norm`: a prefix row whose split state's norm exceeds it runs exactly
+    configuration: str
+    protected: np.ndarray | None  # int64 token ids whose rows run exactly (ridgefill+protected), or None
+    maps: dict[int, tuple[np.ndarray, np.ndarray]]  # {layer: (W float32 [d, d], b float32 [d])}
+
+    @property
+    def model(self) -> dict:
+        return self.manifest["model"]
+
+    @property
+    def projector(self) -> str:
+        return self.manifest["projector"]["dtype"]
+
+    def describe(self) -> str:
+        """One line: what is on."""
+        L = self.model["num_layers"]
+        rule = f"split state above norm {self.exact_norm:.4g}"
+        if self.protected is not None:
+            rule += f", {len(self.protected)} protected tokens"
+        return (f"release {self.folder} (maps {self.sha256[:12]}, {self.model['name']}): split {self.split} of {L}, "
+                f"tail {self.tail}, layers {self.split}..{L - 1} filled from {self.projector} maps; exact rows: the "
+                f"first {self.anchor}, the tail, {rule}")  # fmt: skip
+
+
+def setting() -> str | None:
+    """RIDGEFILL_RELEASE, stripped; None when unset or empty (the engine runs untouched)."""
+    value = os.environ.get(ENV, "").strip()
+    return value or None
+
+
+def locate(value: str) -> Path:
+    """The local folder RIDGEFILL_RELEASE names: a folder as it is; anything that is not a path but reads as a Hub
+    repo id, pulled (or found in the cache). BadInput / RidgefillError in one line otherwise."""
+    path = Path(value).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise BadInput(f"{ENV}={value}: not a folder (a release folder or a Hub repo id owner/name[@rev])")
+        return path.resolve()
+    if value.startswith((".", "/", "~")) or value.count("/") != 1:
+        raise BadInput(f"{ENV}={value}: no such folder (a release folder or a Hub repo id owner/name[@rev])")
+    from ridgefill.errors import RidgefillError
+    from ridgefill.hub.releases import pull_cached
+
+    root = Path(os.environ.get(CACHE_ENV) or "~/.cache/ridgefill").expanduser() / "releases"
+    try:
+        return pull_cached(value, root)
+    except RidgefillError as e:
+        raise type(e)(f"{ENV}={value}: {e}") from None
+
+
+def load(folder: Path) -> Fill:
+    """Read and verify the release in `folder` and check that an engine can apply it row by row: full attention
+    above the split, a configuration decided per row (the plain fill or ridgefill+protected), d x d maps."""
+    rel = read_release(folder)
+    m = rel.manifest
+    where = f"{ENV}={folder}"
+    kinds = sorted({layer["kind"] for layer in m["layers"]} - {FULL, "attention"})
+    if kinds:
+        raise BadInput(f"{where}: layers of kind {kinds} above the split; the engine fills attention layers only")
+    conf = rel.configuration["arm"]
+    if conf not in CAUSAL:
+        raise BadInput(f"{where}: configuration {conf} needs the whole prompt's tail before any row is filled (a "
+                       f"serving engine fills a prompt chunk by chunk); export the release as {PLAIN}")
+    fit = m.get("fit") or {}
+    rows = fit_rows(fit.get("skip_first_rows", ANCHOR_ROWS), fit.get("exact_norm"), f"{folder / MANIFEST}")
+    d = m["model"]["hidden_size"]
+    maps = {}
+    for l, t in sorted(rel.maps.items()):
+        if t["weight"].shape != (d, d) or t["bias"].shape != (d,):
+            raise BadInput(f"{where}: layer {l} map is {tuple(t['weight'].shape)}, expected ({d}, {d})")
+        maps[l] = (t["weight"], t["bias"])
+    protected = None if conf != PROTECTED_CONFIGURATION else rel.protected.astype(np.int64)
+    return Fill(folder=Path(folder), manifest=m, sha256=m["files"][MAPS_FILE], split=m["split"],
+                tail=m["tail_default"], anchor=rows["anchor"], exact_norm=rows["exact_norm"], configuration=conf,
+                protected=protected, maps=maps)  # fmt: skip
+
+
+def from_environment() -> Fill | None:
+    """The release RIDGEFILL_RELEASE names, loaded (`locate`, `load`), or None when it is unset or empty."""
+    value = setting()
+    return None if value is None else load(locate(value))
+
+
+def check_model(fill: Fill, config: dict, path: str | Path | None = None) -> None:
+    """BadInput naming the first way the served model is not the release's: its architecture (one the engine
+    fills), layer count and hidden size from its config, then, when `path` is a local model folder (or a cached
+    Hub snapshot), its fingerprint (`identity.served_fingerprint_problem`)."""
+    from ridgefill.engines import identity
+
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise BadInput(f"{ENV}: the served model is '{model_type}'; the fill runs in {sorted(ARCHITECTURES)} models")
+    problem = identity.served_config_problem(config, fill.manifest)
+    if problem is None and path is not None and Path(path).is_dir():
+        problem = identity.served_fingerprint_problem(Path(path), fill.manifest)
+    if problem:
+        raise BadInput(f"{ENV}={fill.folder}: {problem}")

@@ -1,0 +1,241 @@
+"""The vLLM fill plugin's engine-free parts (default CI, no engine): the per-token plan, the exact rows as attention
+sequences, the prefix-cache block key, and the release an engine serves (read, refused, pulled from a Hub).
+
+The plan is checked against brute force: positions walked one token at a time, a causal kernel simulated row by row,
+and a prompt cut into chunks of every size giving the rows of the prompt prefilled whole."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ridgefill.engines import plan, served
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def random_step(rng, requests: int):
+    """A step as vLLM schedules it: per request a prompt length N, tokens already computed, and a run of scheduled
+    positions (a chunk of the prompt, its rest, or decode tokens after it)."""
+    prompt, done, q_len = [], [], []
+    for _ in range(requests):
+        n = int(rng.integers(1, 300))
+        computed = int(rng.integers(0, n + 20))  # beyond n: decoding
+        prompt.append(n)
+        done.append(computed)
+        q_len.append(int(rng.integers(1, 64)) if computed < n else int(rng.integers(1, 3)))
+    qsl = np.concatenate([[0], np.cumsum(q_len)])
+    seq = np.array(done) + np.array(q_len)
+    return qsl, seq, np.array(prompt), np.array(done)
+
+
+def brute_positions(qsl, seq):
+    pos, owner = [], []
+    for r in range(len(seq)):
+        q = qsl[r + 1] - qsl[r]
+        for i in range(q):
+            pos.append(seq[r] - q + i)
+            owner.append(r)
+    return np.array(pos), np.array(owner)
+
+
+def test_token_positions_and_prefix_rows_equal_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        qsl, seq, prompt, _ = random_step(rng, int(rng.integers(1, 7)))
+        exact = rng.random(len(seq)) < 0.2
+        tail, anchor = int(rng.integers(1, 40)), int(rng.integers(0, 3))
+        pos, owner = plan.token_positions(qsl, seq)
+        want_pos, want_owner = brute_positions(qsl, seq)
+        assert pos.tolist() == want_pos.tolist() and owner.tolist() == want_owner.tolist()
+        got = plan.prefix_rows(qsl, seq, prompt, exact, tail=tail, anchor=anchor)
+        want = [not exact[o] and anchor <= p < prompt[o] - tail for p, o in zip(want_pos, want_owner)]
+        assert got.tolist() == want
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100, 1000])
+def test_a_prompt_in_chunks_plans_the_rows_of_the_whole_prompt(chunk):
+    """The point of deciding per token: the prefix rows of a prompt scheduled in chunks of any size (here beside a
+    decoding request) are the prefix rows of the prompt scheduled whole."""
+    n, tail, anchor = 333, 50, 1
+    whole = plan.prefix_rows([0, n], [n], [n], [False], tail=tail, anchor=anchor)
+    seen = []
+    for start in range(0, n, chunk):
+        q = min(chunk, n - start)
+        qsl = [0, 1, 1 + q]  # a decode token of another request first, then the chunk
+        got = plan.prefix_rows(qsl, [50, start + q], [20, n], [False, False], tail=tail, anchor=anchor)
+        assert not got[0]  # a decode token is never a prefix row
+        seen.extend(got[1:].tolist())
+    assert seen == whole.tolist()
+    assert sum(seen) == n - tail - anchor
+
+
+def simulate_kernel(runs: plan.Runs, qsl, seq):
+    """What a causal varlen kernel gives each query row of `runs`: (its token index, the last key position it sees)."""
+    out = []
+    for s in range(runs.owner.size):
+        rows = runs.rows[runs.query_start[s] : runs.query_start[s + 1]]
+        m = len(rows)
+        for i, row in enumerate(rows):
+            out.append((int(row), int(runs.seq_lens[s] - m + i)))
+    return out
+
+
+def test_runs_let_every_exact_row_attend_to_exactly_the_positions_up_to_its_own():
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        qsl, seq, _, _ = random_step(rng, int(rng.integers(1, 6)))
+        exact = rng.random(qsl[-1]) < rng.choice([0.05, 0.3, 0.9, 1.0])
+        runs = plan.runs(exact, qsl, seq)
+        pos, owner = brute_positions(qsl, seq)
+        assert runs.rows.tolist() == np.flatnonzero(exact).tolist()
+        assert simulate_kernel(runs, qsl, seq) == [(int(r), int(pos[r])) for r in np.flatnonzero(exact)]
+        for s in range(runs.owner.size):
+            rows = runs.rows[runs.query_start[s] : runs.query_start[s + 1]]
+            assert (np.diff(rows) == 1).all() and (owner[rows] == runs.owner[s]).all() and runs.last[s] == rows[-1]
+        # maximal: two neighbouring runs of one request are never adjacent tokens
+        for s in range(runs.owner.size - 1):
+            nxt = runs.rows[runs.query_start[s + 1]]
+            assert runs.owner[s] != runs.owner[s + 1] or nxt != runs.last[s] + 1
+        assert runs.max_query_len == (max(np.diff(runs.query_start)) if runs.owner.size else 0)
+    # a request all of whose tokens are exact keeps its own sequence
+    qsl, seq = np.array([0, 5, 6]), np.array([105, 40])
+    r = plan.runs(np.ones(6, bool), qsl, seq)
+    assert r.query_start.tolist() == [0, 5, 6] and r.seq_lens.tolist() == [105, 40] and r.owner.tolist() == [0, 1]
+
+
+def test_prefix_rows_in_block_counts_the_blocks_prefix_rows():
+    for n in (1, 16, 100, 129, 300):
+        for tail in (1, 16, 64):
+            for start in range(0, 320, 32):
+                end = start + 32
+                want = sum(p < n - tail for p in range(start, end))
+                assert plan.prefix_rows_in_block(n, start, end, tail=tail, exact_request=False) == want
+                assert plan.prefix_rows_in_block(n, start, end, tail=tail, exact_request=True) == 0
+
+
+class _Params:
+    def __init__(self, prompt_logprobs=None):
+        self.prompt_logprobs = prompt_logprobs
+
+
+class _Request:
+    def __init__(self, n, prompt_logprobs=None):
+        self.num_prompt_tokens, self.sampling_params = n, _Params(prompt_logprobs)
+
+
+class _Fill:
+    def __init__(self, sha, tail=16):
+        self.sha256, self.tail = sha, tail
+
+
+def test_block_keys_carry_the_release_and_the_plan():
+    from ridgefill.engines.vllm_plugin import block_key
+
+    a, b = _Fill("a" * 64), _Fill("b" * 64)
+    # the same prompt length and release: the same key; another release, another key
+    assert block_key(a, _Request(200), 0, 32) == block_key(a, _Request(500), 0, 32)
+    assert block_key(a, _Request(200), 0, 32) != block_key(b, _Request(200), 0, 32)
+    # a block that holds the tail boundary of one request but not the other's: different keys
+    assert block_key(a, _Request(200), 160, 192) != block_key(a, _Request(500), 160, 192)
+    # a request served exactly (prompt log-probabilities) never shares a filled block
+    assert block_key(a, _Request(200, prompt_logprobs=1), 0, 32) != block_key(a, _Request(200), 0, 32)
+    assert block_key(a, _Request(200, prompt_logprobs=1), 0, 32) == block_key(a, _Request(10), 0, 32)
+
+
+# ------------------------------------------------------------------------------------------------ the served release
+
+
+@pytest.fixture(scope="module")
+def chain(tiny_chain):
+    return tiny_chain()
+
+
+def test_served_release_reads_the_release_as_the_runtime_does(chain):
+    from ridgefill.formats.release import load_release
+
+    fill = served.load(chain.release)
+    manifest, maps = load_release(chain.release)
+    assert fill.split == manifest["split"] and fill.tail == manifest["tail_default"]
+    assert fill.exact_norm == manifest["fit"]["exact_norm"] and fill.anchor == manifest["fit"]["skip_first_rows"]
+    assert fill.sha256 == manifest["files"]["maps.safetensors"] and fill.protected is None
+    assert sorted(fill.maps) == sorted(maps)
+    for l, (W, b) in fill.maps.items():
+        assert np.array_equal(W, maps[l]["weight"]) and np.array_equal(b, maps[l]["bias"])
+    assert "split 2 of 4" in fill.describe()
+
+
+def test_served_release_refusals(chain, tmp_path, monkeypatch):
+    from ridgefill.errors import BadInput
+
+    monkeypatch.setenv(served.ENV, str(tmp_path / "missing"))
+    with pytest.raises(BadInput, match="no such folder"):
+        served.from_environment()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(BadInput, match="not a folder"):
+        served.locate(str(tmp_path / "file"))
+    monkeypatch.setenv(served.ENV, "  ")
+    assert served.from_environment() is None  # empty: the engine runs untouched
+    config = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64}
+    fill = served.load(chain.release)
+    served.check_model(fill, config)  # the release's own model, no folder to fingerprint
+    with pytest.raises(BadInput, match="'gemma3_text'; the fill runs in"):
+        served.check_model(fill, config | {"model_type": "gemma3_text"})
+    with pytest.raises(BadInput, match="layer"):
+        served.check_model(fill, config | {"num_hidden_layers": 6})
+    with pytest.raises(BadInput, match="fingerprint"):
+        served.check_model(fill, config, chain.model.parent)  # a folder that is not the model
+
+
+def test_served_release_refuses_configurations_a_chunked_prefill_cannot_apply(chain, tmp_path):
+    from ridgefill.errors import BadInput
+    from ridgefill.export import export
+    from ridgefill.output import Output
+
+    out = tmp_path / "rows"
+    export(chain.store, chain.sol.id, out, Output(quiet=True), configuration="ridgefill+rows")
+    with pytest.raises(BadInput, match="configuration ridgefill\\+rows needs the whole prompt's tail"):
+        served.load(out)
+
+
+def test_served_release_is_pulled_from_a_hub_once_then_read_from_the_cache(chain, tmp_path):
+    """RIDGEFILL_RELEASE=owner/name: pulled and verified into $RIDGEFILL_CACHE, then reused; offline, or with the
+    Hub unreachable, the cached copy; nothing cached and the Hub unreachable: one line naming the endpoint."""
+    from clirun import cli
+    from hubserver import HubServer, Token
+
+    token = "hf_rfWRITE_served_0123456789abcdef"
+    code = ("import json, sys; from ridgefill.engines import served; from ridgefill.errors import RidgefillError\n"
+            "try:\n    f = served.from_environment(); print(json.dumps({'folder': str(f.folder), 'sha': f.sha256}))\n"
+            "except RidgefillError as e:\n    print(json.dumps({'error': str(e), 'code': e.exit_code}))")
+
+    def served_in(env):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    with HubServer(tokens={token: Token("alice", orgs=("acme",))}) as hub:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
+        env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"), HF_HUB_DISABLE_XET="1", HF_TOKEN=token,
+                   RIDGEFILL_CACHE=str(tmp_path / "cache"), RIDGEFILL_RELEASE="acme/tiny")  # fmt: skip
+        r = cli("push", chain.release, "--repo", "acme/tiny", env=env)
+        assert r.returncode == 0, r.stderr
+        first = served_in(env)
+        assert "error" not in first, first
+        assert first["sha"] == served.load(chain.release).sha256
+        assert first["folder"].startswith(str(tmp_path / "cache" / "releases" / "acme--tiny"))
+        n = len(hub.requests)
+        assert served_in(env) == first
+        assert not [r for r in hub.requests_since(n) if "/resolve/" in r["path"]]  # nothing downloaded again
+        assert served_in(env | {"HF_HUB_OFFLINE": "1"}) == first
+        missing = served_in(env | {"RIDGEFILL_RELEASE": "acme/nothing"})
+        assert missing["code"] == 2 and "acme/nothing" in missing["error"]
+    gone = served_in(env)  # the server is down: the copy pulled before
+    assert gone == first
+    fresh = served_in(env | {"RIDGEFILL_CACHE": str(tmp_path / "empty")})
+    assert fresh["code"] == 1 and hub.url in fresh["error"]
