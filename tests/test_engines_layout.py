@@ -114,13 +114,17 @@ def test_vllm_slots():
 
 def test_connectors_import_only_what_an_engine_has():
     """The engine-side modules load in an engine's environment: of ridgefill, only ridgefill.engines' engine-side
-    modules and the numpy-only layers below (formats, artifacts' hashing, errors, numerics); of ridgefill's
-    requirements, only numpy, torch and safetensors. Checked in the source, and by importing the ones that need no
-    engine in a fresh interpreter, which must load none of ridgefill's other requirements."""
-    allowed = {"__future__", "ast", "ctypes", "dataclasses", "json", "os", "re", "struct", "sys", "time", "typing",
-               "pathlib", "numpy", "torch", "safetensors", "vllm", "llama_cpp"}  # fmt: skip
-    below = ("ridgefill.formats", "ridgefill.artifacts", "ridgefill.errors", "ridgefill.numerics")
-    engine_side = {"layout", "jobs", "request", "vllm", "vllm_fill", "vllm_runner", "llamacpp", "llamacpp_runner"}
+    modules and the numpy-only layers below (formats, artifacts' hashing, errors, numerics, the Hub client, the
+    model fingerprint and layer kinds, the runtime's row rules); of ridgefill's requirements, only numpy, torch,
+    safetensors (and huggingface_hub, which the engines require themselves). Checked in the source, and by importing
+    the ones that need no engine in a fresh interpreter, which must load none of ridgefill's other requirements."""
+    allowed = {"__future__", "ast", "contextvars", "ctypes", "dataclasses", "gc", "json", "logging", "os", "re",
+               "struct", "sys", "time", "typing", "pathlib", "numpy", "torch", "safetensors", "huggingface_hub", "vllm",
+               "llama_cpp"}  # fmt: skip
+    below = ("ridgefill.formats", "ridgefill.artifacts", "ridgefill.errors", "ridgefill.numerics", "ridgefill.hub",
+             "ridgefill.models.fingerprint", "ridgefill.models.kinds", "ridgefill.runtime.rows")  # fmt: skip
+    engine_side = {"layout", "jobs", "request", "vllm", "vllm_runner", "llamacpp", "llamacpp_runner", "plan",
+                   "served", "identity", "vllm_model", "vllm_plugin", "vllm_plugin_runner"}  # fmt: skip
     for name in engine_side:
         tree = ast.parse((ENGINES / f"{name}.py").read_text())
         for node in ast.walk(tree):
@@ -128,13 +132,14 @@ def test_connectors_import_only_what_an_engine_has():
                 [node.module] if isinstance(node, ast.ImportFrom) else []
             for m in mods:
                 if m.split(".")[0] == "ridgefill":
-                    ours = m.startswith("ridgefill.engines.") and m.split(".")[2] in engine_side
+                    ours = m == "ridgefill.engines" or (m.startswith("ridgefill.engines.") and m.split(".")[2] in engine_side)
                     assert ours or m.startswith(below), (name, m)
                 else:
                     assert m.split(".")[0] in allowed, (name, m)
     code = ("import sys, ridgefill.engines.layout, ridgefill.engines.jobs, ridgefill.engines.request, "
-            "ridgefill.formats.cache; print(sorted(m for m in ('typer', 'rich', 'transformers', 'huggingface_hub', "
-            "'torch', 'click') if m in sys.modules))")  # fmt: skip
+            "ridgefill.formats.cache, ridgefill.engines.plan, ridgefill.engines.served, ridgefill.engines.vllm_plugin; "
+            "print(sorted(m for m in ('typer', 'rich', 'transformers', 'huggingface_hub', 'torch', 'click') "
+            "if m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

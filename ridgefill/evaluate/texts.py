@@ -13,6 +13,7 @@ Two sources, both read from the running interpreter's standard library (no netwo
     haystack_documents()                 # [(name, text)], prose: the needle haystack
     haystack_documents("code")           # the held-out source files
     long_documents(tok, 4096)            # [EvalDocument] with >= 4096 tokens each, for the NLL metric
+    prose_prompts(tok, 1536, 20)         # 20 prompts of exactly 1536 token ids, each from its own topic on
     check_disjoint(docs, {d.sha256 for d in read_corpus(["builtin:default"]).documents})
 
 Document hashes are sha256 of the UTF-8 text, the same as `ridgefill.capture.corpus.Document.sha256`.
@@ -86,6 +87,27 @@ def haystack_documents(kind: str = "prose") -> list[tuple[str, str]]:
     if not docs:
         raise ValueError(f"no {kind} evaluation text found under {_stdlib()}")
     return docs
+
+
+def prose_prompts(tokenizer, tokens: int, count: int) -> list[list[int]]:
+    """`count` distinct prompts of exactly `tokens` token ids of prose: prompt i is the prose documents from the
+    i-th on (cycling), joined by blank lines, tokenized (with the tokenizer's special prefix) and cut."""
+    docs = [text for _, text in haystack_documents("prose")]
+    if count > len(docs):
+        raise ValueError(f"{count} prompts asked for, from {len(docs)} prose documents")
+    prompts = []
+    for i in range(count):
+        text, j = "", i
+        while True:
+            text += ("\n\n" if text else "") + docs[j % len(docs)]
+            ids = tokenizer(text)["input_ids"]
+            if len(ids) >= tokens:
+                prompts.append(list(ids[:tokens]))
+                break
+            j += 1
+            if j - i > len(docs):
+                raise ValueError(f"the prose documents hold fewer than {tokens} tokens")
+    return prompts
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,288 @@
+"""The RidgeFill fill in vLLM's own forward (docs/engines.md, "Serving a release with vLLM"): vLLM's Llama, Qwen2
+and Qwen3 models with one hook, registered under their own architecture names by the plugin
+(`ridgefill.engines.vllm_plugin`) when RIDGEFILL_RELEASE is set.
+
+Per step (the plan is `ridgefill.engines.plan`'s, made where vLLM builds the attention metadata):
+
+1. a step with no prefix row to fill (decodes, tails, requests served exactly) runs vLLM's own forward, compiled
+   and graph-captured as vLLM does it;
+2. otherwise layers 0..S-1 run every scheduled token; the split state h_S is vLLM's two residual summands added;
+   the prefix rows whose split state's norm is above the release's exact-row norm (or, in a ridgefill+protected
+   release, whose token is protected) join the exact rows: this is the step's one host synchronization;
+3. in each late layer l the filled rows' input is predicted, `W_l h_S + b_l` (the release's map, one GEMM), and
+   only their keys and values are computed (the layer's input norm, a copy of its key/value projection rows, key
+   norm, rotary embedding) and written to their cache slots through the backend's own `do_kv_cache_update`;
+4. the exact rows run the whole late layer, attending through the late layers' attention metadata, built for
+   those rows by the backend's own metadata builder from vLLM's common attention metadata (each run of
+   consecutive exact rows of a request a sequence of its own), swapped into the forward context for the late
+   layers only;
+5. the final norm runs on the exact rows; filled rows' outputs are zero (no logits are read from them: vLLM
+   samples each request's last scheduled row, which is a tail or decode row, or discards a partial prefill's).
+
+The maps and the key/value projection copies are vLLM linear layers created with the model, so vLLM's memory
+profiling counts them and each platform's own GEMM kernels run them (the CPU backend's oneDNN packing included).
+The int8 codes are decoded once at load and held in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from contextvars import ContextVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from ridgefill.engines import plan, served
+from ridgefill.runtime.rows import norm_rows
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+from vllm.v1.attention.backend import subclass_attention_backend
+
+log = logging.getLogger("vllm.ridgefill")  # under vLLM's logger: its handler and format
+
+RUNNER: ContextVar = ContextVar("ridgefill_runner", default=None)  # the model runner inside execute_model
+_ACTIVE: list = []  # the worker's EngineFill module (one model per worker process)
+_STEP: list = [None]  # the plan the late layers' builder made for the step about to run (a `Step`), or None
+_BACKENDS: dict = {}
+
+
+@dataclasses.dataclass
+class Step:
+    meta: object  # the late layers' stock metadata for this step (the forward checks it is the one it is given)
+    builder: object  # the late layers' metadata builder
+    common: object  # vLLM's CommonAttentionMetadata of the step
+    prefix: np.ndarray  # bool [num_actual_tokens]: prefix rows (plan.prefix_rows)
+    query_start: np.ndarray  # int64 [R + 1]
+    seq_lens: np.ndarray  # int64 [R]
+
+
+def fill_backend(base):
+    """The late layers' attention backend: `base` whose metadata builder also records the step's plan."""
+    if base not in _BACKENDS:
+        class Builder(base.get_builder_cls()):
+            def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+                meta = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+                _STEP[0] = _plan_step(self, common_attn_metadata, meta)
+                return meta
+
+        _BACKENDS[base] = subclass_attention_backend("Ridgefill", base, Builder)
+    return _BACKENDS[base]
+
+
+def _plan_step(builder, cam, meta) -> Step | None:
+    """The step's plan, from the model runner's requests (their prompt lengths, and whether each is served exactly);
+    None outside a scheduled step (profiling, graph capture) and for a step with no prefix row."""
+    runner = RUNNER.get()
+    if runner is None or not _ACTIVE:
+        return None
+    fill, batch, n = _ACTIVE[0], runner.input_batch, cam.num_reqs
+    if n != batch.num_reqs or n == 0:
+        return None
+    qsl = cam.query_start_loc_cpu[: n + 1].numpy().astype(np.int64)
+    seq = cam.seq_lens_cpu_upper_bound if cam.seq_lens_cpu_upper_bound is not None else cam.seq_lens.cpu()
+    seq = seq[:n].numpy().astype(np.int64)
+    exact = [rid in runner.num_prompt_logprobs for rid in batch.req_ids[:n]]  # prompt log-probs need every row
+    prefix = plan.prefix_rows(qsl, seq, batch.num_prompt_tokens[:n], exact, tail=fill.tail, anchor=fill.anchor)
+    if not prefix.any():
+        return None
+    return Step(meta, builder, cam, prefix, qsl, seq)
+
+
+class EngineFill(nn.Module):
+    """The release on the model: maps, key/value projection copies, and the fill's forward."""
+
+    def __init__(self, causal_lm, vllm_config, release: served.Fill):
+        super().__init__()
+        layers = causal_lm.model.layers
+        L, d = len(layers), vllm_config.model_config.hf_config.hidden_size
+        self.release, self.split = release, release.split
+        self.late = list(range(release.split, L))
+        self.tail, self.anchor, self.exact_norm = release.tail, release.anchor, release.exact_norm
+        first = layers[self.split].self_attn
+        self.maps = nn.ModuleList(ReplicatedLinear(d, d, bias=True, quant_config=None, prefix=f"ridgefill.maps.{l}")
+                                  for l in self.late)  # fmt: skip
+        # The key/value rows of each late layer's qkv projection, as a projection of their own: the filled rows
+        # compute no query. Copied from the loaded weights (load), before vLLM repacks them for its kernels.
+        self.kv = nn.ModuleList(
+            QKVParallelLinear(d, first.head_dim, 0, first.total_num_kv_heads,
+                              bias=layers[l].self_attn.qkv_proj.bias is not None, quant_config=None,
+                              prefix=f"ridgefill.kv.{l}")
+            for l in self.late)  # fmt: skip
+        if release.protected is not None:
+            self.register_buffer("protected", torch.as_tensor(release.protected), persistent=False)
+        else:
+            self.protected = None
+        self.late_names = []
+        for l in self.late:
+            attn = layers[l].self_attn.attn
+            attn.attn_backend = fill_backend(attn.attn_backend)
+            self.late_names.append(attn.layer_name)
+        self.stats = {"fill_steps": 0, "stock_steps": 0, "filled_rows": 0, "exact_prefix_rows": 0}
+        _ACTIVE[:] = [self]
+
+    def load(self, causal_lm) -> set[str]:
+        """Fill the maps (decoded, in the model's dtype) and the key/value copies (from the qkv weights just loaded);
+        the parameter names it loaded, as vLLM's loader counts them."""
+        layers = causal_lm.model.layers
+        for i, l in enumerate(self.late):
+            W, b = self.release.maps[l]
+            self.maps[i].weight.data.copy_(torch.from_numpy(W))
+            self.maps[i].bias.data.copy_(torch.from_numpy(b))
+            sa = layers[l].self_attn
+            rows = slice(sa.q_size, sa.q_size + 2 * sa.kv_size)
+            self.kv[i].weight.data.copy_(sa.qkv_proj.weight.data[rows])
+            if self.kv[i].bias is not None:
+                self.kv[i].bias.data.copy_(sa.qkv_proj.bias.data[rows])
+        self.release = dataclasses.replace(self.release, maps={})  # the float32 copies are no longer needed
+        return {f"ridgefill.{name}" for name, _ in self.named_parameters()}
+
+    def memory(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    # -- the forward -----------------------------------------------------------------------------------------------
+
+    def forward(self, causal_lm, input_ids, positions, inputs_embeds):
+        """The fill's forward of this step, or None when the step is vLLM's own (no plan, or nothing to fill)."""
+        step, ctx = _STEP[0], get_forward_context()
+        meta = ctx.attn_metadata
+        if step is None or not isinstance(meta, dict) or meta.get(self.late_names[0]) is not step.meta:
+            self.stats["stock_steps"] += 1
+            return None
+        m = causal_lm.model
+        h = inputs_embeds if inputs_embeds is not None else m.embed_input_ids(input_ids)
+        residual = None
+        for layer in m.layers[: self.split]:
+            h, residual = layer(positions, h, residual)
+        h_split = h if residual is None else h + residual  # the residual stream entering layer S
+        num = step.prefix.shape[0]  # scheduled tokens; rows past them are padding
+        fill = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
+        fill[:num] = torch.from_numpy(step.prefix).to(h.device)
+        fill &= ~norm_rows(h_split, self.exact_norm)
+        if self.protected is not None and input_ids is not None:
+            fill &= ~torch.isin(input_ids, self.protected)
+        filled = fill[:num].cpu().numpy()  # the step's one host synchronization
+        self.stats["exact_prefix_rows"] += int(step.prefix.sum() - filled.sum())
+        runs = plan.runs(~filled, step.query_start, step.seq_lens)
+        f_rows = torch.from_numpy(np.flatnonzero(filled)).to(h.device)
+        q_rows = torch.from_numpy(runs.rows).to(h.device)
+        slots = ctx.slot_mapping[self.late_names[0]]
+        late_meta = self._late_metadata(step, runs, positions, slots, q_rows) if runs.rows.size else None
+        hq, pos_q = h[q_rows], positions[q_rows]
+        rq = None if residual is None else residual[q_rows]
+        x_split, pos_f, slots_f = h_split[f_rows], positions[f_rows], slots[f_rows]
+        saved = {name: (meta[name], ctx.slot_mapping[name]) for name in self.late_names}
+        try:
+            for name in self.late_names:
+                meta[name], ctx.slot_mapping[name] = late_meta, slots[q_rows]
+            for i, l in enumerate(self.late):
+                layer = m.layers[l]
+                if f_rows.numel():
+                    self._write_filled(i, layer, x_split, pos_f, slots_f)
+                if late_meta is not None:
+                    hq, rq = layer(pos_q, hq, rq)
+        finally:
+            for name, (old_meta, old_slots) in saved.items():
+                meta[name], ctx.slot_mapping[name] = old_meta, old_slots
+        out = torch.zeros_like(h)
+        if late_meta is not None:
+            out[q_rows] = m.norm(hq, rq)[0] if rq is not None else m.norm(hq)
+        self.stats["fill_steps"] += 1
+        self.stats["filled_rows"] += int(f_rows.numel())
+        return out
+
+    def _write_filled(self, i, layer, x_split, pos, slots) -> None:
+        """Late layer `layer`'s keys and values for the filled rows, from their predicted input, into their slots."""
+        sa = layer.self_attn
+        x = self.maps[i](x_split)[0]  # [F, d]: W_l h_S + b_l
+        kv = self.kv[i](layer.input_layernorm(x))[0]  # [F, 2 * kv_size]
+        k, v = kv.split([sa.kv_size, sa.kv_size], dim=-1)
+        if hasattr(sa, "k_norm"):  # Qwen3: RMSNorm per head before the rotary embedding
+            k = sa.k_norm(k.reshape(k.shape[0], -1, sa.head_dim)).reshape(k.shape)
+        k = sa.rotary_emb(pos, k.contiguous(), None)[0]  # rotated as a query would be: the same per-head rotation
+        attn = sa.attn
+        attn.impl.do_kv_cache_update(attn, k.reshape(-1, attn.num_kv_heads, attn.head_size),
+                                     v.reshape(-1, attn.num_kv_heads, attn.head_size_v).contiguous(), attn.kv_cache,
+                                     slots)  # fmt: skip
+
+    def _late_metadata(self, step: Step, runs: plan.Runs, positions, slots, q_rows):
+        """The late layers' attention metadata for the exact rows, from the backend's own builder."""
+        cam, dev = step.common, positions.device
+        owner = torch.from_numpy(runs.owner).to(cam.block_table_tensor.device)
+        qsl = torch.from_numpy(runs.query_start.astype(np.int32))
+        last = torch.from_numpy(runs.last).to(dev)
+        seq_cpu = torch.from_numpy(runs.seq_lens.astype(np.int32))
+        sub = dataclasses.replace(
+            cam, query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl,
+            seq_lens=(positions[last] + 1).to(cam.seq_lens.dtype), seq_lens_cpu_upper_bound=seq_cpu,
+            num_reqs=int(runs.owner.size), num_actual_tokens=int(runs.rows.size), max_query_len=runs.max_query_len,
+            max_seq_len=int(runs.seq_lens.max()), block_table_tensor=cam.block_table_tensor[owner],
+            slot_mapping=slots[q_rows], causal=True, positions=positions[q_rows],
+            is_prefilling=None if cam.is_prefilling is None else cam.is_prefilling[owner.cpu()],
+            logits_indices_padded=None, num_logits_indices=None, max_logits_per_req=None, req_idx=None,
+            dcp_local_seq_lens=None, dcp_local_seq_lens_cpu_upper_bound=None, mm_req_doc_ranges=None,
+            rswa_prefix_lens=None, _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)  # fmt: skip
+        return step.builder.build(0, sub)
+
+
+class FillMixin:
+    """The hook: vLLM's causal LM, with an `EngineFill` when RIDGEFILL_RELEASE is set."""
+
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        release = served.from_environment()
+        self.ridgefill = EngineFill(self, vllm_config, release)
+        self._ridgefill_source = (vllm_config.model_config.model, vllm_config.model_config.revision,
+                                  vllm_config.load_config.download_dir)  # fmt: skip
+
+    def load_weights(self, weights):
+        loaded = super().load_weights(weights)
+        _check_hub_model(self.ridgefill.release, *self._ridgefill_source)
+        names = self.ridgefill.load(self)
+        fill = self.ridgefill
+        log.info("ridgefill: %s; maps and key/value copies %.1f MiB in %s on %s", fill.release.describe(),
+                 fill.memory() / 2**20, next(fill.parameters()).dtype, next(fill.parameters()).device)
+        return None if loaded is None else set(loaded) | names
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        out = self.ridgefill.forward(self, input_ids, positions, inputs_embeds)
+        if out is None:
+            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        return out
+
+
+def _check_hub_model(release: served.Fill, model: str, revision, download_dir) -> None:
+    """A model served from the Hub (its snapshot now downloaded) must be the release's model: the fingerprint of
+    its snapshot, from the blob names (the sha256 the Hub keeps). A local folder was checked at startup."""
+    import os
+
+    if os.path.isdir(model):
+        return
+    from huggingface_hub import snapshot_download
+
+    from ridgefill.engines import identity
+
+    folder = snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True)
+    problem = identity.served_fingerprint_problem(folder, release.manifest)
+    if problem:
+        raise ValueError(f"ridgefill: {served.ENV}={release.folder}: {problem}")
+
+
+class RidgefillLlamaForCausalLM(FillMixin, LlamaForCausalLM):
+    pass
+
+
+class RidgefillQwen2ForCausalLM(FillMixin, Qwen2ForCausalLM):
+    pass
+
+
+class RidgefillQwen3ForCausalLM(FillMixin, Qwen3ForCausalLM):
+    pass
+
+
+CLASSES = {"LlamaForCausalLM": RidgefillLlamaForCausalLM, "Qwen2ForCausalLM": RidgefillQwen2ForCausalLM,
+           "Qwen3ForCausalLM": RidgefillQwen3ForCausalLM}  # fmt: skip

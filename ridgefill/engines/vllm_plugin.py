@@ -1,0 +1,187 @@
+"""The vLLM plugin: one switch, `RIDGEFILL_RELEASE`, turns the RidgeFill fill on in a stock vLLM (docs/engines.md,
+"Serving a release with vLLM").
+
+    pip install --no-deps <ridgefill>                      # into vLLM's own environment
+    RIDGEFILL_RELEASE=release/smollm2-135m vllm serve MODEL
+
+Registered as the `vllm.general_plugins` entry point `ridgefill` (pyproject.toml), which vLLM calls in every
+process it starts (the API server, the engine core, each worker). With RIDGEFILL_RELEASE unset or empty,
+`register` does nothing: vLLM runs untouched. Set, it reads the release (a folder, or a Hub repo id pulled and
+verified once, then read from the cache), and
+
+- registers ridgefill's Llama, Qwen2 and Qwen3 (`ridgefill.engines.vllm_model`) under vLLM's own architecture
+  names, so the user's model folder or Hub id is served as it is;
+- checks the engine's configuration against the release where vLLM makes it (`EngineArgs.create_engine_config`):
+  the served model's architecture, layer count, hidden size and, for a local folder, fingerprint; and the features
+  the fill does not serve (pipeline parallelism, speculative decoding, full CUDA graphs of mixed batches, dual-batch
+  overlap, quantized checkpoints, model runner V2). A problem stops startup with one line (`Refused`);
+- gives the late layers' metadata builder the step's requests (`GPUModelRunner.execute_model` runs inside
+  `vllm_model.RUNNER`): their prompt lengths and whether each is served exactly (prompt log-probabilities need
+  every row's logits, so such a request runs stock);
+- adds the plan to every prefix-cache block's hash (`generate_block_hash_extra_keys`): the release's maps sha256
+  and how many of the block's rows were prefix rows for the request that computed it (`plan.prefix_rows_in_block`),
+  so a cached block is reused only where it holds what the plan would write.
+
+The patches are written for vLLM 0.32 (`SUPPORTED`); another version is refused at startup rather than run on
+guesses.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ridgefill.engines import served
+from ridgefill.errors import RidgefillError
+
+SUPPORTED = ("0.32.",)
+_STATE: dict = {}  # "fill": the served.Fill of this process
+
+
+class Refused(RuntimeError):
+    """The fill cannot start as configured: one line naming the problem."""
+
+
+def register() -> None:
+    """vLLM's `vllm.general_plugins` entry point."""
+    if served.setting() is None or _STATE:
+        return
+    sys.excepthook = _one_line(sys.excepthook)
+    try:
+        fill = served.from_environment()
+    except RidgefillError as e:
+        raise Refused(f"ridgefill: {e}") from None
+    os.environ[served.ENV] = str(fill.folder)  # the processes vLLM starts read the folder, not the Hub again
+    import vllm
+
+    if not vllm.__version__.startswith(SUPPORTED):
+        raise Refused(f"ridgefill: the fill is written for vLLM {SUPPORTED[0]}x, not {vllm.__version__}")
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
+        raise Refused("ridgefill: the fill runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    _STATE["fill"] = fill
+    from vllm import ModelRegistry
+
+    from ridgefill.engines.vllm_model import CLASSES
+
+    for arch, cls in CLASSES.items():
+        ModelRegistry.register_model(arch, f"{cls.__module__}:{cls.__name__}")
+    _patch_engine_config()
+    _patch_runner()
+    _patch_block_hashes(fill)
+
+
+def _one_line(previous):
+    """An excepthook that prints a `Refused` as its one line (the rest as before)."""
+
+    def hook(kind, value, tb):
+        if isinstance(value, Refused):
+            print(str(value), file=sys.stderr)
+            return
+        previous(kind, value, tb)
+
+    return hook
+
+
+# -- startup checks ----------------------------------------------------------------------------------------------
+
+
+def check_engine(config) -> None:
+    """Refused naming the first reason the engine configuration `config` (a VllmConfig) cannot serve the fill."""
+    fill = _STATE["fill"]
+    mc = config.model_config
+    problems = []
+    if config.parallel_config.pipeline_parallel_size > 1:
+        problems.append("pipeline parallelism (the late layers need the split state of every row)")
+    if getattr(config.parallel_config, "enable_dbo", False):
+        problems.append("dual-batch overlap")
+    if config.speculative_config is not None:
+        problems.append("speculative decoding (not verified with the fill)")
+    if mc.quantization is not None:
+        problems.append(f"a {mc.quantization}-quantized checkpoint (the fill copies the late layers' key/value "
+                        f"weights)")  # fmt: skip
+    if config.use_v2_model_runner:
+        problems.append("model runner V2")
+    if getattr(config.cache_config, "kv_sharing_fast_prefill", False):
+        problems.append("--kv-sharing-fast-prefill")
+    graphs = config.compilation_config.cudagraph_mode
+    if graphs is not None and graphs.mixed_mode().name == "FULL":
+        problems.append(f"cudagraph_mode {graphs.name} (a step with prompt rows must run the Python forward: use "
+                        f"FULL_AND_PIECEWISE, PIECEWISE or FULL_DECODE_ONLY)")  # fmt: skip
+    if problems:
+        raise Refused(f"ridgefill: the fill does not run with {problems[0]}")
+    path = mc.model if os.path.isdir(mc.model) else None
+    try:
+        served.check_model(fill, mc.hf_text_config.to_dict(), path)
+    except RidgefillError as e:
+        raise Refused(f"ridgefill: {e}") from None
+
+
+def _patch_engine_config() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    create = EngineArgs.create_engine_config
+    if getattr(create, "_ridgefill", False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        config = create(self, *args, **kwargs)
+        check_engine(config)
+        return config
+
+    create_engine_config._ridgefill = True
+    EngineArgs.create_engine_config = create_engine_config
+
+
+# -- the step's requests -------------------------------------------------------------------------------------------
+
+
+def _patch_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ridgefill.engines.vllm_model import RUNNER
+
+    execute = GPUModelRunner.execute_model
+    if getattr(execute, "_ridgefill", False):
+        return
+
+    def execute_model(self, *args, **kwargs):
+        token = RUNNER.set(self)
+        try:
+            return execute(self, *args, **kwargs)
+        finally:
+            RUNNER.reset(token)
+
+    execute_model._ridgefill = True
+    GPUModelRunner.execute_model = execute_model
+
+
+# -- prefix-cache block hashes -------------------------------------------------------------------------------------
+
+
+def block_key(fill, request, start: int, end: int) -> tuple:
+    """The plan's part of the hash of a request's cache block holding rows start..end-1."""
+    from ridgefill.engines.plan import prefix_rows_in_block
+
+    params = getattr(request, "sampling_params", None)
+    exact = params is None or params.prompt_logprobs is not None
+    rows = prefix_rows_in_block(request.num_prompt_tokens, start, end, tail=fill.tail, exact_request=exact)
+    return ("ridgefill", f"{fill.sha256}:{rows}")
+
+
+def _patch_block_hashes(fill) -> None:
+    import vllm.v1.core.block_pool as block_pool
+    import vllm.v1.core.kv_cache_utils as utils
+
+    extra_keys = utils.generate_block_hash_extra_keys
+    if getattr(extra_keys, "_ridgefill", False):
+        return
+
+    def generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx):
+        keys, mm_idx = extra_keys(request, start_token_idx, end_token_idx, start_mm_idx)
+        ours = block_key(fill, request, start_token_idx, end_token_idx)
+        return (keys or ()) + (ours,), mm_idx
+
+    generate_block_hash_extra_keys._ridgefill = True
+    for module in (utils, block_pool):
+        module.generate_block_hash_extra_keys = generate_block_hash_extra_keys

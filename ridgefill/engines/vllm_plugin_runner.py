@@ -1,0 +1,93 @@
+"""Run prompts through vLLM's offline engine, with whatever the environment switches on (RIDGEFILL_RELEASE for the
+fill plugin), under several engine settings in one process; in vLLM's environment:
+
+    python -m ridgefill.engines.vllm_plugin_runner JOBS.json RESULTS.json
+
+JOBS: {"model": path, "prompts": {name: [token ids]}, "runs": [run, ...]}, a run being
+    {"name": str, "engine": {LLM keyword arguments}, "prompts": [names], "max_new": int,
+     "submit": "alone" | "together",        # one generate call per prompt, or all in one (the scheduler batches)
+     "prompt_logprobs": [names]}            # optional: these ask for prompt log-probabilities
+RESULTS: {"runs": {name: {"outputs": [{"prompt": name, "tokens": [int], "top2": [[[id, logprob], [id, logprob]],
+                                        ...], "cached": int}, ...],       # in the order of the run's prompts
+                          "stats": the fill's counters or null, "preemptions": int, "seconds": float}}}
+
+Each run gets a fresh engine (dtype float32, token ids in and out, greedy decoding, 2 top log-probs per step, the
+vLLM V1 engine in this process) unless its "engine" says otherwise. Standard library and vLLM only.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+
+from ridgefill.engines.jobs import main_args
+
+DEFAULTS = {"dtype": "float32", "skip_tokenizer_init": True, "seed": 0, "enforce_eager": True,
+            "disable_log_stats": False}  # fmt: skip
+
+
+def _top2(entry) -> list:
+    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:2]
+    return [[int(t), float(lp.logprob)] for t, lp in ranked]
+
+
+def _preemptions(llm) -> int:
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:num_preemptions":
+            return int(metric.value)
+    return 0
+
+
+def run_one(model: str, run: dict, prompts: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model, **(DEFAULTS | run.get("engine", {})))
+    names = run["prompts"]
+    asks = set(run.get("prompt_logprobs", []))
+
+    def params(name):
+        return SamplingParams(max_tokens=run.get("max_new", 16), temperature=0.0, logprobs=2, detokenize=False,
+                              prompt_logprobs=1 if name in asks else None)  # fmt: skip
+
+    requests = [({"prompt_token_ids": prompts[n]}, params(n)) for n in names]
+    if run.get("submit", "alone") == "together":
+        got = llm.generate([r for r, _ in requests], [p for _, p in requests], use_tqdm=False)
+    else:
+        got = [llm.generate([r], [p], use_tqdm=False)[0] for r, p in requests]
+    outputs = []
+    for name, o in zip(names, got):
+        c = o.outputs[0]
+        outputs.append({"prompt": name, "tokens": list(c.token_ids), "top2": [_top2(lp) for lp in c.logprobs],
+                        "cached": int(o.num_cached_tokens or 0)})  # fmt: skip
+    stats = llm.apply_model(lambda m: dict(m.ridgefill.stats) if hasattr(m, "ridgefill") else None)[0]
+    result = {"outputs": outputs, "stats": stats, "preemptions": _preemptions(llm),
+              "seconds": time.perf_counter() - start}  # fmt: skip
+    del llm
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+    gc.collect()
+    return result
+
+
+def main() -> None:
+    import json
+    from pathlib import Path
+
+    jobs_path, out_path = main_args()
+    spec = json.loads(Path(jobs_path).read_text())
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    results = {}
+    for run in spec["runs"]:
+        results[run["name"]] = run_one(spec["model"], run, spec["prompts"])
+        print(f"vllm_plugin_runner: {run['name']}: {len(run['prompts'])} prompts in "
+              f"{results[run['name']]['seconds']:.1f} s", file=sys.stderr, flush=True)
+    Path(out_path).write_text(json.dumps({"runs": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
