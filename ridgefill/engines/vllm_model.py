@@ -36,6 +36,7 @@ from torch import nn
 
 from ridgefill.engines import plan, served
 from ridgefill.runtime.rows import norm_rows
+from vllm.config import CompilationMode
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear
 from vllm.model_executor.models.llama import LlamaForCausalLM
@@ -123,6 +124,10 @@ class EngineFill(nn.Module):
             attn.attn_backend = fill_backend(attn.attn_backend)
             self.late_names.append(attn.layer_name)
         self.stats = {"fill_steps": 0, "stock_steps": 0, "filled_rows": 0, "exact_prefix_rows": 0}
+        # The early layers run every scheduled token: compiled like vLLM's own forward when vLLM compiles it (not
+        # with --enforce-eager), by torch.compile with a dynamic token count; compiled on the first step that fills.
+        compiling = vllm_config.compilation_config.mode != CompilationMode.NONE
+        self.early = torch.compile(self._early, dynamic=True) if compiling else self._early
         _ACTIVE[:] = [self]
 
     def load(self, causal_lm) -> set[str]:
@@ -155,9 +160,8 @@ class EngineFill(nn.Module):
             return None
         m = causal_lm.model
         h = inputs_embeds if inputs_embeds is not None else m.embed_input_ids(input_ids)
-        residual = None
-        for layer in m.layers[: self.split]:
-            h, residual = layer(positions, h, residual)
+        # Fresh tensors (the runner's are views of its persistent buffers, and dynamo would guard on the buffers).
+        h, residual = self.early(m, h.clone(), positions.clone())
         h_split = h if residual is None else h + residual  # the residual stream entering layer S
         num = step.prefix.shape[0]  # scheduled tokens; rows past them are padding
         fill = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
@@ -194,6 +198,14 @@ class EngineFill(nn.Module):
         self.stats["fill_steps"] += 1
         self.stats["filled_rows"] += int(f_rows.numel())
         return out
+
+    def _early(self, m, h, positions):
+        """Layers 0..S-1 on every scheduled token, from its embedding: (hidden, residual) entering layer S, vLLM's
+        two summands."""
+        residual = None
+        for layer in m.layers[: self.split]:
+            h, residual = layer(positions, h, residual)
+        return h, residual
 
     def _write_filled(self, i, layer, x_split, pos, slots) -> None:
         """Late layer `layer`'s keys and values for the filled rows, from their predicted input, into their slots."""

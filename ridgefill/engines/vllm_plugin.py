@@ -14,7 +14,7 @@ verified once, then read from the cache), and
 - checks the engine's configuration against the release where vLLM makes it (`EngineArgs.create_engine_config`):
   the served model's architecture, layer count, hidden size and, for a local folder, fingerprint; and the features
   the fill does not serve (pipeline parallelism, speculative decoding, full CUDA graphs of mixed batches, dual-batch
-  overlap, quantized checkpoints, model runner V2). A problem stops startup with one line (`Refused`);
+  overlap, quantized checkpoints, LoRA, model runner V2). A problem stops startup with one line (`Refused`);
 - gives the late layers' metadata builder the step's requests (`GPUModelRunner.execute_model` runs inside
   `vllm_model.RUNNER`): their prompt lengths and whether each is served exactly (prompt log-probabilities need
   every row's logits, so such a request runs stock);
@@ -102,6 +102,8 @@ def check_engine(config) -> None:
                         f"weights)")  # fmt: skip
     if config.use_v2_model_runner:
         problems.append("model runner V2")
+    if config.lora_config is not None:
+        problems.append("LoRA adapters (the filled rows' keys and values come from the base weights)")
     if getattr(config.cache_config, "kv_sharing_fast_prefill", False):
         problems.append("--kv-sharing-fast-prefill")
     graphs = config.compilation_config.cudagraph_mode
@@ -110,6 +112,11 @@ def check_engine(config) -> None:
                         f"FULL_AND_PIECEWISE, PIECEWISE or FULL_DECODE_ONLY)")  # fmt: skip
     if problems:
         raise Refused(f"ridgefill: the fill does not run with {problems[0]}")
+    from ridgefill.engines.vllm_model import CLASSES
+
+    arch = (mc.architectures or ["?"])[0]
+    if arch not in CLASSES:
+        raise Refused(f"ridgefill: the served model is a {arch}; the fill runs in {', '.join(sorted(CLASSES))}")
     path = mc.model if os.path.isdir(mc.model) else None
     try:
         served.check_model(fill, mc.hf_text_config.to_dict(), path)
