@@ -192,6 +192,23 @@ def test_served_release_refusals(chain, tmp_path, monkeypatch):
         served.check_model(fill, config, chain.model.parent)  # a folder that is not the model
 
 
+def test_served_release_refuses_a_damaged_release(chain, tmp_path):
+    import shutil
+
+    from ridgefill.errors import BadInput
+
+    bad = tmp_path / "release"
+    shutil.copytree(chain.release, bad)
+    data = bytearray((bad / "maps.safetensors").read_bytes())
+    data[-1] ^= 1
+    (bad / "maps.safetensors").write_bytes(bytes(data))
+    with pytest.raises(BadInput, match="maps.safetensors"):
+        served.load(bad)
+    (bad / "maps.safetensors").unlink()
+    with pytest.raises(BadInput, match="maps.safetensors"):
+        served.load(bad)
+
+
 def test_served_release_refuses_configurations_a_chunked_prefill_cannot_apply(chain, tmp_path):
     from ridgefill.errors import BadInput
     from ridgefill.export import export
