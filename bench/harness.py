@@ -73,8 +73,9 @@ FIGURES = {
                    "cpu <= 1.9"),
     "engine_ttft": Figure("engine_ttft.py", "time to first token in vLLM (CPU, float32): full prefill, exact prefix "
                           "injected, RidgeFill prefix injected (ridgefill's prefix compute included)", "s", None),
-    "vllm_fill": Figure("vllm_fill_bench.py", "prefill (time to first token) in vLLM, stock model / the same model "
-                        "running the fill in vLLM's forward (prototype plugin), and the ceiling", "x", None),
+    "vllm_fill": Figure("vllm_serve_bench.py", "time to first token of `vllm serve`, stock / with RIDGEFILL_RELEASE "
+                        "(vLLM's defaults: chunked prefill, prefix caching), as a share of the compute ceiling, per "
+                        "prompt length", "share", "share_8000 >= 0.90"),
     "sweep": Figure("sweep_bench.py", "adaptive and exhaustive `ridgefill sweep` (given its capture) / one default "
                     "eval: wall, CPU; whether they recommend the same", "ratio", "adaptive_cpu <= 4"),
 }

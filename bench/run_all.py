@@ -22,7 +22,7 @@ Every figure of bench/harness.py's FIGURES (which holds their targets) is one sc
     eval      eval_bench.py      default eval / exact-only eval                      (only with --only)
     sweep     sweep_bench.py     adaptive and exhaustive sweep / one default eval      (only with --only)
 
-engine_ttft and vllm_fill (bench/engine_ttft.py, bench/vllm_fill_bench.py: vLLM's time to first token with injected
+engine_ttft and vllm_fill (bench/engine_ttft.py, bench/vllm_serve_bench.py: vLLM's time to first token with injected
 caches, and with the fill inside vLLM) need the engine environment and are run by themselves.
 
 solve, prefill, anchor, eval and sweep need a capture or a release: for each model one is built first with the CLI
