@@ -1,11 +1,10 @@
 """`ridgefill engine model MODEL --out DIR` (ridgefill/engines/model_dir.py) and the served-model checks the vLLM
 plugin runs (ridgefill/engines/identity.py).
 
-The sources are tiny GGUF models (a folder is refused: vLLM serves it as it is): the tiny llama of tests/tiny.py,
-and tiny qwen2 / qwen3 GGUFs written here from tests/tiny.py's models the same way. The written folder must load
-with transformers and give the source model's logits bit for bit, tokenize as the source does, carry a marker
-that `served_fingerprint_problem` accepts for the source's release and for nothing else, and be the same bytes on
-every run. The real SmolLM2 is the `slow` test at the end.
+The sources are tiny GGUF models (a folder is refused: vLLM serves it as it is): tests/tiny.py's llama, qwen2 and
+qwen3 as GGUFs. The written folder must load with transformers and give the source model's logits bit for bit,
+tokenize as the source does, carry a marker that `served_fingerprint_problem` accepts for the source's release and
+for nothing else, and be the same bytes on every run. The real SmolLM2 is the `slow` test at the end.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -38,69 +36,8 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_qwen_gguf(path: Path, arch: str, *, layers: int = 2, hidden: int = 64, seed: int = 0, scale=None) -> Path:
-    """tests/tiny.py's `arch` model (qwen2 or qwen3) as an F32 GGUF that transformers loads to the same weights (no
-    q/k row permutation: llama.cpp rotates Qwen's keys NeoX-style, as transformers does). `scale` {hf name: factor}
-    multiplies a weight first. transformers reads no head_dim from a qwen3 GGUF and takes Qwen3Config's 128, so a
-    qwen3 GGUF needs hidden = 4 * 128."""
-    import gguf
-    import numpy as np
-    from safetensors.numpy import load_file
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = make_tiny_model(Path(tmp) / "m", arch, layers=layers, hidden=hidden, seed=seed)
-        config = json.loads((src / "config.json").read_text())
-        weights = load_file(src / "model.safetensors")
-        tok = json.loads((src / "tokenizer.json").read_text())
-    for name, factor in (scale or {}).items():
-        weights[name] = weights[name] * factor
-    path.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(layers)
-    w.add_embedding_length(hidden)
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config["num_key_value_heads"])
-    w.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_vocab_size(config["vocab_size"])
-    vocab = tok["model"]["vocab"]  # token -> id, byte-level spelling
-    tokens = sorted(vocab, key=vocab.get)
-    specials = {t["content"] for t in tok["added_tokens"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")  # as Qwen's GGUFs: Qwen2's split regex (transformers' Qwen2Tokenizer sets it anyway)
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in specials else 1 for t in tokens])  # 3 = CONTROL, 1 = NORMAL
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(config["bos_token_id"])
-    w.add_eos_token_id(config["eos_token_id"])
-    w.add_pad_token_id(config["pad_token_id"])
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
-    w.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", weights["model.norm.weight"])
-    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
-    for p in "qkv":  # qwen2 has q/k/v biases
-        names |= {f"self_attn.{p}_proj.weight": f"attn_{p}.weight", f"self_attn.{p}_proj.bias": f"attn_{p}.bias"}
-    for i in range(layers):
-        for hf, gg in names.items():
-            if f"model.layers.{i}.{hf}" in weights:
-                w.add_tensor(f"blk.{i}.{gg}", np.ascontiguousarray(weights[f"model.layers.{i}.{hf}"]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def tiny_gguf(path: Path, arch: str, seed: int = 0) -> Path:
-    if arch == "llama":
-        return make_tiny_gguf(path, "llama", layers=2, hidden=64, seed=seed)
-    return make_qwen_gguf(path, arch, hidden=512 if arch == "qwen3" else 64, seed=seed)
+    return make_tiny_gguf(path, arch, layers=2, hidden=512 if arch == "qwen3" else 64, seed=seed)
 
 
 def manifest_of(ref) -> dict:
@@ -402,7 +339,7 @@ def test_out_is_kept_without_force(written, tmp_path):
 
 def test_float16_overflow_is_refused(tmp_path):
     big = "model.layers.0.mlp.down_proj.weight"
-    gguf = make_qwen_gguf(tmp_path / "g" / "big.gguf", "qwen2", scale={big: 1e7})
+    gguf = make_tiny_gguf(tmp_path / "g" / "big.gguf", "qwen2", scale={big: 1e7})
     refused([gguf, "--dtype", "float16"], tmp_path,
             f"float16 cannot hold the weights of {big} (beyond 65504): use --dtype bfloat16 or float32")
 

@@ -2,8 +2,8 @@
 
 `make_tiny_model(dir, arch)` writes a transformers directory (config, safetensors weights, a tokenizer with an
 eos token and a chat template) for one of the architectures `ridgefill.models` supports. `make_tiny_gguf(path)`
-writes the tiny llama as an F32 GGUF that transformers can load, or, for any other architecture name, a
-metadata-only GGUF that is good for `resolve_model` and nothing else.
+writes the tiny llama (or qwen2, qwen3) as an F32 GGUF that transformers can load, or, for any other architecture
+name, a metadata-only GGUF that is good for `resolve_model` and nothing else.
 
 Everything is deterministic from `seed`: the tokenizer is trained on fixed text below, the weights come from a
 seeded generator, so two calls give byte-identical weight files (and the same fingerprint).
@@ -146,11 +146,15 @@ def _permute_for_gguf(w, n_head: int):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def make_tiny_gguf(path, arch: str = "llama", layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
+def make_tiny_gguf(path, arch: str = "llama", layers: int = 2, hidden: int = 64, seed: int = 0,
+                   scale: dict | None = None) -> Path:
     """Write a tiny GGUF file to `path`.
 
-    arch="llama": the tiny llama (same weights and tokenizer as `make_tiny_model(..., "llama")`) as F32 tensors
-    with a gpt2-style byte-level vocabulary, loadable by `from_pretrained(dir, gguf_file=name)`.
+    arch "llama", "qwen2" or "qwen3": that tiny model (same weights and tokenizer as `make_tiny_model(..., arch)`) as
+    F32 tensors with a gpt2-style byte-level vocabulary, loadable by `from_pretrained(dir, gguf_file=name)`; `scale`
+    {hf weight name: factor} multiplies a weight first. Llama's q/k rows are permuted as llama.cpp's converter does
+    (transformers undoes it); Qwen's are not (llama.cpp rotates them NeoX-style, as transformers does). transformers
+    reads no head_dim from a qwen3 GGUF and takes Qwen3Config's 128, so a qwen3 GGUF needs hidden = 4 * 128.
     Any other arch name (e.g. "gemma3", "foo"): metadata plus one dummy tensor, for resolve tests only.
     """
     import tempfile
@@ -163,7 +167,7 @@ def make_tiny_gguf(path, arch: str = "llama", layers: int = 2, hidden: int = 64,
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
     writer.add_embedding_length(hidden)
-    if arch != "llama":
+    if arch not in ("llama", "qwen2", "qwen3"):
         writer.add_tensor("token_embd.weight", np.zeros((4, hidden), dtype=np.float32))
         _finish(writer)
         return path
@@ -171,17 +175,20 @@ def make_tiny_gguf(path, arch: str = "llama", layers: int = 2, hidden: int = 64,
     from safetensors.numpy import load_file
 
     with tempfile.TemporaryDirectory() as tmp:
-        src = make_tiny_model(Path(tmp) / "m", "llama", layers=layers, hidden=hidden, seed=seed)
+        src = make_tiny_model(Path(tmp) / "m", arch, layers=layers, hidden=hidden, seed=seed)
         config = json.loads((src / "config.json").read_text())
         weights = load_file(src / "model.safetensors")
         tok = json.loads((src / "tokenizer.json").read_text())
+    for name, factor in (scale or {}).items():
+        weights[name] = weights[name] * factor
 
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
-    writer.add_rope_dimension_count(config["head_dim"])
+    if arch == "llama":
+        writer.add_rope_dimension_count(config["head_dim"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
@@ -191,6 +198,8 @@ def make_tiny_gguf(path, arch: str = "llama", layers: int = 2, hidden: int = 64,
     specials = {t["content"] for t in tok["added_tokens"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
+    if arch != "llama":
+        writer.add_tokenizer_pre("qwen2")  # as Qwen's GGUFs: Qwen2's split regex (Qwen2Tokenizer sets it anyway)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in specials else 1 for t in tokens])  # 3 = CONTROL, 1 = NORMAL
     writer.add_token_merges(merges)
@@ -202,19 +211,23 @@ def make_tiny_gguf(path, arch: str = "llama", layers: int = 2, hidden: int = 64,
 
     writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
     writer.add_tensor("output_norm.weight", weights["model.norm.weight"])
-    names = {
-        "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    names = {"input_layernorm.weight": "attn_norm.weight"}
+    for p in "qkv":  # qwen2 has q/k/v biases
+        names |= {f"self_attn.{p}_proj.weight": f"attn_{p}.weight", f"self_attn.{p}_proj.bias": f"attn_{p}.bias"}
+    names |= {
+        "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     }  # fmt: skip
     for i in range(layers):
         for hf, gg in names.items():
-            w = weights[f"model.layers.{i}.{hf}.weight"]
-            if gg == "attn_q":
-                w = _permute_for_gguf(w, n_head)
-            elif gg == "attn_k":
-                w = _permute_for_gguf(w, n_kv)
-            writer.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(w))
+            w = weights.get(f"model.layers.{i}.{hf}")
+            if w is None:
+                continue
+            if arch == "llama" and hf in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+                w = _permute_for_gguf(w, n_head if hf.startswith("self_attn.q") else n_kv)
+            writer.add_tensor(f"blk.{i}.{gg}", np.ascontiguousarray(w))
     _finish(writer)
     return path
 
