@@ -408,6 +408,8 @@ CASES = [
          ("not a regular file",)),
     Case("maps-symlink", int8_release, _symlink(MAPS), 4, MAPS, ("symbolic link",)),
     Case("readme-symlink", int8_release, _symlink("README.md"), 4, "README.md", ("symbolic link",)),
+    Case("readme-is-folder", int8_release, lambda d: ((d / "README.md").unlink(), (d / "README.md").mkdir()), 4,
+         "README.md", ("not a regular file",)),
     # 5: nothing unlisted
     Case("extra-file", int8_release, lambda d: (d / "notes.txt").write_text("x"), 5, "notes.txt"),
     Case("extra-dotfile", int8_release, lambda d: (d / ".DS_Store").write_bytes(b"\0"), 5, ".DS_Store"),

@@ -177,6 +177,8 @@ def _verified_manifest(dir: Path) -> dict:
             continue
         if name in UNHASHED and (dir / name).is_symlink():
             raise BadInput(f"{name}: a symbolic link (a release holds regular files only)")
+        if name in UNHASHED and not (dir / name).is_file():
+            raise BadInput(f"{name}: not a regular file (a release holds regular files only)")
         if name not in UNHASHED and not _hub_leftover(dir / name):
             raise BadInput(f"{name}: in the release folder but not listed in {MANIFEST}")
     for name in sorted(files):
