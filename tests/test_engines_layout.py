@@ -276,7 +276,7 @@ def test_cli_engine_prefix(chain, tmp_path):
         (["--out", tmp_path / "other"], f"--out {tmp_path / 'other'} exists, is not empty and is not an engine cache folder"),
         (["--out", tmp_path / "new", "--arm", "nofill"], "--arm must be ridgefill, identity or exact, not 'nofill'"),
         (["--out", tmp_path / "new", "--cache-dtype", "int8"], "--cache-dtype must be float32, float16 or bfloat16, got 'int8'"),
-        (["--out", tmp_path / "new", "--tail", 500], f"the prompt has {len(ids)} tokens: the tail (500) must leave a prefix (--tail)"),
+        (["--out", tmp_path / "new", "--tail", 500], f"--tail 500: the tail must be at least 1 and less than the prompt's {len(ids)} tokens (1 <= tail < {len(ids)})"),
     ]:  # fmt: skip
         r = cli("engine", "prefix", chain.model, chain.release, "--prompt", prompt, *args, "--store", chain.store.root)
         assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"Error: {message}"], r.stderr
@@ -286,6 +286,71 @@ def test_cli_engine_prefix(chain, tmp_path):
             "--tail", 5, "--force", "--store", chain.store.root, "--json")  # fmt: skip
     assert r.returncode == 0 and json.loads(r.stdout)["kind"] == "exact", r.stderr
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
+
+
+def test_cli_engine_prefix_checks_its_inputs_before_loading_the_model(chain, tmp_path, monkeypatch):
+    """An --out inside the release folder or the store, an empty prompt, a damaged release, a tail below 1: one
+    line, exit 2, nothing written, and the model never loaded (a GGUF's first load writes its dequantized copy)."""
+    import shutil
+
+    import ridgefill.models
+    from clirun import cli_here
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(ridgefill.models, "load_model", no_load)
+    prompt, empty, damaged = tmp_path / "prompt.txt", tmp_path / "empty.txt", tmp_path / "damaged"
+    prompt.write_text("the cat sat on the mat and looked around. " * 3)
+    empty.write_text(" \n")
+    shutil.copytree(chain.release, damaged)
+    data = bytearray((damaged / "maps.safetensors").read_bytes())
+    data[-1] ^= 1
+    (damaged / "maps.safetensors").write_bytes(bytes(data))
+    store = chain.store.root
+    listing = lambda: sorted(str(p) for p in chain.tmp.rglob("*")) + sorted(str(p) for p in tmp_path.rglob("*"))  # noqa: E731
+    before = listing()
+    new = tmp_path / "new"
+    for release, args, message in [
+        (chain.release, ["--out", chain.release / "served"], f"--out {chain.release / 'served'} is inside the "
+         f"release folder {chain.release}: write the engine cache elsewhere (a release holds only the files its "
+         "manifest lists)"),
+        (chain.release, ["--out", store / "x" / "served"], f"--out {store / 'x' / 'served'} is inside the artifact "
+         f"store {store}: write the engine cache elsewhere (the store holds only its artifacts)"),
+        (chain.release, ["--out", new, "--prompt", empty], f"--prompt {empty} holds no text"),
+        (damaged, ["--out", new], "maps.safetensors: sha256 mismatch"),
+        (chain.release, ["--out", new, "--tail", -5], "--tail -5: the tail must be at least 1 and less than the "
+         "prompt's length in tokens"),
+        (chain.release, ["--out", new, "--tail", 0], "--tail 0: the tail must be at least 1 and less than the "
+         "prompt's length in tokens"),
+    ]:  # fmt: skip
+        r = cli_here("engine", "prefix", chain.model, release, "--prompt", prompt, *args, "--store", store)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"Error: {message}"), r.stderr
+        assert listing() == before
+
+
+def test_cli_engine_prefix_prompt_past_the_context_and_binary_prompts(chain, tmp_path):
+    """A prompt longer than the model's context (the tiny llama's 256 positions) is refused; a prompt file with bytes
+    that are not UTF-8 is read with them replaced and a warning, as capture reads its corpus."""
+    from clirun import cli_here
+
+    long, binary = tmp_path / "long.txt", tmp_path / "binary.txt"
+    long.write_text("the cat sat on the mat and looked around. " * 40)
+    binary.write_bytes(b"the cat sat \xff\xfe on the mat and looked around. " * 3)
+    out = tmp_path / "served"
+    r = cli_here("engine", "prefix", chain.model, chain.release, "--prompt", long, "--out", out, "--tail", 5,
+                 "--store", chain.store.root)  # fmt: skip
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("Error: the prompt has ") and lines[0].endswith(
+        " tokens, more than the model's context (256 positions)")
+    assert not out.exists()
+    r = cli_here("engine", "prefix", chain.model, chain.release, "--prompt", binary, "--out", out, "--tail", 5,
+                 "--store", chain.store.root)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert f"Warning: --prompt {binary} had non-UTF-8 bytes; 6 replaced with U+FFFD" in r.stderr
+    assert (out / "cache.safetensors").is_file()
 
 
 def test_cli_engine_fold(tiny_llama, tmp_path):
@@ -320,3 +385,12 @@ def test_cli_engine_fold(tiny_llama, tmp_path):
     assert read_prompt(out) == ([0] * r_kept + q, r_kept)
     r = cli("engine", "fold", fold_id, "--question", "", "--out", tmp_path / "x", "--store", store)
     assert r.returncode == 2 and "Error: --question is empty" in r.stderr and not (tmp_path / "x").exists()
+    # past the model's context (256 positions), or written into the store: refused, nothing written
+    r = cli("engine", "fold", fold_id, "--question", " and then" * 130, "--out", tmp_path / "x", "--store", store)
+    (line,) = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and line.startswith(f"Error: the fold's context ({n} tokens) and the question run to ")
+    assert line.endswith("tokens, more than the model's context (256 positions)") and not (tmp_path / "x").exists()
+    r = cli("engine", "fold", fold_id, "--question", " Q: what?", "--out", store / "served", "--store", store)
+    (line,) = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and line.startswith(f"Error: --out {store / 'served'} is inside the artifact store")
+    assert not (store / "served").exists()

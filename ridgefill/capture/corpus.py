@@ -49,7 +49,9 @@ def _doc(name: str, text: str) -> Document:
     return Document(name, text, hashlib.sha256(text.encode("utf-8")).hexdigest())
 
 
-def _decode(raw: bytes) -> tuple[str, int]:
+def decode_text(raw: bytes) -> tuple[str, int]:
+    """(text, characters replaced): a file's bytes as UTF-8, each byte sequence that is not replaced with U+FFFD (the
+    caller warns when any was: capture's corpus, an engine prompt, a compact context)."""
     text = raw.decode("utf-8", errors="replace")
     if "\ufffd" not in text:
         return text, 0
@@ -98,7 +100,7 @@ def read_corpus(paths: list[str]) -> Corpus:
                 raise BadInput(f"data path '{spec}' does not exist")
             files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES) if p.is_dir() else [p]
         for f in files:
-            text, bad = _decode(f.read_bytes())
+            text, bad = decode_text(f.read_bytes())
             if bad:
                 replaced += bad
                 files_bad += 1

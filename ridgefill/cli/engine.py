@@ -42,9 +42,10 @@ def prefix(
     """A prompt's prefix computed by ridgefill, for the engine to load; the engine computes the tail."""
     from ridgefill.engines.make import make_prefix
 
+    o = output()
     ec = make_prefix(store(), model, release, prompt, out, arm=arm, tail=tail, dtype=cache_dtype, force=force,
-                     place=place)
-    _report(output(), ec, out, True)
+                     place=place, warn=o.warn)
+    _report(o, ec, out, True)
 
 
 @app.command("fold")

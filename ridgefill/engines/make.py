@@ -1,24 +1,40 @@
 """`ridgefill engine prefix` and `ridgefill engine fold`: an engine cache folder (docs/engines.md) from a release and
 a prompt, or from a fold artifact and a question.
 
-The folder holds `cache.safetensors` (format `ridgefill-cache/1`, float32 unless asked otherwise) and
+The folder holds `cache.safetensors` (format `ridgefill-cache/2`, float32 unless asked otherwise) and
 `prompt.safetensors` (`ids`: the token ids to send the engine; metadata `cached`: how many of them the cache holds,
 and `kind`). It is built in a sibling folder and renamed into place; an existing engine-cache folder is replaced
-only with --force, and anything else at --out is refused before any work.
+only with --force, and anything else at --out is refused before any work, as is an --out inside a release folder or
+the artifact store (neither would verify with it there). The release, the prompt and the tail are checked before the
+model is loaded (a GGUF model's first load writes its dequantized copy into the store); a prompt longer than the
+model's context is refused once the tokenizer has counted it.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from ridgefill.capture.corpus import decode_text
 from ridgefill.errors import BadInput
 from ridgefill.formats.release.folder import check_out_dir, move_into_place, staging_dir
-from ridgefill.formats.release.names import KSCALE_CONFIGURATION, ROWS_CONFIGURATION
+from ridgefill.formats.release.names import KSCALE_CONFIGURATION, MANIFEST, ROWS_CONFIGURATION
 from ridgefill.engines.prepare import PROMPT, EngineCache, present_fold, prefix_cache
 
 
-def check_out(out: Path, force: bool) -> None:
-    """Refuse an --out that is a file, a non-empty folder other than an engine cache, or (without --force) one."""
+def check_out(out: Path, force: bool, store_root: Path | None = None) -> None:
+    """Refuse an --out inside the artifact store at `store_root` or inside a release folder, a file, a non-empty
+    folder other than an engine cache, or (without --force) one."""
+    where = Path(out).resolve()
+    if store_root is not None:
+        root = Path(store_root).resolve()
+        if where == root or root in where.parents:
+            raise BadInput(f"--out {out} is inside the artifact store {store_root}: write the engine cache elsewhere "
+                           "(the store holds only its artifacts)")
+    for folder in [*Path(os.path.abspath(out)).parents, *where.parents]:  # as written (for the message), as linked
+        if (folder / MANIFEST).is_file():
+            raise BadInput(f"--out {out} is inside the release folder {folder}: write the engine cache elsewhere (a "
+                           "release holds only the files its manifest lists)")
     check_out_dir(out, PROMPT, "an engine cache folder")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise BadInput(f"--out {out} already holds an engine cache (--force replaces it)")
@@ -29,6 +45,37 @@ def check_dtype(dtype: str) -> None:
         raise BadInput(f"--cache-dtype must be float32, float16 or bfloat16, got {dtype!r}")
 
 
+def tail_rule(tail: int, tokens: int | None = None, given: bool = True) -> str:
+    """The refusal of a tail that leaves the engine nothing to compute or the cache nothing to hold: the rule is
+    1 <= tail < the prompt's tokens. `given`: the tail came from --tail (else from the release)."""
+    if not given:
+        return f"the release's tail ({tail}) must be less than the prompt's {tokens} tokens; --tail sets another"
+    if tokens is None:
+        return f"--tail {tail}: the tail must be at least 1 and less than the prompt's length in tokens"
+    return (f"--tail {tail}: the tail must be at least 1 and less than the prompt's {tokens} tokens "
+            f"(1 <= tail < {tokens})")
+
+
+def read_prompt_text(path: Path, warn=None) -> str:
+    """The text of a --prompt file; bytes that are not UTF-8 are replaced with U+FFFD and `warn` is told, as
+    capture tells of its corpus. BadInput for a missing file or one without text."""
+    if not path.is_file():
+        raise BadInput(f"--prompt {path} is not a file")
+    text, replaced = decode_text(path.read_bytes())
+    if replaced and warn is not None:
+        warn(f"--prompt {path} had non-UTF-8 bytes; {replaced} replaced with U+FFFD")
+    if not text.strip():
+        raise BadInput(f"--prompt {path} holds no text")
+    return text
+
+
+def check_context(lm, tokens: int, what: str) -> None:
+    """Refuse more positions than the model's context (its config's max_position_embeddings)."""
+    limit = lm.context_length()
+    if limit and tokens > limit:
+        raise BadInput(f"{what} {tokens} tokens, more than the model's context ({limit} positions)")
+
+
 def write(ec: EngineCache, out: Path, dtype: str) -> None:
     tmp = staging_dir(out)
     ec.save(tmp, dtype)
@@ -36,32 +83,44 @@ def write(ec: EngineCache, out: Path, dtype: str) -> None:
 
 
 def make_prefix(store, model: str, release: Path, prompt: Path, out: Path, *, arm: str = "ridgefill",
-                tail: int | None = None, dtype: str = "float32", force: bool = False, place=None) -> EngineCache:
+                tail: int | None = None, dtype: str = "float32", force: bool = False, place=None,
+                warn=None) -> EngineCache:
     """The prefix of `prompt` (a text file, tokenized with the tokenizer's default special tokens) computed by
     `arm` with the release's maps and options, all but the last `tail` tokens (default: the release's tail). A
     release configured ridgefill+rows or ridgefill+kscale is refused for the fill arms: both need the tail, which the
-    engine computes (a ridgefill+protected release's protected rows run exactly in the prefix)."""
+    engine computes (a ridgefill+protected release's protected rows run exactly in the prefix). `warn` is told of
+    bytes in the prompt that are not UTF-8."""
+    from ridgefill.formats.release import read_release
     from ridgefill.models import load_model, resolve_model
     from ridgefill.models.device import where
     from ridgefill.runtime import load_release_maps
 
-    check_out(out, force)
+    check_out(out, force, store.root)
     check_dtype(dtype)
     if arm not in ("exact", "ridgefill", "identity"):
         raise BadInput(f"--arm must be ridgefill, identity or exact, not {arm!r}")
-    if not prompt.is_file():
-        raise BadInput(f"--prompt {prompt} is not a file")
-    text = prompt.read_text(encoding="utf-8", errors="replace")
+    if tail is not None and tail < 1:
+        raise BadInput(tail_rule(tail))
+    text = read_prompt_text(prompt, warn)
+    # the release is verified, its configuration and model checked, before the model is loaded
+    verified = read_release(release)
+    conf = verified.configuration["arm"]
+    if arm != "exact" and conf in (ROWS_CONFIGURATION, KSCALE_CONFIGURATION):
+        raise BadInput(f"{release} is configured {conf}, which a prefix cannot apply (it needs the tail, which the "
+                       "engine computes); --arm exact serves its prefix exactly")
+    theirs = (verified.manifest.get("model") or {}).get("fingerprint")
+    ref = resolve_model(model, store_root=store.root, expect=theirs)
+    if theirs != ref.fingerprint:
+        raise BadInput(f"{release}: the maps were made for another model (fingerprint {str(theirs)[:12]}) than "
+                       f"'{model}' ({ref.fingerprint[:12]})")  # fmt: skip
     place = place or where()
-    lm = load_model(resolve_model(model, store_root=store.root), store_root=store.root, **place.load_args())
+    lm = load_model(ref, store_root=store.root, **place.load_args())
     rel = load_release_maps(lm, release)
-    if arm != "exact" and rel.configuration in (ROWS_CONFIGURATION, KSCALE_CONFIGURATION):
-        raise BadInput(f"{release} is configured {rel.configuration}, which a prefix cannot apply (it needs the tail, "
-                       "which the engine computes); --arm exact serves its prefix exactly")
     opts = {**rel.options(), **({"tail": tail} if tail is not None else {})}
     ids = lm.tokenizer(text)["input_ids"]
+    check_context(lm, len(ids), "the prompt has")
     if not 0 < opts["tail"] < len(ids):
-        raise BadInput(f"the prompt has {len(ids)} tokens: the tail ({opts['tail']}) must leave a prefix (--tail)")
+        raise BadInput(tail_rule(opts["tail"], len(ids), tail is not None))
     if arm == "exact":
         opts = {"tail": opts["tail"]}
     elif arm == "identity":
@@ -79,8 +138,10 @@ def make_fold(store, fold_ref: str, question: str, out: Path, *, dtype: str = "f
     from ridgefill.models import load_model, resolve_model
     from ridgefill.models.device import where
 
-    check_out(out, force)
+    check_out(out, force, store.root)
     check_dtype(dtype)
+    if not question:
+        raise BadInput("--question is empty: the engine must compute at least one position")
     fold = store.get(fold_ref, stage="fold")
     comp = store.get(fold.recipe["compact"], stage="compact")
     spec = model or fold.info["model_spec"]
@@ -93,7 +154,9 @@ def make_fold(store, fold_ref: str, question: str, out: Path, *, dtype: str = "f
     qids = lm.tokenizer(question, add_special_tokens=False)["input_ids"]
     if not qids:
         raise BadInput("--question is empty: the engine must compute at least one position")
-    ec = present_fold(lm, artifact.load_cache(fold), len(artifact.load_context(fold)), qids)
+    context = len(artifact.load_context(fold))
+    check_context(lm, context + len(qids), f"the fold's context ({context} tokens) and the question run to")
+    ec = present_fold(lm, artifact.load_cache(fold), context, qids)
     write(ec, out, dtype)
     return ec
 
