@@ -191,6 +191,20 @@ def test_compact_refuses_missing_context_and_non_attention_model(tiny_llama, tmp
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "mamba" in r.stderr
 
 
+def test_a_context_with_bytes_not_utf8_is_read_with_a_warning(tmp_path):
+    """As capture reads its corpus (and engine prefix its prompt): replaced with U+FFFD, and said so."""
+    from ridgefill.fold.compaction import read_context
+
+    p = tmp_path / "c.txt"
+    p.write_bytes(CONTEXT.encode() + b"\xff\xfe")
+    warned = []
+    text, _ = read_context(p, warned.append)
+    assert text == CONTEXT + "\ufffd\ufffd"
+    assert warned == [f"context file '{p}' had non-UTF-8 bytes; 2 replaced with U+FFFD"]
+    p.write_text(CONTEXT + "\ufffd")  # a U+FFFD in the file itself is text, not a replacement
+    assert read_context(p, warned.append)[0] == CONTEXT + "\ufffd" and len(warned) == 1
+
+
 def test_cache_files_round_trip(folded):
     """Reading a cache file (ridgefill.formats.cache) and writing it back gives the same bytes."""
     from ridgefill.formats import cache, safetensors

@@ -28,6 +28,7 @@ import numpy as np
 
 from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts.store import write_json
+from ridgefill.capture.corpus import decode_text
 from ridgefill.errors import BadInput
 from ridgefill.fold import artifact
 from ridgefill.fold.artifact import MODEL_DTYPE
@@ -59,13 +60,16 @@ def budget_rows(budget: float, n: int) -> int:
     return r
 
 
-def read_context(path: Path) -> tuple[str, str]:
-    """(text, sha256 of the file's bytes), or BadInput."""
+def read_context(path: Path, warn=None) -> tuple[str, str]:
+    """(text, sha256 of the file's bytes), or BadInput. Bytes that are not UTF-8 are replaced with U+FFFD, and
+    `warn` is told, as capture tells of its corpus."""
     p = Path(path)
     if not p.is_file():
         raise BadInput(f"context file '{path}' does not exist")
     raw = p.read_bytes()
-    text = raw.decode("utf-8", errors="replace")
+    text, replaced = decode_text(raw)
+    if replaced and warn is not None:
+        warn(f"context file '{path}' had non-UTF-8 bytes; {replaced} replaced with U+FFFD")
     if not text.strip():
         raise BadInput(f"context file '{path}' is empty")
     return text, hashlib.sha256(raw).hexdigest()
@@ -92,7 +96,7 @@ def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Ou
         raise BadInput(f"--holdout must be strictly between 0 and 1 (the held-out share of queries), got {cfg.holdout}")
     if cfg.cap < 2:
         raise BadInput(f"--cap must be at least 2 query tokens, got {cfg.cap}")
-    text, sha = read_context(context)
+    text, sha = read_context(context, out.warn)
     ref = resolve_model(model, store_root=store.root)
     recipe = {"stage": "compact", "version": FORMAT_VERSION, "model": ref.fingerprint, "context_sha256": sha,
               **asdict(cfg), **place.recipe(MODEL_DTYPE), **({"trust_remote_code": True} if trust_remote_code else {})}
