@@ -209,11 +209,15 @@ def test_cache_files_round_trip(folded):
     """Reading a cache file (ridgefill.formats.cache) and writing it back gives the same bytes."""
     from ridgefill.formats import cache, safetensors
 
-    _, _, store, comp, fold_ = folded
+    arch, _, store, comp, fold_ = folded
     for ident in (comp["id"], fold_["id"]):
         path = Store(store).get(ident).file(cache.FILE)
         meta = safetensors.read_header(path)[1]
-        assert meta["format"] == cache.FORMAT == "ridgefill-cache/1"
+        assert meta["format"] == cache.FORMAT == "ridgefill-cache/2"
+        assert meta["model_fingerprint"] == Store(store).get(comp["id"]).recipe["model"]  # bound to its model
         out = store / f"{ident}.safetensors"
-        cache.write_cache(out, cache.read_cache(path), meta["dtype"])
+        cache.write_cache(out, cache.read_cache(path), meta["dtype"], meta["model_fingerprint"])
         assert out.read_bytes() == path.read_bytes()
+        header = cache.read_header(path)
+        assert header.kind == ("compact" if ident == comp["id"] else "fold")
+        assert header.num_layers == 4 and header.compacted == ((0, 1, 2, 3) if arch == "llama" else (1, 3))

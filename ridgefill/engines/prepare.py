@@ -1,9 +1,10 @@
 """What ridgefill hands a serving engine (docs/engines.md): an engine cache and the prompt that goes with it.
 
-An engine cache is a `ridgefill-cache/1` file (docs/cache.md) whose every layer holds the same number P of
-entries, presented as prompt positions 0..P-1, with keys rotated as the engine's RoPE expects there. The engine is
-sent `ids` (P cached positions first, then the rows it must still compute) and loads the first P positions' keys
-and values instead of computing them.
+An engine cache is a `ridgefill-cache/2` file (docs/cache.md) whose every layer holds only keys and values, the
+same number P of entries, presented as prompt positions 0..P-1, with keys rotated as the engine's RoPE expects
+there; it records the fingerprint of the model it was made with. The engine is sent `ids` (P cached positions
+first, then the rows it must still compute) and loads the first P positions' keys and values instead of computing
+them.
 
 - `prefix_cache`: a prompt's first P = N - T rows, from the exact model ("exact") or filled ("ridgefill" with a
   release's maps, "identity"), exactly as the reference runtime fills them (its anchor and the rows above its
@@ -35,18 +36,20 @@ from ridgefill.engines.request import PROMPT
 
 @dataclass
 class EngineCache:
-    """Per layer keys/values [kv_heads, P, head_dim] (float32), the ids to send, and how they were made."""
+    """Per layer keys/values [kv_heads, P, head_dim] (float32), the ids to send, how they were made, and the model
+    they were made with (its fingerprint, which the cache file records)."""
 
     layers: dict[int, dict[str, np.ndarray]]
     ids: np.ndarray  # int64 [n]: the first `cached` are the cached positions' ids (placeholders for a fold)
     cached: int
     kind: str  # "exact" | "ridgefill" | "identity" | "fold"
+    model_fingerprint: str  # 64 hex (ridgefill.models.fingerprint)
     seconds: float = 0.0  # ridgefill's own compute for the prefix (0 for a fold: it was computed before)
 
     def save(self, out: Path, dtype: str = "float32") -> tuple[Path, Path]:
         """cache.safetensors and prompt.safetensors in `out` (created)."""
         out.mkdir(parents=True, exist_ok=True)
-        cache_format.write_cache(out / cache_format.FILE, self.layers, dtype)
+        cache_format.write_cache(out / cache_format.FILE, self.layers, dtype, self.model_fingerprint)
         safetensors.save(out / PROMPT, {"ids": self.ids.astype(np.int32)},
                          {"cached": str(self.cached), "kind": self.kind})  # fmt: skip
         return out / cache_format.FILE, out / PROMPT
@@ -76,7 +79,7 @@ def prefix_cache(lm, ids, arm: str, **options) -> EngineCache:
     cache, p = res.cache, res.num_rows - res.tail
     layers = {l: {"keys": cache.layers[l].keys[0].float().cpu().numpy(),
                   "values": cache.layers[l].values[0].float().cpu().numpy()} for l in range(lm.adapter.num_layers)}  # fmt: skip
-    return EngineCache(layers, ids.numpy(), p, arm, res.seconds)
+    return EngineCache(layers, ids.numpy(), p, arm, lm.ref.fingerprint, res.seconds)
 
 
 def present_fold(lm, folded: dict[int, dict[str, np.ndarray]], context_tokens: int, question, *,
@@ -102,4 +105,4 @@ def present_fold(lm, folded: dict[int, dict[str, np.ndarray]], context_tokens: i
         k = lm.adapter.apply_rope(k, cos[0].float().expand(r, -1), sin[0].float().expand(r, -1))
         layers[l] = {"keys": k.transpose(0, 1).numpy(), "values": np.asarray(d["values"], np.float32)}
     ids = np.concatenate([np.full(r, placeholder, np.int64), np.asarray(question, np.int64)])
-    return EngineCache(layers, ids, r, "fold")
+    return EngineCache(layers, ids, r, "fold", lm.ref.fingerprint)

@@ -35,7 +35,7 @@ from ridgefill.fold.artifact import MODEL_DTYPE
 from ridgefill.models.kinds import FULL
 from ridgefill.output import Output
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the cache records its model's fingerprint (ridgefill-cache/2)
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def compact(store: Store, model: str, context: Path, cfg: CompactConfig, out: Ou
                "compacted_layers": sorted({h["layer"] for h in heads}), "am_held_median": report["median"]["am_held"],
                "queries": rq.counts()}
     with store.build("compact", recipe) as build:
-        artifact.write(build.path, layers, cfg.dtype, ids.numpy())
+        artifact.write(build.path, layers, cfg.dtype, ids.numpy(), ref.fingerprint)
         write_json(build.path / artifact.REPORT, report)
         art = build.commit(info={"model_spec": model, "model": {"name": ref.name, "revision": ref.revision, "fingerprint": ref.fingerprint},
                                  "context": {"path": str(context), "sha256": sha, "tokens": len(ids)},

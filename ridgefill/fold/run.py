@@ -28,7 +28,7 @@ from ridgefill.fold import compaction as cmp
 from ridgefill.numerics import paired_bootstrap
 from ridgefill.output import Output
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the cache records its model's fingerprint (ridgefill-cache/2)
 ARMS = ("am", "fold", "drop", "keep")
 
 
@@ -94,7 +94,7 @@ def fold(store: Store, compact_ref: str, cfg: FoldConfig, out: Output, model: st
                                               for arm, c in check["arms"].items()},
                "fold_stock_equals_reference": check["fold_stock_equals_reference"]}
     with store.build("fold", recipe) as build:
-        artifact.write(build.path, folded, ccfg.dtype, ids.numpy())
+        artifact.write(build.path, folded, ccfg.dtype, ids.numpy(), comp.recipe["model"])
         write_json(build.path / artifact.REPORT, report)
         write_json(build.path / artifact.CHECK, check)
         art = build.commit(info={"compact": comp.id, "model_spec": spec, "model": comp.info["model"],
