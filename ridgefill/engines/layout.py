@@ -131,17 +131,22 @@ def read_seq_state(blob: bytes) -> tuple[SeqState, int, int]:
 def llama_state_from_cache(layers: dict[int, dict[str, np.ndarray]], *, rope_interleaved: bool, v_trans: bool,
                            seq_id: int = 0) -> SeqState:
     """A ridgefill cache ({layer: {"keys", "values": [kv_heads, P, head_dim]}}, keys already at positions 0..P-1)
-    as llama.cpp's sequence state at positions 0..P-1."""
+    as llama.cpp's sequence state at positions 0..P-1. The layers come from `ridgefill.formats.cache.read_cache`,
+    which has checked them (docs/cache.md); what is checked again here is only what the conversion relies on."""
     keys, values = [], []
-    n = None
+    first, n = None, None
     for l in sorted(layers):
         k, v = layers[l]["keys"], layers[l]["values"]
         if rope_interleaved:
             k = to_ggml_rope_order(k)
         h, p, hd = k.shape
-        n = p if n is None else n
-        if p != n or v.shape[1] != n:
-            raise ValueError(f"layer {l} holds {p} positions, layer 0 {n}: an engine needs the same in every layer")
+        first, n = (l, p) if n is None else (first, n)
+        if p != n:
+            raise ValueError(f"layer {l} holds {p} positions, layer {first} {n}: an engine needs the same in every "
+                             f"layer")  # fmt: skip
+        if v.shape[:2] != (h, p):
+            raise ValueError(f"layer {l} holds keys for {h} heads x {p} positions but values for "
+                             f"{v.shape[0]} x {v.shape[1]}")  # fmt: skip
         keys.append(np.ascontiguousarray(k.transpose(1, 0, 2)).reshape(p, h * hd))
         values.append(np.ascontiguousarray(v.transpose(1, 0, 2)).reshape(p, -1))
     return SeqState(np.arange(n, dtype=np.int32), keys, values, v_trans, seq_id)
