@@ -182,16 +182,22 @@ def load_recipe(path: Path) -> Recipe:
         sol["state_data"] = [str(rel(x)) for x in paths]
     sweep = None
     if sol.get("split") == "auto":
-        from ridgefill.sweep import SweepConfig
+        from ridgefill.sweep import RECIPE_KEYS, SweepConfig, check_config
 
         # quantize and alpha_per_layer come from [quantize] and [solve], as for the release itself
         keys = {f.name for f in fields(SweepConfig)} - {"quantize", "alpha_per_layer"}
         sweep = dict(_typed(_known(doc.get("sweep", {}), keys, "sweep"), _kinds_of(SweepConfig), "sweep"))
+        if sweep.get("splits") == []:  # SweepConfig's empty splits mean its defaults: say so, do not guess
+            raise BadInput("recipe [sweep]: splits is an empty array: name at least one split, or leave splits out "
+                           "for the default ones")
         if "splits" in cap:
             raise BadInput("recipe: [capture] splits and [solve] split = \"auto\" conflict: the sweep captures the "
                            "splits it measures (set them in [sweep] splits)")
         if "tail" in exp:
             sweep.setdefault("tail", exp["tail"])
+        # every value checked now, by its key in the recipe, not after a capture and by a flag nobody typed
+        check_config(SweepConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in sweep.items()}),
+                     RECIPE_KEYS)
     elif "sweep" in doc:
         raise BadInput("recipe: a [sweep] table is used only with [solve] split = \"auto\"")
     elif "split" in sol:  # the split to release must be one the capture makes: checked now, not after a capture
@@ -248,7 +254,7 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
     solve_args = dict(recipe.solve)
     if recipe.sweep is not None:  # split = "auto": the sweep's capture and recommendation
         from ridgefill.errors import GateFailed
-        from ridgefill.sweep import SweepConfig, sweep
+        from ridgefill.sweep import RECIPE_KEYS, SweepConfig, sweep
 
         scfg = SweepConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recipe.sweep.items()},
                            quantize=recipe.quantize, alpha_per_layer=solve_args.get("alpha_per_layer", False))
@@ -256,7 +262,8 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
         shared = {k: v for k, v in solve_args.items() if k not in ("split", "alpha_per_layer", "state_data",
                                                                      "state_chunk")}  # fmt: skip
         sw = stage("sweep", lambda: sweep(store, recipe.model, scfg, out, data=recipe.capture["data"],
-                                          capture_args=cap_cfg, solve_args=shared, place=w, capture_place=cap_place))
+                                          capture_args=cap_cfg, solve_args=shared, place=w, capture_place=cap_place,
+                                          names=RECIPE_KEYS))
         rec = sw.manifest["summary"]
         summary["sweep"] = {"recommended": rec["recommended"], "configuration": rec["configuration"],
                             "tail": rec["tail"], "reason": rec["reason"], "splits": rec["splits"]}

@@ -32,6 +32,13 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_1k(tmp_path_factory) -> Path:
+    """The tiny llama's weights with a context of 1024 positions: for the sweeps of 600-token prompts, which ridgefill
+    refuses past a model's context (the tiny llama's is 256)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama-1k", arch="llama", context=1024)
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "gemma3", arch="gemma3_text")
 

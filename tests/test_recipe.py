@@ -222,7 +222,7 @@ def _auto_recipe(tmp, model, budget):
     return path
 
 
-def test_auto_split_releases_the_sweeps_recommendation(tmp_path, tiny_llama, monkeypatch):
+def test_auto_split_releases_the_sweeps_recommendation(tmp_path, tiny_llama_1k, monkeypatch):
     """split = "auto": the sweep runs first (its capture has every split), the release is its recommended split,
     and capture / solve / quantize are the sweep's own artifacts (cache hits). A budget no split meets: exit 3.
 
@@ -233,7 +233,7 @@ def test_auto_split_releases_the_sweeps_recommendation(tmp_path, tiny_llama, mon
     from ridgefill.evaluate import metrics
 
     monkeypatch.setattr(metrics, "key_mask", lambda full, cut, threshold=2.0: np.ones(len(full), dtype=bool))
-    path = _auto_recipe(tmp_path, tiny_llama, ["max_needle_drop = 100.0", "max_key_dnll = 1e9"])
+    path = _auto_recipe(tmp_path, tiny_llama_1k, ["max_needle_drop = 100.0", "max_key_dnll = 1e9"])  # 600 tokens
     s = run_recipe(load_recipe(path), Store(tmp_path / "store"), Output(quiet=True))
     sw = Store(tmp_path / "store").get(s["stages"]["sweep"]["id"])
     assert s["sweep"]["recommended"] == sw.manifest["summary"]["recommended"] == 1  # the shallowest: all qualify
@@ -247,7 +247,50 @@ def test_auto_split_releases_the_sweeps_recommendation(tmp_path, tiny_llama, mon
     assert manifest["configuration"] == {"arm": "ridgefill", "sweep": sw.id}
     assert s["sweep"]["configuration"] == "ridgefill" and s["sweep"]["tail"] == 48
 
-    path = _auto_recipe(tmp_path, tiny_llama, ["max_needle_drop = 0.0", "max_key_dnll = 0.0"])
+    path = _auto_recipe(tmp_path, tiny_llama_1k, ["max_needle_drop = 0.0", "max_key_dnll = 0.0"])
     r = cli("release", path, "--store", tmp_path / "store", "--json")
     assert r.returncode == 3, r.stderr
     assert "no split or configuration is within budget" in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("bootstrap = 0", "recipe [sweep]: bootstrap must be at least 1, got 0"),
+    ("bootstrap = -5", "recipe [sweep]: bootstrap must be at least 1, got -5"),
+    ("repeats = 0", "recipe [sweep]: repeats must be at least 3 (a median and an interval need three timings), got 0"),
+    ("samples = 0", "recipe [sweep]: samples must be at least 1, got 0"),
+    ("seed = -1", "recipe [sweep]: seed must be at least 0 (numpy's generators take no negative seed), got -1"),
+    ("splits = []", "recipe [sweep]: splits is an empty array: name at least one split, or leave splits out for the "
+                    "default ones"),
+    ("splits = [0, 2]", "recipe [sweep]: splits: 0 is not a split; a split is a layer 1 or deeper"),
+    ('splits = "8-"', "recipe [sweep]: splits: '8-' is not a split, a range A-B or A-B:STEP (e.g. 8-24, 8-24:2, "
+                      "8,12,16)"),
+    ("max_needle_drop = -1", "recipe [sweep]: max_needle_drop must be a number >= 0 (got -1)"),
+    ("scored = 600", "recipe [sweep]: need 0 < scored (600) < tail (512)"),
+    ("length = 400", "recipe [sweep]: length (400) must be longer than tail (512): the fill skips the rows before "
+                     "the tail"),
+])
+def test_sweep_values_are_checked_when_the_recipe_is_read(tmp_path, line, message):
+    """Every [sweep] value is refused by load_recipe, naming its key in the recipe (never a flag of `ridgefill
+    sweep`), before a model is resolved; empty splits are refused rather than read as the default splits."""
+    from ridgefill.errors import BadInput
+
+    path = tmp_path / "r.toml"
+    path.write_text(f'model = "x"\n[solve]\nsplit = "auto"\n[sweep]\n{line}\n')
+    with pytest.raises(BadInput) as e:
+        load_recipe(path)
+    assert str(e.value) == message
+
+
+def test_a_sweep_past_the_models_context_is_refused_before_any_stage(tmp_path, tiny_llama):
+    """[sweep] length beyond the model's context (the tiny llama's 256 positions), and a bad [sweep] value through
+    `ridgefill release`: one line naming the recipe key, exit 2, no store, no release."""
+    path = _auto_recipe(tmp_path, tiny_llama, ["max_needle_drop = 100.0"])  # length = 600
+    r = cli("release", path, "--store", tmp_path / "store")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("Error: recipe [sweep]: length 600 is longer than the model's "
+                                                 "context (256 positions)")
+    assert not (tmp_path / "store").exists() and not (tmp_path / "rel").exists()
+    path.write_text(path.read_text() + "bootstrap = 0\n")
+    r = cli("release", path, "--store", tmp_path / "store")
+    assert r.returncode == 2 and r.stderr.strip() == "Error: recipe [sweep]: bootstrap must be at least 1, got 0"
+    assert not (tmp_path / "store").exists() and not (tmp_path / "rel").exists()

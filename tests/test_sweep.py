@@ -17,7 +17,9 @@ from conftest import SMALL_CHAIN
 
 SMALL = ["--length", "600", "--tail", "48", "--scored", "16", "--samples", "16", "--documents", "2"]
 CFG = SweepConfig(splits=(1, 2, 3), length=600, tail=48, scored=16, samples=16, documents=2)
-CAPTURE = {"chunk": 64, "held_out": 1}
+# The sweeps measure 600-token prompts, so they run the tiny llama's weights with a context of 1024 (ridgefill refuses a
+# length past a model's context); the capture cuts documents at 256 tokens, as the tiny llama's own context would.
+CAPTURE = {"chunk": 64, "held_out": 1, "max_length": 256}
 
 
 def key_budget(monkeypatch):
@@ -38,7 +40,7 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def both(tmp_path_factory, tiny_llama, data):
+def both(tmp_path_factory, tiny_llama_1k, data):
     """The adaptive and the exhaustive sweep of the same model, settings and capture."""
     mp = pytest.MonkeyPatch()
     key_budget(mp)
@@ -49,7 +51,8 @@ def both(tmp_path_factory, tiny_llama, data):
             from dataclasses import replace
 
             cfg = replace(CFG, exhaustive=mode == "exhaustive")
-            art, cached = sweep(st, str(tiny_llama), cfg, Output(quiet=True), data=[str(data)], capture_args=CAPTURE)
+            art, cached = sweep(st, str(tiny_llama_1k), cfg, Output(quiet=True), data=[str(data)],
+                                capture_args=CAPTURE)
             assert not cached
             arts[mode] = (art, json.loads(art.file("sweep.json").read_text()))
     finally:
@@ -101,7 +104,7 @@ def test_adaptive_and_exhaustive_recommend_the_same(both):
     assert ad["rule"]["looks"] == [8, 16] and ex["rule"]["looks"] == [16]
 
 
-def test_needle_outcomes_equal_independent_prefills(both, tiny_llama):
+def test_needle_outcomes_equal_independent_prefills(both, tiny_llama_1k):
     """Every needle outcome recorded (exact and each (split, arm)) is what an independent prefill of that arm and a
     greedy decode give; the suite alternates noise and prose haystacks."""
     from ridgefill.evaluate.arms import parse_arm
@@ -113,7 +116,7 @@ def test_needle_outcomes_equal_independent_prefills(both, tiny_llama):
 
     st, arts = both
     _, res = arts["adaptive"]
-    lm = load_model(resolve_model(str(tiny_llama), store_root=st.root), store_root=st.root)
+    lm = load_model(resolve_model(str(tiny_llama_1k), store_root=st.root), store_root=st.root)
     suite = needle_suite(lm, CFG)
     assert [k for k, _ in suite] == ["noise", "prose"] * 8
     assert [r["haystack"] for r in res["needles"]] == [k for k, _ in suite][: len(res["needles"])]
@@ -221,11 +224,11 @@ def test_sweep_artifact_files_and_table(both, tmp_path):
     assert plot(res, tmp_path / "same.png").read_bytes() == png
 
 
-def test_sweep_cli_is_cached_and_reuses_a_capture(both, tiny_llama):
+def test_sweep_cli_is_cached_and_reuses_a_capture(both, tiny_llama_1k):
     st, arts = both
     art = arts["adaptive"][0]
     cap = art.recipe["capture"]
-    r = cli_here("sweep", tiny_llama, "--splits", "1-3", *SMALL, "--capture", cap, "--store", st.root, "--json")
+    r = cli_here("sweep", tiny_llama_1k, "--splits", "1-3", *SMALL, "--capture", cap, "--store", st.root, "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["id"] == art.id and out["cached"] is True
@@ -239,6 +242,10 @@ def test_sweep_cli_is_cached_and_reuses_a_capture(both, tiny_llama):
     (["--splits", "1-3", "--max-needle-drop", "-1"], "--max-needle-drop must be a number >= 0"),
     (["--splits", "1-3", "--max-key-dnll", "-0.5"], "--max-key-dnll must be a number >= 0"),
     (["--splits", "1-3", "--length", "40"], "--length (40) must be longer than --tail (48)"),
+    (["--splits", "1-3", "--seed", "-1"], "--seed must be at least 0 (numpy's generators take no negative seed), got -1"),
+    (["--splits", "1-3", "--repeats", "2"], "--repeats must be at least 3"),
+    (["--splits", "1-3", "--samples", "0"], "--samples must be at least 1, got 0"),
+    (["--splits", "1-3"], "--length 600 is longer than the model's context (256 positions)"),  # the tiny llama's
 ])
 def test_sweep_refusals(tmp_path, tiny_llama, args, msg):
     st = tmp_path / "store"
@@ -260,7 +267,7 @@ def test_sweep_refuses_a_capture_without_the_splits(tiny_chain, tiny_llama):
 
 
 
-def test_a_stopped_sweep_resumes_where_it_was(tmp_path, tiny_llama, data, both, monkeypatch):
+def test_a_stopped_sweep_resumes_where_it_was(tmp_path, tiny_llama_1k, data, both, monkeypatch):
     """Killed after three needle prompts, the sweep keeps every outcome in .work-<id>/needles.json; the next run
     measures no prompt twice and gives the uninterrupted sweep's artifact."""
     from ridgefill.sweep import run as sw
@@ -277,14 +284,14 @@ def test_a_stopped_sweep_resumes_where_it_was(tmp_path, tiny_llama, data, both, 
 
     monkeypatch.setattr(sw.NeedleMemo, "save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        sweep(st, str(tiny_llama), CFG, Output(quiet=True), data=[str(data)], capture_args=CAPTURE)
+        sweep(st, str(tiny_llama_1k), CFG, Output(quiet=True), data=[str(data)], capture_args=CAPTURE)
     work = list((st.root / "sweep").glob(".work-*"))
     assert len(work) == 1
     saved = json.loads((work[0] / "needles.json").read_text())
     assert len(saved["exact"]) == 3
 
     monkeypatch.setattr(sw.NeedleMemo, "save", real_save)
-    art, cached = sweep(st, str(tiny_llama), CFG, Output(quiet=True), data=[str(data)], capture_args=CAPTURE)
+    art, cached = sweep(st, str(tiny_llama_1k), CFG, Output(quiet=True), data=[str(data)], capture_args=CAPTURE)
     assert not cached and not work[0].exists()
     res, want = json.loads(art.file("sweep.json").read_text()), both[1]["adaptive"][1]
     assert art.id == both[1]["adaptive"][0].id

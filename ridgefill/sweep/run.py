@@ -75,35 +75,52 @@ class SweepConfig:
     repeats: int = 3  # timing rounds
 
 
-def split_ranges(text: str) -> list[tuple[int, int, int]]:
+@dataclass(frozen=True)
+class Names:
+    """How the user named the sweep's settings, for messages: the command's flags (`--max-needle-drop`), or a
+    recipe's [sweep] keys (`recipe [sweep]: max_needle_drop`)."""
+
+    prefix: str = ""  # before the whole message
+    flags: bool = True
+
+    def __call__(self, key: str) -> str:
+        return "--" + key.replace("_", "-") if self.flags else key
+
+
+FLAGS = Names()
+RECIPE_KEYS = Names("recipe [sweep]: ", flags=False)
+
+
+def split_ranges(text: str, names: Names = FLAGS) -> list[tuple[int, int, int]]:
     """'8-24' (a range), '8-24:2' (a range with a step), '8,12,16' or a mix ('8-12,16') -> [(first, last, step)],
     checked but not expanded; BadInput for what is not one, a split 0 (never one: the fill needs an early layer),
     a step below 1 or an empty range."""
+    at = f"{names.prefix}{names('splits')}"
     out = []
     for part in (p.strip() for p in str(text).split(",")):
         m = re.fullmatch(r"(\d+)(?:-(\d+)(?::(\d+))?)?", part)
         if not m:
-            raise BadInput(f"--splits: '{part}' is not a split, a range A-B or A-B:STEP (e.g. 8-24, 8-24:2, 8,12,16)")
+            raise BadInput(f"{at}: '{part}' is not a split, a range A-B or A-B:STEP (e.g. 8-24, 8-24:2, 8,12,16)")
         a, b, step = int(m[1]), int(m[2] or m[1]), int(m[3] or 1)
         if step < 1:
-            raise BadInput(f"--splits: the step in '{part}' must be at least 1")
+            raise BadInput(f"{at}: the step in '{part}' must be at least 1")
         if b < a:
-            raise BadInput(f"--splits: the range '{part}' is empty")
+            raise BadInput(f"{at}: the range '{part}' is empty")
         if a < 1:
-            raise BadInput(f"--splits: '{part}' starts at split 0; a split is a layer 1 or deeper")
+            raise BadInput(f"{at}: '{part}' starts at split 0; a split is a layer 1 or deeper")
         out.append((a, b, step))
     return out
 
 
-def parse_splits(text: str, num_layers: int) -> tuple[int, ...]:
+def parse_splits(text: str, num_layers: int, names: Names = FLAGS) -> tuple[int, ...]:
     """The splits `text` names (`split_ranges`) for a model of `num_layers` layers: every range is checked against
     the model before it is expanded, so a range past the last layer is one short refusal, whatever its length."""
-    ranges = split_ranges(text)
+    ranges = split_ranges(text, names)
     for a, b, step in ranges:
         if b >= num_layers:
             part = f"{a}-{b}" + (f":{step}" if step != 1 else "") if a != b else str(a)
-            raise BadInput(f"--splits: '{part}' reaches past the model's last split {num_layers - 1} (the model has "
-                           f"{num_layers} layers; use 1..{num_layers - 1})")
+            raise BadInput(f"{names.prefix}{names('splits')}: '{part}' reaches past the model's last split "
+                           f"{num_layers - 1} (the model has {num_layers} layers; use 1..{num_layers - 1})")
     return tuple(sorted({s for a, b, step in ranges for s in range(a, b + 1, step)}))
 
 
@@ -111,36 +128,54 @@ def default_splits(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({int(x) for x in np.round(np.linspace(num_layers / 4, 3 * num_layers / 4, DEFAULT_SPLITS))}))
 
 
-def check_splits(cfg: SweepConfig, num_layers: int) -> tuple[int, ...]:
+def check_splits(cfg: SweepConfig, num_layers: int, names: Names = FLAGS) -> tuple[int, ...]:
     """The splits to measure for a model of `num_layers` layers: `cfg.splits` (a list, or the --splits text), or
     DEFAULT_SPLITS of them. BadInput names the first problem."""
     if isinstance(cfg.splits, str):
-        return parse_splits(cfg.splits, num_layers)
+        return parse_splits(cfg.splits, num_layers, names)
     splits = tuple(sorted(set(cfg.splits))) if cfg.splits else default_splits(num_layers)
     bad = [s for s in splits if not 0 < s < num_layers]
     if bad:
-        raise BadInput(f"split(s) {', '.join(map(str, bad[:8]))}{' ...' if len(bad) > 8 else ''} out of range: the "
-                       f"model has {num_layers} layers (use 1..{num_layers - 1})")
+        raise BadInput(f"{names.prefix}split(s) {', '.join(map(str, bad[:8]))}{' ...' if len(bad) > 8 else ''} out of "
+                       f"range: the model has {num_layers} layers (use 1..{num_layers - 1})")
     return splits
 
 
-def check_config(cfg: SweepConfig) -> None:
-    """What can be checked without the model; BadInput names the first problem (before anything is resolved)."""
+def check_context(cfg: SweepConfig, context: int | None, names: Names = FLAGS) -> None:
+    """Refuse prompts longer than the model's context (`context` positions; None: the model states none)."""
+    if context and cfg.length > context:
+        raise BadInput(f"{names.prefix}{names('length')} {cfg.length} is longer than the model's context ({context} "
+                       "positions)")
+
+
+def check_config(cfg: SweepConfig, names: Names = FLAGS) -> None:
+    """What can be checked without the model; BadInput names the first problem (before anything is resolved), by
+    the name the user gave it (`names`: the command's flags, or a recipe's [sweep] keys)."""
+    at = names.prefix
     if isinstance(cfg.splits, str):
-        split_ranges(cfg.splits)
+        split_ranges(cfg.splits, names)
+    else:
+        bad = [s for s in cfg.splits if s < 1]
+        if bad:
+            raise BadInput(f"{at}{names('splits')}: {bad[0]} is not a split; a split is a layer 1 or deeper")
     for name in ("max_needle_drop", "max_key_dnll"):
         v = getattr(cfg, name)
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-            raise BadInput(f"--{name.replace('_', '-')} must be a number >= 0 (got {v})")
+            raise BadInput(f"{at}{names(name)} must be a number >= 0 (got {v})")
     if not 0 < cfg.scored < cfg.tail:
-        raise BadInput(f"need 0 < --scored ({cfg.scored}) < --tail ({cfg.tail})")
+        raise BadInput(f"{at}need 0 < {names('scored')} ({cfg.scored}) < {names('tail')} ({cfg.tail})")
     if cfg.length <= cfg.tail:
-        raise BadInput(f"--length ({cfg.length}) must be longer than --tail ({cfg.tail}): the fill skips the rows "
-                       "before the tail")
-    if cfg.samples < 1 or cfg.documents < 1:
-        raise BadInput("--samples and --documents must be at least 1")
+        raise BadInput(f"{at}{names('length')} ({cfg.length}) must be longer than {names('tail')} ({cfg.tail}): the "
+                       "fill skips the rows before the tail")
+    for name in ("samples", "documents", "bootstrap"):  # a budget measured on nothing would pass anything
+        if getattr(cfg, name) < 1:
+            raise BadInput(f"{at}{names(name)} must be at least 1, got {getattr(cfg, name)}")
     if cfg.repeats < 3:
-        raise BadInput(f"--repeats must be at least 3 (a median and an interval need three timings), got {cfg.repeats}")
+        raise BadInput(f"{at}{names('repeats')} must be at least 3 (a median and an interval need three timings), got "
+                       f"{cfg.repeats}")
+    if cfg.seed < 0:
+        raise BadInput(f"{at}{names('seed')} must be at least 0 (numpy's generators take no negative seed), got "
+                       f"{cfg.seed}")
 
 
 def sweep(
@@ -155,12 +190,13 @@ def sweep(
     solve_args: dict | None = None,
     place=None,
     capture_place=None,
+    names: Names = FLAGS,
 ) -> tuple[Artifact, bool]:
     """Run (or find cached) the sweep. `capture_ref`: a capture artifact that has every split (else one capture of
     `data` with these splits, `capture_args` being further CaptureConfig fields). `solve_args`: further `solve`
     arguments (alphas, metric, chat_share) for every split. `place` (a ridgefill.models.device.Where; default
-    `where()`) is where every stage runs the model, `capture_place` where the capture does if elsewhere. Returns
-    (artifact, cached)."""
+    `where()`) is where every stage runs the model, `capture_place` where the capture does if elsewhere. `names`:
+    how refusals name the settings (a recipe's keys, or the command's flags). Returns (artifact, cached)."""
     from ridgefill.capture import CaptureConfig, capture
     from ridgefill.quantize import quantize
     from ridgefill.models import resolve_model
@@ -168,10 +204,10 @@ def sweep(
     from ridgefill.solve import solve
 
     place = place or where()
-    check_config(cfg)
+    check_config(cfg, names)
     cap = store.get(capture_ref, stage="capture") if capture_ref is not None else None
     ref = resolve_model(model, store_root=store.root, expect=cap.recipe["model"] if cap else None)
-    splits = check_splits(cfg, ref.num_layers)
+    splits = check_splits(cfg, ref.num_layers, names)
     cfg = replace(cfg, splits=splits)
     if cap is not None:
         if cap.recipe["model"] != ref.fingerprint:
@@ -183,7 +219,8 @@ def sweep(
             raise BadInput(f"capture {cap.id} lacks split(s) {', '.join(map(str, missing))} (it has "
                            f"{', '.join(map(str, cap.recipe['splits']))}): capture them with `ridgefill capture "
                            f"{model} {flags}`, or sweep its own splits")
-    else:
+    check_context(cfg, ref.context_length, names)  # before any capture
+    if cap is None:
         cap_cfg = CaptureConfig(**{**(capture_args or {}), "splits": splits})
         cap, _ = capture(store, model, list(data or ["builtin:default"]), cap_cfg, out, place=capture_place or place)
     fits, clock = [], _Clock()
