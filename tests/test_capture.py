@@ -693,6 +693,7 @@ def test_non_utf8_is_replaced_with_a_warning(tmp_path, tiny_llama, corpus, capsy
         (["--held-out", "9"], "--held-out 9 leaves no calibration documents (the corpus has 6)"),
         (["--chunk", "1"], "--chunk must be at least 2 tokens (got 1)"),
         (["--max-length", "1"], "--max-length must be at least 2 tokens (got 1)"),
+        (["--max-length", "300"], "--max-length 300 is longer than the model's context (256 positions)"),
         (["--product-dtype", "float16"], "unknown product dtype 'float16' (choose float32 or float64)"),
         (["--device", "cuda"], "--device cuda: torch sees no CUDA device on this machine (use --device cpu or auto)"),
         (["--device", "tpu"], "unknown device 'tpu' (choose auto, cpu, cuda or cuda:N)"),

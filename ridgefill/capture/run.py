@@ -107,6 +107,9 @@ def capture(
         for s in splits:
             if not 0 < s < ref.num_layers:
                 raise BadInput(f"split {s} is out of range: the model has {ref.num_layers} layers (use 1..{ref.num_layers - 1})")
+        if cfg.max_length is not None and ref.context_length and cfg.max_length > ref.context_length:
+            raise BadInput(f"--max-length {cfg.max_length} is longer than the model's context ({ref.context_length} "
+                           "positions)")
         if corpus.replaced:
             out.warn(f"{corpus.files_with_replacements} file(s) had non-UTF-8 bytes; {corpus.replaced} replaced with U+FFFD")
         recipe = {
