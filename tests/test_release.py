@@ -858,14 +858,16 @@ def test_export_force_killed_mid_swap_leaves_a_release_or_the_next_run_restores_
     env = {**os.environ, "KILL_AT": str(kill_at), "OUT": str(out)}
     r = subprocess.run([sys.executable, "-c", KILLED_AT_RENAME, *map(str, args)], env=env, capture_output=True)
     assert r.returncode == -9
+    # `.rel.lock`: export's lock on --out (formats/release/folder.py out_lock), whose file a killed holder leaves
     leftovers = sorted(p.name for p in out.parent.iterdir() if p.name != "rel")
     if kill_at == 1:  # killed before moving the old release aside: it is still there, whole
         assert {p.name: p.read_bytes() for p in out.iterdir()} == old
-        assert [n.split("-")[0] for n in leftovers] == [".rel.tmp"]
+        assert [n.split("-")[0] for n in leftovers] == [".rel.lock", ".rel.tmp"]
     else:  # killed with the old release aside and the new one not yet in place: no release at `out`
-        assert not out.exists() and sorted(n.split("-")[0] for n in leftovers) == [".rel.old", ".rel.tmp"]
+        assert not out.exists() and sorted(n.split("-")[0] for n in leftovers) == [".rel.lock", ".rel.old", ".rel.tmp"]
         release.recover(out)  # what the next run does first
         assert {p.name: p.read_bytes() for p in out.iterdir()} == old
+        assert sorted(p.name for p in out.parent.iterdir()) == ["rel"]  # the killed run's lock file too
     r = subprocess.run([sys.executable, "-m", "ridgefill", *map(str, args)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert release.verify_release(out)["split"] == 2

@@ -233,6 +233,49 @@ def test_export_refusals_write_nothing(store_chain, tmp_path):
         assert not out.exists() and exports() == before
 
 
+def test_two_exports_into_one_new_out_at_once(store_chain, tmp_path, monkeypatch):
+    """Two exports into one new --out at the same time, one plain (this process) and one ridgefill+rows (another
+    process): the second to reach the folder waits for the first, finds a different release there and is refused;
+    the first's release stays, whole. The interleaving is forced: this export stops just before its swap, starts the
+    other and goes on once the other says it waits (without the lock, the other would finish first, unseen)."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from ridgefill.export.build import export
+
+    st, ids = store_chain
+    out = tmp_path / "new" / "rel"
+    move, other = release.move_into_place, {}
+
+    def interleaved(tmp, dst):
+        if Path(dst) == out and not other:
+            other["proc"] = p = subprocess.Popen(
+                [sys.executable, "-m", "ridgefill", "export", ids["quantize"], "--out", str(out), "--configuration",
+                 "ridgefill+rows", "--store", str(st.root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            other["lines"], other["watchdog"] = [], threading.Timer(300, p.kill)  # never a hung test
+            other["watchdog"].start()
+            for line in p.stderr:  # until it waits for this export, or ends
+                other["lines"].append(line)
+                if "waiting for it to finish" in line:
+                    break
+        return move(tmp, dst)
+
+    monkeypatch.setattr(release, "move_into_place", interleaved)
+    export(st, ids["quantize"], out, QUIET)
+    p = other["proc"]
+    _, rest = p.communicate(timeout=300)
+    other["watchdog"].cancel()
+    lines = [x.rstrip("\n") for x in other["lines"]] + rest.splitlines()
+    waited = [x for x in lines if x.endswith("; waiting for it to finish")]
+    assert waited and waited[0].startswith(f"--out {out} is being written by pid {os.getpid()} on "), lines
+    assert p.returncode == 2 and lines[-1] == (f"Error: --out {out} holds a different release; pass --force to "
+                                               "replace it"), lines
+    assert "configuration" not in release.read_release(out).manifest
+    assert sorted(x.name for x in out.parent.iterdir()) == ["rel"]  # no lock file, no staging folder left
+
+
 def test_export_refuses_kscale_where_no_layer_above_the_split_has_keys(store_chain, tmp_path, monkeypatch):
     """+kscale rescales keys: a model whose every layer above the split is linear attention (a Gated DeltaNet hybrid
     split above its last full-attention layer) has none, as the runtime says; refused before anything is written."""

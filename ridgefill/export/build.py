@@ -89,7 +89,7 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
                                summary={"split": manifest["split"], "files": sorted(release_files(build.path))})
     copied = None
     if out_dir is not None:
-        copied = _copy_out(art, out_dir, force)
+        copied = _copy_out(art, out_dir, force, out)
     return art, cached, copied
 
 
@@ -198,21 +198,23 @@ def _ridge_setting(rep: dict) -> dict:
     return {"alpha_per_layer": per["alpha"], "lambda_per_layer": per["lambda"]}
 
 
-def _copy_out(art: Artifact, out_dir: Path, force: bool) -> Path:
+def _copy_out(art: Artifact, out_dir: Path, force: bool, out: Output) -> Path:
     """Copy the release to out_dir (temporary sibling, then `release.move_into_place`). An identical release
-    there is left alone; a different one is only replaced with force."""
+    there is left alone; a different one is only replaced with force. The look and the swap happen under
+    `release.out_lock`: an export into the same --out at the same time waits, then finds this one's release."""
     names = release_files(art.path)
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        if release.same_files(out_dir, art.path, names):
-            return out_dir
-        if not force:
-            raise BadInput(f"--out {out_dir} holds a different release; pass --force to replace it")
-    tmp = release.staging_dir(out_dir)
-    try:
-        for n in names:
-            shutil.copyfile(art.path / n, tmp / n)
-        release.move_into_place(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with release.out_lock(out_dir, out.info):
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            if release.same_files(out_dir, art.path, names):
+                return out_dir
+            if not force:
+                raise BadInput(f"--out {out_dir} holds a different release; pass --force to replace it")
+        tmp = release.staging_dir(out_dir)
+        try:
+            for n in names:
+                shutil.copyfile(art.path / n, tmp / n)
+            release.move_into_place(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out_dir

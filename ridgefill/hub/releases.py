@@ -289,13 +289,15 @@ def _listed(manifest_path: Path, where: str) -> list[str]:
 
 
 def _place(stage: Path, out_dir: Path, force: bool) -> bool:
-    """Rename the verified stage to out_dir; True if out_dir already held exactly these files (left alone)."""
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        if release.same_files(out_dir, stage, [p.name for p in stage.iterdir()]):
-            return True
-        if not force:
-            raise BadInput(f"--out {out_dir} holds a different release; pass --force to replace it")
-    release.move_into_place(stage, out_dir)  # swap, with the old folder restored if the rename fails
+    """Rename the verified stage to out_dir; True if out_dir already held exactly these files (left alone). Under
+    `release.out_lock`, as export's copy: a pull or export into the same --out at once waits and then sees it."""
+    with release.out_lock(out_dir):
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            if release.same_files(out_dir, stage, [p.name for p in stage.iterdir()]):
+                return True
+            if not force:
+                raise BadInput(f"--out {out_dir} holds a different release; pass --force to replace it")
+        release.move_into_place(stage, out_dir)  # swap, with the old folder restored if the rename fails
     return False
 
 

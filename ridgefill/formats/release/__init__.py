@@ -6,7 +6,8 @@ reads releases needs nothing of the stages that write them.
     manifest, maps = release.load_release("release/smollm2-135m")   # verified first
 """
 
-from ridgefill.formats.release.folder import check_out_dir, move_into_place, recover, same_files, sibling, staging_dir
+from ridgefill.formats.release.folder import (check_out_dir, move_into_place, out_lock, recover, same_files, sibling,
+                                              staging_dir)
 from ridgefill.formats.release.names import (BIAS, CARD, CODES, CONFIGURATIONS, CORRECTIONS_FILE, DOC_FILES, FORMAT,
                                              GITATTRIBUTES, HUB_LEFTOVERS, MANIFEST, MAPS_FILE, META_FACTS,
                                              META_FORMAT, NOT_FACTS, PLAIN, PROJECTOR_DTYPES, PROTECTED_FILE,
@@ -20,6 +21,6 @@ __all__ = ["BIAS", "CARD", "CODES", "CONFIGURATIONS", "CORRECTIONS_FILE", "DOC_F
            "HUB_LEFTOVERS", "MANIFEST", "MAPS_FILE", "META_FACTS", "META_FORMAT", "NOT_FACTS", "PLAIN",
            "PROJECTOR_DTYPES", "PROTECTED_FILE", "PROTECTED_IDS", "Release", "SCALES", "STATE_OFFSET", "UNHASHED",
            "WEIGHT", "check_out_dir", "facts_json", "facts_of", "is_bare_name", "load_protected", "load_release",
-           "load_state_offsets", "move_into_place", "offset_name", "parse_tensor_name", "read_manifest", "read_release",
+           "load_state_offsets", "move_into_place", "offset_name", "out_lock", "parse_tensor_name", "read_manifest", "read_release",
            "read_tensors", "recover", "release_configuration", "same_files", "sibling", "staging_dir", "tensor_name",
            "verify_release", "write_eval", "write_release"]  # fmt: skip

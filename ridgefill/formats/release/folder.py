@@ -5,7 +5,10 @@ an old folder there aside first (`.<out>.old-<pid>-*`) and deleting it only once
 if the rename fails). A process killed between the two renames (even by `kill -9`) leaves no `out` and the old
 folder aside: `recover(out)`, which every staging runs first, puts the old folder back, and removes what killed
 runs left. So after any kill either the old or the new folder is at `out`, or the next run restores the old one.
-`check_out_dir` refuses an `--out` that a release may not go to, before any work.
+`check_out_dir` refuses an `--out` that a release may not go to, before any work. `out_lock(out)` holds the lock
+`.<out>.lock` beside it (ridgefill/artifacts/lock.py) while a writer checks what `out` holds and swaps its folder in,
+so that of two processes writing one new `--out` at once the second finds the first's release there (and refuses a
+different one without --force) instead of replacing it unseen.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
+from ridgefill.artifacts import lock
 from ridgefill.artifacts.lock import pid_alive
 from ridgefill.errors import BadInput
 from ridgefill.formats.release.names import MANIFEST
@@ -32,6 +38,21 @@ def check_out_dir(out_dir: Path, marker: str = MANIFEST, what: str = "a release 
         raise BadInput(f"--out {out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / marker).is_file():
         raise BadInput(f"--out {out_dir} exists, is not empty and is not {what}")
+
+
+@contextmanager
+def out_lock(out_dir: Path, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold `.<name>.lock` beside out_dir (waiting, after one `on_wait` line, while another process holds it): one
+    writer at a time looks at out_dir and puts its folder there. The lock file goes when it is let go; a process
+    killed holding it leaves a file the next writer takes over (the kernel drops the lock itself)."""
+    path = out_dir.parent / f".{out_dir.name}.lock"
+    told = None if on_wait is None else lambda info: on_wait(
+        f"--out {out_dir} is being written by {lock.describe(info)}; waiting for it to finish")
+    lock.acquire(path, wait=True, on_wait=told)
+    try:
+        yield
+    finally:
+        lock.release(path)
 
 
 def sibling(out_dir: Path, kind: str) -> Path:
@@ -71,7 +92,7 @@ def move_into_place(tmp: Path, out_dir: Path) -> None:
 def recover(out_dir: Path) -> None:
     """Undo what a process killed mid-swap left beside out_dir: with no out_dir, its old folder goes back there
     (the newest, if there are several); every other `.<name>.(tmp|old|pull)-<pid>-*` of a process that no longer
-    runs is removed. Another live process's folders are left alone."""
+    runs is removed, and `.<name>.lock` when no process holds it. Another live process's folders are left alone."""
     parent = out_dir.parent
     if not parent.is_dir():
         return
@@ -87,6 +108,9 @@ def recover(out_dir: Path) -> None:
     for kind, p in dead:
         if p.exists() and p != out_dir:
             shutil.rmtree(p, ignore_errors=True)
+    held = parent / f".{out_dir.name}.lock"  # `out_lock`'s file, left by a writer that was killed holding it
+    if held.is_file() and not held.is_symlink() and not lock.is_held(held):
+        held.unlink(missing_ok=True)  # safe: a process that opened it meanwhile sees it gone and takes a new one
 
 
 def same_files(a: Path, b: Path, names: list[str]) -> bool:
