@@ -107,8 +107,11 @@ def served(tmp_path_factory):
             refs["fold"].append({"top1": answer, "margin": margins})
             jobs["fold"].append({"name": f"fold{c}-{q}", "ids": ec.ids.tolist(), "cache": str(path),
                                  "cached": ec.cached, "forced": answer[:-1], "max_new": NEW})  # fmt: skip
-    hf = work / "smollm2-hf"
-    lm.model.save_pretrained(hf)
+    hf = work / "smollm2-hf"  # `ridgefill engine model`: the folder vLLM serves, with the marker the connector checks
+    from clirun import cli
+
+    r = cli("engine", "model", "builtin:smollm2-135m", "--out", hf, "--store", store)
+    assert r.returncode == 0, r.stderr
     return {"jobs": jobs, "refs": refs, "work": work, "hf": hf, "gguf": builtin_gguf(),
             "split": rel.split}
 
@@ -218,3 +221,116 @@ def test_llamacpp_flash_attention_layout(served):
     assert all(res[e["name"]]["greedy"] == res[o["name"]]["greedy"] for e, o in zip(jobs["exact"][:5], jobs["own"]))
     fig = agreement(res, jobs["ridgefill"][:5], refs["ridgefill"][:5])
     assert fig["misses"] == 0 and fig["greedy_equal"] == 5, fig
+
+
+def test_vllm_connector_serves_a_batch_with_preempted_and_bad_requests(served):
+    """As in a server: prefix caching on, 8 requests at once in a KV space that preempts them, the connector reading
+    from one cache_dir. Good requests (6 RidgeFill caches, and the control cache over the first one's ids) must
+    answer as each does alone, and two caches over the same ids never share a block; bad ones (a missing file, a
+    file outside cache_dir, another model's cache, a salt that is not the cache's sha256, no salt) must end with
+    an error while the others are served. With prefix caching off, the preempted requests are loaded again when
+    they resume and answer as alone."""
+    import shutil
+
+    from ridgefill.artifacts import sha256_file
+    from ridgefill.formats import safetensors
+
+    py = engine_python("vllm")
+    work, jobs = served["work"], served["jobs"]
+    good = jobs["ridgefill"][:6] + [jobs["control"][0]]  # control0: ridgefill0's ids, another cache
+    prompts = {j["name"]: j["ids"] for j in good}
+    requests = {j["name"]: {"cache": j["cache"], "salt": sha256_file(Path(j["cache"]))} for j in good}
+    outside = work.parent / f"{work.name}-outside"
+    shutil.copytree(Path(jobs["ridgefill"][1]["cache"]).parent, outside, dirs_exist_ok=True)
+    other = work / "other-model"
+    shutil.copytree(Path(jobs["ridgefill"][2]["cache"]).parent, other, dirs_exist_ok=True)
+    arrays, meta = safetensors.load(other / "cache.safetensors")
+    safetensors.save(other / "cache.safetensors", arrays, meta | {"model_fingerprint": "0" * 64})
+    bad = {"missing": (3, {"cache": str(work / "nowhere" / "cache.safetensors"), "salt": "0" * 64}),
+           "outside": (1, {"cache": str(outside / "cache.safetensors"),
+                           "salt": sha256_file(outside / "cache.safetensors")}),
+           "other-model": (2, {"cache": str(other / "cache.safetensors"),
+                               "salt": sha256_file(other / "cache.safetensors")}),
+           "wrong-salt": (4, {"cache": jobs["ridgefill"][4]["cache"], "salt": "f" * 64}),
+           "no-salt": (5, {"cache": jobs["ridgefill"][5]["cache"]})}  # fmt: skip
+    for name, (i, req) in bad.items():
+        prompts[name], requests[name] = jobs["ridgefill"][i]["ids"], req
+    connector = {"kv_connector": "RidgefillConnector", "kv_connector_module_path": "ridgefill.engines.vllm",
+                 "kv_role": "kv_consumer", "kv_connector_extra_config": {"cache_dir": str(work)}}  # fmt: skip
+    engine = {"max_model_len": 1024, "block_size": 32, "enable_prefix_caching": True, "kv_transfer_config": connector}
+    names = list(prompts)
+    runs = [{"name": "alone", "engine": engine | {"max_num_seqs": 1}, "prompts": [j["name"] for j in good],
+             "max_new": NEW},
+            # room for about 3 prompts' blocks: requests are preempted and resumed, their caches loaded again
+            {"name": "batch", "engine": engine | {"max_num_seqs": 8, "num_gpu_blocks_override": 3 * (N + NEW) // 32},
+             "prompts": names, "submit": "together", "max_new": NEW},
+            # prefix caching off: a preempted request finds none of its blocks again and is loaded again on resume
+            {"name": "resumed", "engine": engine | {"enable_prefix_caching": False, "max_num_seqs": 8,
+                                                    "num_gpu_blocks_override": 3 * (N + NEW) // 32},
+             "prompts": [j["name"] for j in good], "submit": "together", "max_new": NEW}]  # fmt: skip
+    spec, out = work / "jobs-connector.json", work / "results-connector.json"
+    spec.write_text(json.dumps({"model": str(served["hf"]), "prompts": prompts, "runs": runs, "requests": requests}))
+    r = subprocess.run([py, "-m", "ridgefill.engines.vllm_plugin_runner", spec, out], capture_output=True, text=True,
+                       cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "RIDGEFILL_RELEASE"})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(out.read_text())["runs"]
+    alone = {o["prompt"]: o for o in got["alone"]["outputs"]}
+    batch = {o["prompt"]: o for o in got["batch"]["outputs"]}
+    resumed = {o["prompt"]: o for o in got["resumed"]["outputs"]}
+    log = r.stdout + r.stderr  # vLLM logs to stdout
+    fig = {"preemptions": got["batch"]["preemptions"], "finish": {n: o["finish"] for n, o in batch.items()},
+           "resumed_preemptions": got["resumed"]["preemptions"], "loaded_again": log.count("its cache is loaded again")}
+    report("vllm_connector", fig)
+    assert fig["preemptions"] > 0 and fig["resumed_preemptions"] > 0 and fig["loaded_again"] > 0, fig
+    for j in good:
+        assert batch[j["name"]]["finish"] == "length" and batch[j["name"]]["tokens"] == alone[j["name"]]["tokens"], j
+        assert resumed[j["name"]]["tokens"] == alone[j["name"]]["tokens"], j
+    assert alone["control0"]["top2"][0] != alone["ridgefill0"]["top2"][0]  # same ids, another cache: its own blocks
+    for name in bad:
+        assert batch[name]["finish"] == "error", (name, batch[name])
+    for name, says in (("missing", "no such cache file"), ("outside", "outside the connector's cache_dir"),
+                       ("other-model", "a cache for another model"), ("wrong-salt", "not the cache's sha256"),
+                       ("no-salt", "no cache_salt")):  # fmt: skip
+        assert any("fails: " in line and says in line for line in log.splitlines()), (name, log[-3000:])
+
+
+CONNECTOR_STARTUP = """
+import sys, torch
+import vllm.distributed as dist
+from ridgefill.engines.vllm import RidgefillConnector
+
+dist.get_tensor_model_parallel_rank = lambda: int(sys.argv[2])
+dist.get_tensor_model_parallel_world_size = lambda: int(sys.argv[3])
+c = RidgefillConnector.__new__(RidgefillConnector)  # the worker side's state only
+c._layers, c._kv_heads = 4, 2
+names = sys.argv[1].split(",")
+try:
+    c.register_kv_caches({n: torch.zeros(1) for n in names})
+    print("heads", c._heads.start, c._heads.stop)
+except ValueError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("names, rank, world, says", [
+    ("model.layers.0.self_attn.attn,model.layers.1.self_attn.attn,model.layers.2.self_attn.attn,"
+     "model.layers.3.self_attn.attn", 0, 1, "heads 0 2"),
+    ("model.layers.0.self_attn.attn,model.layers.1.self_attn.attn,model.layers.2.self_attn.attn,"
+     "model.layers.3.self_attn.attn", 1, 2, "heads 1 2"),
+    ("model.layers.0.self_attn.attn,model.layers.1.self_attn.attn,model.layers.3.self_attn.attn", 0, 1,
+     "ridgefill: expected one KV cache layer for each of the model's 4 layers; missing [2], unexpected or repeated "
+     "none"),
+    ("model.layers.0.self_attn.attn,model.layers.1.self_attn.attn,model.layers.2.self_attn.attn,"
+     "model.layers.3.self_attn.attn,model.layers.4.self_attn.attn", 0, 1,
+     "ridgefill: expected one KV cache layer for each of the model's 4 layers; missing [], unexpected or repeated [4]"),
+    ("model.layers.0.self_attn.attn,mtp.attn", 0, 1, "ridgefill: KV cache layer 'mtp.attn' has no '.layers.<l>.' "
+                                                      "in its name"),
+])  # fmt: skip
+def test_vllm_connector_finds_every_layer_at_startup_and_its_ranks_heads(names, rank, world, says):
+    """register_kv_caches maps every KV cache layer to a model layer or refuses, naming what it expected; a rank's KV
+    heads under a mocked tensor-parallel rank and world size (2 KV heads)."""
+    py = engine_python("vllm")
+    r = subprocess.run([py, "-c", CONNECTOR_STARTUP, names, str(rank), str(world)], capture_output=True, text=True,
+                       cwd=ROOT)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == says

@@ -123,8 +123,8 @@ def test_connectors_import_only_what_an_engine_has():
                "llama_cpp"}  # fmt: skip
     below = ("ridgefill.formats", "ridgefill.artifacts", "ridgefill.errors", "ridgefill.numerics", "ridgefill.hub",
              "ridgefill.models.fingerprint", "ridgefill.models.kinds", "ridgefill.runtime.rows")  # fmt: skip
-    engine_side = {"layout", "jobs", "request", "vllm", "vllm_runner", "llamacpp", "llamacpp_runner", "plan",
-                   "served", "identity", "vllm_model", "vllm_plugin", "vllm_plugin_runner"}  # fmt: skip
+    engine_side = {"layout", "jobs", "loads", "request", "vllm", "vllm_runner", "llamacpp", "llamacpp_runner",
+                   "plan", "served", "identity", "vllm_model", "vllm_plugin", "vllm_plugin_runner"}  # fmt: skip
     for name in engine_side:
         tree = ast.parse((ENGINES / f"{name}.py").read_text())
         for node in ast.walk(tree):

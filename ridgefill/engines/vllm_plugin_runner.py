@@ -1,14 +1,18 @@
 """Run prompts through vLLM's offline engine, with whatever the environment switches on (RIDGEFILL_RELEASE for the
-fill plugin), under several engine settings in one process; in vLLM's environment:
+fill plugin) or the engine settings name (the ridgefill KV connector), under several engine settings in one
+process; in vLLM's environment:
 
     python -m ridgefill.engines.vllm_plugin_runner JOBS.json RESULTS.json
 
-JOBS: {"model": path, "prompts": {name: [token ids]}, "runs": [run, ...]}, a run being
-    {"name": str, "engine": {LLM keyword arguments}, "prompts": [names], "max_new": int,
+JOBS: {"model": path, "prompts": {name: [token ids]}, "runs": [run, ...],
+       "requests": {name: {"cache": str, "salt": str}}}    # optional: a prompt's ridgefill cache and cache_salt
+a run being
+    {"name": str, "engine": {LLM keyword arguments; "kv_transfer_config" as a dict}, "prompts": [names],
+     "max_new": int,
      "submit": "alone" | "together",        # one generate call per prompt, or all in one (the scheduler batches)
      "prompt_logprobs": [names]}            # optional: these ask for prompt log-probabilities
 RESULTS: {"runs": {name: {"outputs": [{"prompt": name, "tokens": [int], "top2": [[[id, logprob], [id, logprob]],
-                                        ...], "cached": int}, ...],       # in the order of the run's prompts
+                                        ...], "cached": int, "finish": str}, ...],  # in the run's prompts' order
                           "stats": the fill's counters or null, "preemptions": int, "seconds": float}}}
 
 Each run gets a fresh engine (dtype float32, token ids in and out, greedy decoding, 2 top log-probs per step, the
@@ -40,19 +44,28 @@ def _preemptions(llm) -> int:
     return 0
 
 
-def run_one(model: str, run: dict, prompts: dict) -> dict:
+def run_one(model: str, run: dict, prompts: dict, caches: dict) -> dict:
     from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
 
     start = time.perf_counter()
-    llm = LLM(model, **(DEFAULTS | run.get("engine", {})))
+    engine = DEFAULTS | run.get("engine", {})
+    if isinstance(engine.get("kv_transfer_config"), dict):
+        engine["kv_transfer_config"] = KVTransferConfig(**engine["kv_transfer_config"])
+    llm = LLM(model, **engine)
     names = run["prompts"]
     asks = set(run.get("prompt_logprobs", []))
 
-    def params(name):
-        return SamplingParams(max_tokens=run.get("max_new", 16), temperature=0.0, logprobs=2, detokenize=False,
-                              prompt_logprobs=1 if name in asks else None)  # fmt: skip
+    def request(name):
+        prompt, cache = {"prompt_token_ids": prompts[name]}, caches.get(name, {})
+        if cache.get("salt"):
+            prompt["cache_salt"] = cache["salt"]
+        extra = {"kv_transfer_params": {"ridgefill_cache": cache["cache"]}} if "cache" in cache else None
+        return prompt, SamplingParams(max_tokens=run.get("max_new", 16), temperature=0.0, logprobs=2,
+                                      detokenize=False, prompt_logprobs=1 if name in asks else None,
+                                      extra_args=extra)  # fmt: skip
 
-    requests = [({"prompt_token_ids": prompts[n]}, params(n)) for n in names]
+    requests = [request(n) for n in names]
     if run.get("submit", "alone") == "together":
         got = llm.generate([r for r, _ in requests], [p for _, p in requests], use_tqdm=False)
     else:
@@ -60,8 +73,8 @@ def run_one(model: str, run: dict, prompts: dict) -> dict:
     outputs = []
     for name, o in zip(names, got):
         c = o.outputs[0]
-        outputs.append({"prompt": name, "tokens": list(c.token_ids), "top2": [_top2(lp) for lp in c.logprobs],
-                        "cached": int(o.num_cached_tokens or 0)})  # fmt: skip
+        outputs.append({"prompt": name, "tokens": list(c.token_ids), "top2": [_top2(lp) for lp in c.logprobs or []],
+                        "cached": int(o.num_cached_tokens or 0), "finish": str(c.finish_reason)})  # fmt: skip
     stats = llm.apply_model(lambda m: dict(m.ridgefill.stats) if hasattr(m, "ridgefill") else None)[0]
     result = {"outputs": outputs, "stats": stats, "preemptions": _preemptions(llm),
               "seconds": time.perf_counter() - start}  # fmt: skip
@@ -83,7 +96,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     results = {}
     for run in spec["runs"]:
-        results[run["name"]] = run_one(spec["model"], run, spec["prompts"])
+        results[run["name"]] = run_one(spec["model"], run, spec["prompts"], spec.get("requests", {}))
         print(f"vllm_plugin_runner: {run['name']}: {len(run['prompts'])} prompts in "
               f"{results[run['name']]['seconds']:.1f} s", file=sys.stderr, flush=True)
     Path(out_path).write_text(json.dumps({"runs": results}, indent=1))

@@ -2,8 +2,9 @@
 
     python -m ridgefill.engines.vllm_runner JOBS.json RESULTS.json
 
-The model runs in float32 with prefix caching off, in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that each
-request's time is the engine's own. Per job: a 1-token request timed (time to first token), and a greedy run whose
+The model runs in float32 with prefix caching on, as in a server (each request salted with its cache's sha256), in
+one process (VLLM_ENABLE_V1_MULTIPROCESSING=0), the connector reading caches from the job file's "cache_dir" (by
+default the folder holding them all). Per job: a 1-token request timed (time to first token), and a greedy run whose
 per-step top-2 gives the teacher-forced figures while its answer follows the forced one; past the first
 difference, one request per forced position.
 """
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
+from ridgefill.artifacts import sha256_file
 from ridgefill.engines.jobs import main_args, read_jobs, write_results
 
 
@@ -31,19 +34,28 @@ def main() -> None:
     from vllm.config import KVTransferConfig
 
     longest = max(len(j["ids"]) + len(j.get("forced", [])) + j.get("max_new", 1) for j in spec["jobs"])
+    caches = [j["cache"] for j in spec["jobs"] if j.get("cache")]
+    cache_dir = spec.get("cache_dir") or (os.path.commonpath([os.path.dirname(c) for c in caches]) if caches else ".")
+    salts = {c: sha256_file(Path(c)) for c in set(caches)}
     models = {"model": spec["model"]}
+    connector = KVTransferConfig(kv_connector="RidgefillConnector", kv_role="kv_consumer",
+                                 kv_connector_module_path="ridgefill.engines.vllm",
+                                 kv_connector_extra_config={"cache_dir": cache_dir})  # fmt: skip
     llms = {key: LLM(path, dtype="float32", skip_tokenizer_init=True, enforce_eager=True, seed=0,
-                     max_model_len=max(256, longest + 16), enable_prefix_caching=False, max_num_seqs=1,
+                     max_model_len=max(256, longest + 16), enable_prefix_caching=True, max_num_seqs=1,
                      max_num_batched_tokens=max(2048, longest + 16),  # a whole prompt in one step: no chunking
-                     kv_transfer_config=KVTransferConfig(kv_connector="RidgefillConnector", kv_role="kv_consumer",
-                                                         kv_connector_module_path="ridgefill.engines.vllm"))
+                     kv_transfer_config=connector)
             for key, path in models.items()}  # fmt: skip
 
     def run(job, ids, **sp):
-        extra = {"kv_transfer_params": {"ridgefill_cache": job["cache"]}} if job.get("cache") else None
+        prompt = {"prompt_token_ids": list(ids)}
+        extra = None
+        if job.get("cache"):
+            prompt["cache_salt"] = salts[job["cache"]]
+            extra = {"kv_transfer_params": {"ridgefill_cache": job["cache"]}}
         params = SamplingParams(temperature=0.0, detokenize=False, extra_args=extra, **sp)
         llm = llms[job.get("model", next(iter(llms)))]
-        return llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)[0]
+        return llm.generate([prompt], params, use_tqdm=False)[0]
 
     results = []
     for job in spec["jobs"]:
