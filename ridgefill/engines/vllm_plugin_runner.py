@@ -75,7 +75,9 @@ def run_one(model: str, run: dict, prompts: dict, caches: dict) -> dict:
         c = o.outputs[0]
         outputs.append({"prompt": name, "tokens": list(c.token_ids), "top2": [_top2(lp) for lp in c.logprobs or []],
                         "cached": int(o.num_cached_tokens or 0), "finish": str(c.finish_reason)})  # fmt: skip
-    stats = llm.apply_model(lambda m: dict(m.ridgefill.stats) if hasattr(m, "ridgefill") else None)[0]
+    stats = None  # the fill's counters, read in the model's process (in this one unless vLLM spawns workers)
+    if os.environ.get("RIDGEFILL_RELEASE"):
+        stats = llm.apply_model(lambda m: dict(m.ridgefill.stats) if hasattr(m, "ridgefill") else None)[0]
     result = {"outputs": outputs, "stats": stats, "preemptions": _preemptions(llm),
               "seconds": time.perf_counter() - start}  # fmt: skip
     del llm
