@@ -30,6 +30,9 @@ import numpy as np
 
 from ridgefill.formats.cache import write_cache
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the release corpus beside it edits safetensors the same way
+from conformance import Tensor, encode_st, read_st  # noqa: E402
+
 FP, OTHER_FP = "ab" * 32, "cd" * 32  # the fingerprint of the model the caches are made for, and another model's
 H, HD, N, R, P = 2, 4, 10, 3, 6  # KV heads, head_dim, context length, kept per compacted layer, engine positions
 SIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1}
@@ -94,35 +97,6 @@ def write_base(base: str, path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- raw editing
-
-
-@dataclass
-class Tensor:
-    dtype: str
-    shape: list[int]
-    data: bytes
-
-
-def read_st(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    meta = header.pop("__metadata__", {})
-    body = raw[8 + n :]
-    return {k: Tensor(v["dtype"], v["shape"], body[v["data_offsets"][0] : v["data_offsets"][1]])
-            for k, v in header.items()}, meta  # fmt: skip
-
-
-def encode_st(tensors: dict[str, Tensor], meta: dict[str, str], header_text: str | None = None) -> bytes:
-    """safetensors bytes, tensors in the dict's order; `header_text` replaces the JSON header (malformed ones)."""
-    header, body, at = {"__metadata__": meta}, b"", 0
-    for name, t in tensors.items():
-        header[name] = {"dtype": t.dtype, "shape": t.shape, "data_offsets": [at, at + len(t.data)]}
-        body += t.data
-        at += len(t.data)
-    text = (header_text if header_text is not None else json.dumps(header, separators=(",", ":"))).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + body
 
 
 def tensors(fn: Callable[[dict[str, Tensor], dict[str, str]], None]) -> Callable[[Path], None]:
