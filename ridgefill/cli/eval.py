@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from ridgefill.cli.common import ModelArg, done, output, placed, store
+from ridgefill.runtime.rows import DEFAULT_TAIL
 
 
 @placed
@@ -15,7 +16,7 @@ def eval_(
     model: ModelArg,
     source: Annotated[str, typer.Argument(help="Release folder, or a solve / quantize artifact id.")],
     arms: Annotated[Optional[list[str]], typer.Option("--arms", help="exact, ridgefill, identity, nofill, or a fill arm with +corrections (vscale, kscale, kshift, state) and a +selector (rows, protected; its :random and :tail controls are added); repeatable; default: the first four, and the release's configured arm.")] = None,
-    tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = 512,
+    tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = DEFAULT_TAIL,
     lengths: Annotated[Optional[list[int]], typer.Option("--lengths", help="Needle context lengths (repeatable).")] = None,
     depths: Annotated[Optional[list[float]], typer.Option("--depths", help="Needle depths in the context (repeatable).")] = None,
     tasks: Annotated[Optional[list[str]], typer.Option("--tasks", help="single, multikey, multivalue (repeatable).")] = None,

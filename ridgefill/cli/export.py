@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from ridgefill.cli.common import done, output, store
+from ridgefill.runtime.rows import DEFAULT_TAIL
 
 FORMATS = ("release", "gguf")
 
@@ -20,7 +21,7 @@ def export(
     fmt: Annotated[str, typer.Option(
         "--format", help="release (folder: manifest, maps, model card) or gguf (one file: Q8_0 maps, manifest "
         "facts as metadata).")] = "release",
-    tail: Annotated[int, typer.Option("--tail", help="Default exact tail recorded in the manifest.")] = 512,
+    tail: Annotated[int, typer.Option("--tail", help="Default exact tail recorded in the manifest.")] = DEFAULT_TAIL,
     force: Annotated[bool, typer.Option("--force", help="Replace a different release or GGUF file in --out.")] = False,
     model: Annotated[Optional[str], typer.Option(
         "--model", help="The captured model, where it now is (default: where it was captured; must match it).")] = None,

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from ridgefill.cli.common import ModelArg, done, output, placed, store
+from ridgefill.runtime.rows import DEFAULT_TAIL
 
 
 @placed
@@ -16,7 +17,7 @@ def sweep(
     data: Annotated[Optional[list[str]], typer.Option("--data", help="Calibration text for the capture (as in `capture`; default builtin:default). Repeatable.")] = None,
     capture_ref: Annotated[Optional[str], typer.Option("--capture", help="Reuse this capture artifact (it must have every split).")] = None,
     length: Annotated[int, typer.Option("--length", help="Prompt length in tokens (needles, documents, speed).")] = 4096,
-    tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = 512,
+    tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = DEFAULT_TAIL,
     samples: Annotated[int, typer.Option("--samples", help="Single-needle prompts at most, half in noise filler, half in prose, drawn in the same order at every split (the sequential rule may stop sooner).")] = 40,
     documents: Annotated[int, typer.Option("--documents", help="Long documents for the ΔNLL figures.")] = 4,
     scored: Annotated[int, typer.Option("--scored", help="Scored stretch: the last tokens of each document.")] = 256,

@@ -42,6 +42,7 @@ import re
 from dataclasses import dataclass, field
 
 from ridgefill.evaluate.texts import haystack_documents, special_prefix
+from ridgefill.runtime.rows import DEFAULT_TAIL
 
 TASKS = ("single", "multikey", "multivalue")
 # RULER's niah_single_1 filler: repeated plain sentences, so a single needle stands out from the haystack. The
@@ -180,7 +181,7 @@ def build_sample(
     seed: int,
     *,
     haystack: list[tuple[str, str]] | None = None,
-    tail: int = 512,
+    tail: int = DEFAULT_TAIL,
     chat: bool = True,
 ) -> NeedleSample:
     """One prompt of exactly `length` tokens; see the module docstring. `haystack`: (name, text) documents,
@@ -288,7 +289,7 @@ def build_suite(
     tasks=TASKS,
     samples: int = 10,
     seed: int = 0,
-    tail: int = 512,
+    tail: int = DEFAULT_TAIL,
     haystack: list[tuple[str, str]] | None = None,
     chat: bool = True,
 ) -> list[NeedleSample]:

@@ -28,6 +28,7 @@ from ridgefill.evaluate.measure import eval_documents, measure_documents, measur
 from ridgefill.evaluate.source import MapsSource, load_source
 from ridgefill.evaluate.summary import manifest_summary, summarize
 from ridgefill.output import Output
+from ridgefill.runtime.rows import DEFAULT_TAIL
 
 FORMAT_VERSION = 8  # 2: single needles in noise filler; 3: nofill needles, "ridgefill+rows"; 4: row 0 exact;
 # 5: arms built from one exact run per prompt, speed from one timed prefill per arm and length ("timing");
@@ -40,7 +41,7 @@ DEFAULT_ARMS = ("exact", "ridgefill", "identity", "nofill")  # the rest are aske
 @dataclass(frozen=True)
 class EvalConfig:
     arms: tuple[str, ...] = DEFAULT_ARMS
-    tail: int = 512
+    tail: int = DEFAULT_TAIL
     lengths: tuple[int, ...] = (2048, 4096)
     depths: tuple[float, ...] = (0.25, 0.5)
     tasks: tuple[str, ...] = ("single", "multikey", "multivalue")

@@ -28,12 +28,12 @@ from ridgefill.formats import release
 from ridgefill.formats.release.names import (CONFIGURATIONS, KSCALE_CONFIGURATION, PLAIN, PROTECTED_CONFIGURATION,
                                              ROWS_CONFIGURATION)
 from ridgefill.output import Output
+from ridgefill.runtime.rows import DEFAULT_TAIL
 from ridgefill.solve import artifact as solved
 
 FORMAT_VERSION = 4  # 2: maps.safetensors records the release facts; 3: and the sha256 of the other tensor files;
 # 4: `fit.exact_norm`, the solve's exact-row norm
 RELEASE_DIR = "release"
-DEFAULT_TAIL = 512
 
 
 def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int = DEFAULT_TAIL,

@@ -34,13 +34,14 @@ from ridgefill.quantize.artifact import load_quant
 from ridgefill.formats import release
 from ridgefill.formats.gguf import MAGIC, check_row_length, encode_tensors, extra_tensors, write_gguf
 from ridgefill.output import Output
+from ridgefill.runtime.rows import DEFAULT_TAIL
 from ridgefill.solve import artifact as solved
 
 FORMAT_VERSION = 3  # 2: from the store, Q8_0 of the float maps with the bias correction; release facts hashed;
 # 3: the protected-token table and terminal-state offsets ride along
 
 
-def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail: int = 512,
+def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail: int = DEFAULT_TAIL,
                 force: bool = False, model: str | None = None, configuration: str | None = None,
                 sweep: str | None = None, row_share: float | None = None) -> tuple[Artifact, bool, Path | None]:
     """Build (or reuse) the GGUF export artifact of a quantize/solve artifact or a release folder; copy it to

@@ -25,6 +25,7 @@ from ridgefill.models.kinds import SLIDING
 OUTLIER_RATIO = 20.0  # a split state 20x the median norm is another sink: capture does not fit it, the fill runs it
 ANCHOR_ROWS = 1  # the first prompt row (the attention sink) runs every layer in every fill arm
 ROW_SHARE, PROBE_ROWS = 0.1, 64  # "+rows": 10 % of the prompt, by attention from its last 64 rows
+DEFAULT_TAIL = 512  # the exact tail (the last prompt rows, run through every layer) when none is given
 
 
 def fit_exact_norm(h, ratio: float = OUTLIER_RATIO) -> float:

@@ -35,6 +35,7 @@ from ridgefill.evaluate.measure import Checkpoint, eval_documents, fills, measur
 from ridgefill.evaluate.source import load_source
 from ridgefill.formats.release.names import CONFIGURATIONS
 from ridgefill.output import Output
+from ridgefill.runtime.rows import DEFAULT_TAIL
 from ridgefill.sweep.artifact import PLOT, RESULT, TABLE
 from ridgefill.sweep.search import Bisection, bisect_arms, run_pass
 from ridgefill.sweep.sequential import GROUP, TOLERANCE, WITHIN_FACTOR, Rule
@@ -60,7 +61,7 @@ KEEP_EARLY_BYTES = 16 << 30  # the most disk the early layers kept between needl
 class SweepConfig:
     splits: tuple[int, ...] | str = ()  # empty: DEFAULT_SPLITS evenly spaced over layers L/4 .. 3L/4; or --splits text
     length: int = 4096
-    tail: int = 512
+    tail: int = DEFAULT_TAIL
     samples: int = 40  # single-needle prompts (at least 40: a 30-point difference is then significant)
     documents: int = 4
     scored: int = 256
@@ -915,7 +916,7 @@ def _kscale_applies(lm, split: int) -> bool:
     if lm.adapter.has_qk_norm:
         return False
     try:
-        plan(lm.adapter, "ridgefill", split, ("kscale",), None, 512)
+        plan(lm.adapter, "ridgefill", split, ("kscale",), None, DEFAULT_TAIL)
     except BadInput:
         return False
     return True
