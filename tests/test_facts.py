@@ -1,0 +1,63 @@
+"""Facts written in one place and repeated by examples and docs agree with that place: each built-in's shipped split
+(`Builtin.split`) and the default tail (`runtime.rows.DEFAULT_TAIL`)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from ridgefill.models.spec import BUILTINS
+from ridgefill.runtime.rows import DEFAULT_TAIL
+
+ROOT = Path(__file__).resolve().parent.parent
+TITLES = {"smollm2-135m": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}  # the README's results headings
+
+
+def test_every_builtin_has_a_results_title():
+    assert set(TITLES) == set(BUILTINS)
+
+
+def results_tables(readme: str) -> dict[str, list[list[str]]]:
+    """The README's "Results at a glance" tables by built-in: each row's cells (the header and rule left out)."""
+    section = readme.split("## Results at a glance", 1)[1].split("\n## ", 1)[0]
+    tables = {}
+    for name, title in TITLES.items():
+        after = section.split(f"**{title}**", 1)[1]
+        rows = [line for line in after.split("\n\n", 2)[1].splitlines() if line.startswith("|")]
+        tables[name] = [[c.strip() for c in row.strip("|").split("|")] for row in rows[2:]]
+    return tables
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_recipe_uses_the_shipped_split_and_only_points_to_why(name):
+    path = ROOT / "examples" / "recipes" / f"{name}.toml"
+    recipe = tomllib.loads(path.read_text())
+    assert recipe["capture"]["splits"] == [BUILTINS[name].split]
+    assert recipe["export"]["tail"] == DEFAULT_TAIL
+    # the comment on `splits` names where the split is written, and says nothing more about it (no second account
+    # of why, which would drift from the README's)
+    lines = path.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("splits"))
+    assert "Builtin.split" in lines[at], lines[at]
+    assert not lines[at + 1].lstrip().startswith("#"), f"{path.name}: a comment continues the splits line"
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_gate_header_names_the_shipped_split(name):
+    text = (ROOT / "examples" / "gates" / f"{name}.toml").read_text()
+    splits = re.findall(r"split \((\d+) of \d+", text)
+    assert splits == [str(BUILTINS[name].split)] and "Builtin.split" in text
+
+
+def test_readme_results_ship_the_builtin_split():
+    readme = (ROOT / "README.md").read_text()
+    for name, rows in results_tables(readme).items():
+        shipped = [r for r in rows if r[0].startswith("**shipped**")]
+        assert len(shipped) == 1 and shipped[0][1] == str(BUILTINS[name].split), (name, rows)
+    # every "ships at N" in the README and the docs is a built-in's split
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    said = {(p.name, int(n)) for p in docs for n in re.findall(r"ships at (?:split )?(\d+)", p.read_text())}
+    assert said and {n for _, n in said} <= {b.split for b in BUILTINS.values()}, said
