@@ -18,6 +18,7 @@ from ridgefill.capture.stats import Moments, merge, moments_of
 from ridgefill.errors import BadInput, RidgefillError
 from ridgefill.output import Output
 from clirun import cli
+from conftest import quiet
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. " * 6,
@@ -36,10 +37,6 @@ def corpus(tmp_path):
     for i, t in enumerate(TEXTS):
         (d / f"doc{i}.txt").write_text(t)
     return d
-
-
-def quiet():
-    return Output(json_mode=False, quiet=True)
 
 
 def run(store, model, data, **kw):
