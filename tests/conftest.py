@@ -26,46 +26,35 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "engines: runs a serving engine from .engines/ (scripts/test-engines.sh)")
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama")
+def tiny_model_fixture(name: str, arch: str, folder: str, **options):
+    """The session fixture `name`: the tiny `arch` model (`make_tiny_model(..., **options)`), written once per session
+    into a fresh temporary `tiny*/<folder>`."""
+
+    def make(tmp_path_factory) -> Path:
+        return make_tiny_model(tmp_path_factory.mktemp("tiny") / folder, arch=arch, **options)
+
+    make.__doc__ = f"The folder of the tiny {arch} model{f' ({options})' if options else ''}, written once per session."
+    return pytest.fixture(scope="session", name=name)(make)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_1k(tmp_path_factory) -> Path:
-    """The tiny llama's weights with a context of 1024 positions: for the sweeps of 600-token prompts, which ridgefill
-    refuses past a model's context (the tiny llama's is 256)."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama-1k", arch="llama", context=1024)
-
-
-@pytest.fixture(scope="session")
-def tiny_gemma3(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "gemma3", arch="gemma3_text")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", arch="qwen2")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", arch="qwen3")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_next(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3_next", arch="qwen3_next")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_5(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3_5", arch="qwen3_5")
-
-
+# architecture -> its tiny model's fixture (read by lm_of and by the tests parametrized by architecture). Each entry
+# defines that fixture here, its model written into a folder named after it (tiny_qwen3_next -> tiny*/qwen3_next).
 TINY_FIXTURES = {"llama": "tiny_llama", "gemma3_text": "tiny_gemma3", "qwen2": "tiny_qwen2", "qwen3": "tiny_qwen3",
                  "qwen3_next": "tiny_qwen3_next", "qwen3_5": "tiny_qwen3_5"}
-_LOADED: dict = {}
+globals().update({name: tiny_model_fixture(name, arch, name.removeprefix("tiny_"))
+                  for arch, name in TINY_FIXTURES.items()})
+# The tiny llama's weights with a context of 1024 positions: for the sweeps of 600-token prompts, which ridgefill
+# refuses past a model's context (the tiny llama's is 256).
+tiny_llama_1k = tiny_model_fixture("tiny_llama_1k", "llama", "llama-1k", context=1024)
+_LOADED: dict = {}  # arch -> its tiny model loaded (lm_of)
+
+
+def quiet():
+    """The Output the in-process stage calls get: warnings and errors only, no progress (`from conftest import
+    quiet`)."""
+    from ridgefill.output import Output
+
+    return Output(quiet=True)
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +129,9 @@ def _build_chain(spec: ChainSpec, model: Path, root: Path) -> dict:
     from ridgefill.capture import CaptureConfig, capture
     from ridgefill.export import export
     from ridgefill.models.device import where
-    from ridgefill.output import Output
     from ridgefill.solve import solve
 
-    quiet, place = Output(quiet=True), where(device="cpu", dtype="float32")
+    out, place = quiet(), where(device="cpu", dtype="float32")
     data = root / "data"
     data.mkdir(parents=True)
     for i, text in enumerate(spec.texts):
@@ -151,13 +139,13 @@ def _build_chain(spec: ChainSpec, model: Path, root: Path) -> dict:
     st = Store(root / "store")
     extra = {} if spec.held_out_rows is None else {"held_out_rows": spec.held_out_rows}
     cfg = CaptureConfig(splits=spec.splits, chunk=spec.chunk, held_out=spec.held_out, **extra)
-    cap, cached = capture(st, str(model), [str(data)], cfg, quiet, place=place)
+    cap, cached = capture(st, str(model), [str(data)], cfg, out, place=place)
     assert not cached
-    sol, cached = solve(st, cap.id, quiet, **({} if spec.alphas is None else {"alphas": list(spec.alphas)}),
+    sol, cached = solve(st, cap.id, out, **({} if spec.alphas is None else {"alphas": list(spec.alphas)}),
                         place=place)
     assert not cached
     if spec.release:
-        export(st, sol.id, root / "release", quiet)
+        export(st, sol.id, root / "release", out)
     return {"capture": cap.id, "solve": sol.id}
 
 

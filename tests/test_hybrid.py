@@ -15,6 +15,7 @@ from ridgefill.errors import BadInput
 from ridgefill.models.load import check_architecture
 from ridgefill.runtime import prefill
 from clirun import cli_here as cli  # in this process: no interpreter and torch start-up per command
+from conftest import TINY_FIXTURES
 from tiny import HYBRIDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,7 +29,7 @@ EVAL = ["--tail", "48", "--scored", "16", "--doc-tokens", "128", "--lengths", "6
 def chain(request, tmp_path_factory):
     """capture -> solve -> quantize -> export -> verify -> eval on one tiny hybrid, through the CLI."""
     arch = request.param
-    model = request.getfixturevalue({"qwen3_next": "tiny_qwen3_next", "qwen3_5": "tiny_qwen3_5"}[arch])
+    model = request.getfixturevalue(TINY_FIXTURES[arch])
     tmp = tmp_path_factory.mktemp(f"hybrid-{arch}")
     data = tmp / "data"
     data.mkdir()

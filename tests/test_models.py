@@ -25,8 +25,6 @@ from ridgefill.models.spec import ModelRef, read_gguf_header
 from tiny import ARCHS, HYBRIDS, make_tiny_gguf, make_tiny_model
 from conftest import TINY_FIXTURES
 
-FIXTURES = {"llama": "tiny_llama", "gemma3_text": "tiny_gemma3", "qwen2": "tiny_qwen2", "qwen3": "tiny_qwen3",
-            "qwen3_next": "tiny_qwen3_next", "qwen3_5": "tiny_qwen3_5"}
 QK_NORM = {"llama": False, "gemma3_text": True, "qwen2": False, "qwen3": True, "qwen3_next": True, "qwen3_5": True}
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,7 +38,7 @@ def sha(data: bytes) -> str:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_resolve_dir(arch, request, tmp_path):
-    path = request.getfixturevalue(FIXTURES[arch])
+    path = request.getfixturevalue(TINY_FIXTURES[arch])
     ref = resolve_model(str(path), store_root=tmp_path)
     assert (ref.kind, ref.path, ref.name, ref.revision) == ("dir", path.resolve(), path.name, None)
     assert (ref.model_type, ref.num_layers, ref.hidden_size, ref.has_qk_norm) == (arch, 4, 64, QK_NORM[arch])
@@ -609,7 +607,7 @@ def tiny_models(request):
 
     def get(arch):
         if arch not in cache:
-            path = request.getfixturevalue(FIXTURES[arch])
+            path = request.getfixturevalue(TINY_FIXTURES[arch])
             cache[arch] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         return cache[arch]
 
