@@ -371,7 +371,7 @@ def test_resume_inside_a_document_in_bfloat16_and_offloaded(tmp_path, corpus, re
 def test_resume_inside_a_document_in_a_block_of_several(tmp_path, monkeypatch):
     """With more documents than blocks, a block holds several units: a checkpoint inside its second document holds
     the first one's statistics and the second's so far together, and the resumed run is byte-identical."""
-    import ridgefill.capture.run as capture_run
+    import ridgefill.capture.runner as capture_run  # where make_blocks is called
     from ridgefill.capture.units import MAX_BLOCKS
     from tiny import make_tiny_model
 
