@@ -1,8 +1,14 @@
-"""`ridgefill solve`: fit the maps of one split from a capture, choosing alpha on held-out rows."""
+"""`ridgefill solve`: fit the maps of one split from a capture, choosing alpha on held-out rows.
+
+The steps, each a function below: check the grid, build the recipe (cached: done), decompose the capture's moments,
+choose the maps on the held-out rows (solve/choose.py), the protected-token table, a hybrid's terminal-state
+offsets (with --state-data), the report, and the artifact (solve/artifact.py's files)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,7 +19,10 @@ from ridgefill.errors import BadInput
 from ridgefill.output import Output
 from ridgefill.runtime.rows import fit_exact_norm
 from ridgefill.solve import artifact
-from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose, lam, maps_at, maps_per_layer, search, search_per_layer
+from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose
+
+if TYPE_CHECKING:
+    from ridgefill.solve.choose import Fit
 
 FORMAT_VERSION = 5  # 2: the grid is extended past an open edge (ridge.search); 3: the protected-token table;
 # 4: added tokens flagged special are special (never protected); 5: the exact-row norm (`exact_norm`)
@@ -65,147 +74,170 @@ def solve(
     from ridgefill.models.device import where
 
     place = place or where()
-    alphas = sorted(set(alphas or DEFAULT_ALPHAS))
-    for a in alphas:
-        if not a > 0 or not np.isfinite(a):
-            raise BadInput(f"alpha must be > 0 (got {a:g})")
-    if metric not in METRIC_CHOICES:
-        raise BadInput(f"--metric must be one of {', '.join(METRIC_CHOICES)} (got '{metric}')")
+    alphas = _check_grid(alphas, metric)
     cap = store.get(capture_ref, stage="capture")
     ref = captured.captured_model(cap, store, model)
     split = captured.pick_split(cap, split)
-    recipe = {"stage": "solve", "version": FORMAT_VERSION, "capture": cap.id, "model": ref.fingerprint,
-              "split": split, "alphas": alphas, "metric": metric, "chat_share": chat_share, **place.recipe()}
-    if alpha_per_layer:
-        recipe["alpha_per_layer"] = True
     state_docs = None
     if state_data:
         state_docs = _state_documents(cap, captured.captured_kinds(cap, store, ref), split, state_data, state_chunk)
-        recipe["state"] = {"data": [d.sha256 for d in state_docs], "chunk": state_chunk}
+    recipe = _recipe(cap, ref, split, alphas, metric, chat_share, place, alpha_per_layer, state_docs, state_chunk)
     captured.warn_if_mixed(cap, place, out)
     hit = store.cached("solve", recipe)
     if hit is not None:
         return hit, True
     store.verify(cap)
 
-    from ridgefill.solve.score import Scorer, objective
+    from ridgefill.solve.choose import choose_maps
+    from ridgefill.solve.score import Scorer
 
     m = captured.load_stats(cap, split, chat_share)
     held = captured.load_heldout(cap)
     exact_norm = fit_exact_norm(held[f"hidden.{split}"])  # the fill runs prefix rows above it exactly
     t = time.perf_counter()
     e = decompose(m)
-    t_eig = time.perf_counter() - t
+    eig_s = time.perf_counter() - t
     lm = captured.open_model(cap, store, ref, place)
     out.info(f"scoring on {place.describe()}")
     scorer = Scorer(lm.adapter, held, split, ref.num_layers)
-
-    t_maps, t_score = 0.0, 0.0
-    scored = {}  # alpha -> the full scores (per layer too), for alpha_per_layer
-
-    def score_at(a: float) -> dict:
-        nonlocal t_maps, t_score
-        t = time.perf_counter()
-        w, b = maps_at(e, a)
-        t_maps += time.perf_counter() - t
-        t = time.perf_counter()
-        s = scorer.score(w, b)
-        t_score += time.perf_counter() - t
-        scored[a] = s
-        return {"alpha": a, "lambda": lam(a, e), "score": objective(s, metric), **s["mean"]}
-
-    grid, best, extended = search(alphas, score_at)  # past an open edge the grid goes on (ridge.search)
-    layers = scorer.layers
-    per_layer = None
-    if alpha_per_layer:
-        t = time.perf_counter()
-        w, b, per_layer = fit_per_layer(e, scorer, alphas, scored, best, metric)
-        fitted = scorer.score(w, b)
-        per_layer = {**per_layer, "score": objective(fitted, metric)}
-        t_per = time.perf_counter() - t
-    else:
-        w, b = maps_at(e, best["alpha"])
-        fitted = scorer.score(w, b)
+    fit = choose_maps(e, scorer, alphas, metric, alpha_per_layer)
     identity = scorer.score(None, None)
+    protected = _protected(cap, lm)
+    state = None
+    if state_docs:
+        state = _state_correction(lm, state_docs, scorer.layers, fit, split, state_chunk, exact_norm, out)
+    solved = Solved(split=split, metric=metric, layers=scorer.layers, fit=fit, identity=identity, exact_norm=exact_norm,
+                    rows=int(m.n), held_out_rows=int(scorer.x.shape[0]), eig_s=eig_s, protected=protected, state=state)
+    return _write(store, recipe, cap, lm, solved), False
+
+
+@dataclass(frozen=True)
+class Protected:
+    """The protected-token table (solve/protected.py) and its facts for the report."""
+
+    table: np.ndarray
+    facts: dict
+
+
+@dataclass(frozen=True)
+class StateCorrection:
+    """A hybrid's terminal-state offsets measured with the solved maps, and the report's section on them."""
+
+    offsets: dict
+    chunk: int  # tokens between two measurements
+    report: dict
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Solved:
+    """What the solve found, before it is written."""
+
+    split: int
+    metric: str
+    layers: list[int]  # the late layers, in the maps' order
+    fit: Fit
+    identity: dict  # the held-out scores of the identity fill (x_hat = h_S)
+    exact_norm: float
+    rows: int  # rows the capture fitted
+    held_out_rows: int
+    eig_s: float  # seconds of the eigendecomposition
+    protected: Protected | None
+    state: StateCorrection | None
+
+
+def _check_grid(alphas: list[float] | None, metric: str) -> list[float]:
+    """The alpha grid (sorted, distinct; the default when none is given), or BadInput; BadInput for an unknown
+    metric."""
+    alphas = sorted(set(alphas or DEFAULT_ALPHAS))
+    for a in alphas:
+        if not a > 0 or not np.isfinite(a):
+            raise BadInput(f"alpha must be > 0 (got {a:g})")
+    if metric not in METRIC_CHOICES:
+        raise BadInput(f"--metric must be one of {', '.join(METRIC_CHOICES)} (got '{metric}')")
+    return alphas
+
+
+def _recipe(cap: Artifact, ref, split: int, alphas: list[float], metric: str, chat_share: float | None, place,
+            alpha_per_layer: bool, state_docs: list | None, state_chunk: int) -> dict:
+    """What the solve's id covers: alpha_per_layer and the state data only when given, so the ids of solves
+    without them are unchanged."""
+    recipe = {"stage": "solve", "version": FORMAT_VERSION, "capture": cap.id, "model": ref.fingerprint,
+              "split": split, "alphas": alphas, "metric": metric, "chat_share": chat_share, **place.recipe()}
+    if alpha_per_layer:
+        recipe["alpha_per_layer"] = True
+    if state_docs is not None:
+        recipe["state"] = {"data": [d.sha256 for d in state_docs], "chunk": state_chunk}
+    return recipe
+
+
+def _protected(cap: Artifact, lm) -> Protected | None:
+    """The protected-token table from the capture's token counts; None for a capture without them."""
     from ridgefill.solve.protected import protected_table, token_classes
 
-    table = table_facts = None
     counts = captured.load_counts(cap)
-    if counts is not None:
-        table, table_facts = protected_table(counts, token_classes(lm.tokenizer, len(counts)))
-    offsets = None
-    if state_docs:
-        from ridgefill.capture.corpus import Corpus
-        from ridgefill.solve.state import measure_offsets
+    if counts is None:
+        return None
+    return Protected(*protected_table(counts, token_classes(lm.tokenizer, len(counts))))
 
-        t = time.perf_counter()
-        ids = captured.tokenize(lm.tokenizer, Corpus(state_docs, 0, 0), False, lm.context_length())["raw"]  # as capture cuts
-        fit = {l: (w[i], b[i]) for i, l in enumerate(layers)}
-        offsets, info = measure_offsets(lm, fit, split, ids, state_chunk, exact_norm, out)
-        state_report = {"documents": [{"name": d.name, "sha256": d.sha256, "tokens": len(x)}
-                                      for d, x in zip(state_docs, ids)], **info}  # fmt: skip
-        t_state = time.perf_counter() - t
+
+def _state_correction(lm, docs: list, layers: list[int], fit: Fit, split: int, chunk: int, exact_norm: float,
+                      out: Output) -> StateCorrection:
+    """The terminal-state offsets of the filled Gated DeltaNet layers, measured on `docs` (cut as capture cuts)
+    with the solved maps, every `chunk` tokens (ridgefill.solve.state)."""
+    from ridgefill.capture.corpus import Corpus
+    from ridgefill.solve.state import measure_offsets
+
+    t = time.perf_counter()
+    ids = captured.tokenize(lm.tokenizer, Corpus(docs, 0, 0), False, lm.context_length())["raw"]
+    maps = {l: (fit.w[i], fit.b[i]) for i, l in enumerate(layers)}
+    offsets, info = measure_offsets(lm, maps, split, ids, chunk, exact_norm, out)
+    report = {"documents": [{"name": d.name, "sha256": d.sha256, "tokens": len(x)} for d, x in zip(docs, ids)],
+              **info}
+    return StateCorrection(offsets, chunk, report, time.perf_counter() - t)
+
+
+def _report(solved: Solved) -> dict:
+    """The solve's report.json: the search, the chosen maps' and the identity's scores, and the timings."""
+    fit = solved.fit
+    maps_s = fit.timings["maps_all_alphas_s"]
     report = {
-        "split": split, "metric": metric, "alpha": best["alpha"], "lambda": best["lambda"], "grid": grid,
-        "extended": extended,
-        "fitted": fitted, "identity": identity, "rows": int(m.n), "held_out_rows": int(scorer.x.shape[0]),
-        "exact_norm": exact_norm,
-        "timings": {"eig_s": t_eig, "maps_all_alphas_s": t_maps, "grid_s": t_eig + t_maps,
-                    "scoring_s": t_score},
+        "split": solved.split, "metric": solved.metric, "alpha": fit.best["alpha"], "lambda": fit.best["lambda"],
+        "grid": fit.grid, "extended": fit.extended,
+        "fitted": fit.fitted, "identity": solved.identity, "rows": solved.rows, "held_out_rows": solved.held_out_rows,
+        "exact_norm": solved.exact_norm,
+        "timings": {"eig_s": solved.eig_s, "maps_all_alphas_s": maps_s, "grid_s": solved.eig_s + maps_s,
+                    "scoring_s": fit.timings["scoring_s"]},
     }
-    if table is not None:
-        report["protected_tokens"] = table_facts
-    if offsets is not None:
-        report["state_correction"] = state_report
-        report["timings"]["state_s"] = t_state
-    if per_layer is not None:
-        report["per_layer"] = per_layer  # "alpha", "lambda" and "grid" above stay the shared search's
-        report["timings"]["per_layer_s"] = t_per  # choosing the alphas, their maps and scoring those
+    if solved.protected is not None:
+        report["protected_tokens"] = solved.protected.facts
+    if solved.state is not None:
+        report["state_correction"] = solved.state.report
+        report["timings"]["state_s"] = solved.state.seconds
+    if fit.per_layer is not None:
+        report["per_layer"] = fit.per_layer  # "alpha", "lambda" and "grid" above stay the shared search's
+        report["timings"]["per_layer_s"] = fit.timings["per_layer_s"]
+    return report
+
+
+def _write(store: Store, recipe: dict, cap: Artifact, lm, solved: Solved) -> Artifact:
+    """The solve artifact: the maps (their alphas and the exact-row norm in the metadata), the protected tokens,
+    the state offsets, the report, and the manifest's summary."""
+    fit, layers, per_layer = solved.fit, solved.layers, solved.fit.per_layer
     with store.build("solve", recipe) as build:
         meta = ({"alpha_per_layer": ",".join(f"{l}:{per_layer['alpha'][str(l)]!r}" for l in layers)}
-                if per_layer else {"alpha": repr(best["alpha"])})
-        artifact.write_maps(build.path, layers, w, b, {"split": str(split), **meta, "exact_norm": repr(exact_norm)})
-        if table is not None:
-            artifact.write_protected(build.path, table, table_facts["share"])
-        if offsets is not None:
-            artifact.write_offsets(build.path, offsets, split, state_chunk)
-        write_json(build.path / artifact.REPORT, report)
-        summary = {"split": split, "alpha": best["alpha"], "score": best["score"], "exact_norm": exact_norm,
-                   "fitted": fitted["mean"], "identity": identity["mean"], "layers": layers}
+                if per_layer else {"alpha": repr(fit.best["alpha"])})
+        artifact.write_maps(build.path, layers, fit.w, fit.b,
+                            {"split": str(solved.split), **meta, "exact_norm": repr(solved.exact_norm)})
+        if solved.protected is not None:
+            artifact.write_protected(build.path, solved.protected.table, solved.protected.facts["share"])
+        if solved.state is not None:
+            artifact.write_offsets(build.path, solved.state.offsets, solved.split, solved.state.chunk)
+        write_json(build.path / artifact.REPORT, _report(solved))
+        summary = {"split": solved.split, "alpha": fit.best["alpha"], "score": fit.best["score"],
+                   "exact_norm": solved.exact_norm, "fitted": fit.fitted["mean"], "identity": solved.identity["mean"],
+                   "layers": layers}
         if per_layer:
             summary["per_layer"] = {k: per_layer[k] for k in ("alpha", "lambda", "score", "shared_score")}
-        art = build.commit(info={"capture": cap.id, "model": cap.info["model"], "model_spec": cap.info["model_spec"],
-                                 "placement": lm.placement()}, summary=summary)
-    return art, False
-
-
-def fit_per_layer(e, scorer, alphas: list[float], scored: dict, best: dict, metric: str):
-    """Maps with each late layer at its own best alpha (ridge.search_per_layer over its own held-out objective,
-    reusing every score the shared search made), and the report's `per_layer` section but its "score":
-    {"alpha", "lambda": {layer: value}, "shared_score", "shared_fitted" (the shared best's full scores),
-    "layers": {layer: {"score", "shared_score", "grid"}}, "extended": [{"layer", "edge", "to", "steps",
-    "stopped"}], "layer_scorings" (single-layer scorings past the shared grid)}."""
-    from ridgefill.solve.score import layer_objective
-
-    layers = scorer.layers
-    own = {a: [layer_objective(s["layers"][str(l)], metric) for l in layers] for a, s in scored.items()}
-    extra = 0
-
-    def score_layer(i: int, a: float) -> float:
-        nonlocal extra
-        extra += 1
-        w, b = maps_per_layer(e, [a], [i])  # [1, dy, dx], [1, dy]
-        return layer_objective(scorer.layer_scores(layers[i], scorer.x @ w[0].T + b[0]), metric)
-
-    chosen = search_per_layer(alphas, own, score_layer)
-    w, b = maps_per_layer(e, [c["alpha"] for c in chosen])
-    section = {
-        "alpha": {str(l): c["alpha"] for l, c in zip(layers, chosen)},
-        "lambda": {str(l): lam(c["alpha"], e) for l, c in zip(layers, chosen)},
-        "shared_score": best["score"], "shared_fitted": scored[best["alpha"]],
-        "layers": {str(l): {"score": c["score"], "shared_score": own[best["alpha"]][i], "grid": c["grid"]}
-                   for i, (l, c) in enumerate(zip(layers, chosen))},
-        "extended": [{"layer": l, **x} for l, c in zip(layers, chosen) for x in c["extended"]],
-        "layer_scorings": extra,
-    }
-    return w, b, section
+        return build.commit(info={"capture": cap.id, "model": cap.info["model"],
+                                  "model_spec": cap.info["model_spec"], "placement": lm.placement()}, summary=summary)
