@@ -40,6 +40,7 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ridgefill.evaluate.texts import haystack_documents, special_prefix
 from ridgefill.runtime.rows import DEFAULT_TAIL
@@ -48,10 +49,6 @@ TASKS = ("single", "multikey", "multivalue")
 # RULER's niah_single_1 filler: repeated plain sentences, so a single needle stands out from the haystack. The
 # multi-key and multi-value tasks use real prose (texts.haystack_documents), as RULER's essay variants do.
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-
-
-def noise_haystack(chars: int = 200_000) -> list[tuple[str, str]]:
-    return [("noise", NOISE * (chars // len(NOISE) + 1))]
 HEADER = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
     "I will quiz you about the numbers afterwards.\n"
@@ -88,6 +85,11 @@ NOUNS = (
 _SPLIT = re.compile(r"(?<=[.!?])(?=\s)|(?=\n\n)")
 
 
+def noise_haystack(chars: int = 200_000) -> list[tuple[str, str]]:
+    """The noise filler as one haystack document of at least `chars` characters."""
+    return [("noise", NOISE * (chars // len(NOISE) + 1))]
+
+
 @dataclass(frozen=True)
 class NeedleSample:
     task: str
@@ -119,6 +121,40 @@ class NeedleSample:
         return limit > 0 and all(end <= limit for _, end in self.needle_spans)
 
 
+class _Frame(NamedTuple):
+    """What surrounds the content: ids before it and after it, the text after the question inside it, the format."""
+
+    pre: list[int]
+    post: list[int]
+    answer_cue: str
+    format: str  # "chat" or "plain"
+
+
+@dataclass(frozen=True)
+class _Draw:
+    """One draw of a sample's needles from its random.Random."""
+
+    keys: list[str]  # distinct; keys[0] is the key asked about (multikey: one per needle, the others distractors)
+    values: list[str]  # one per needle, distinct
+    needle_keys: list[str]  # each needle's key
+    depths: list[float]  # each needle's relative depth: needle 0 at `depth`, the others uniform in [0, depth]
+    start: int  # the haystack's first document
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """A sample's pieces as token ids, before the haystack is cut to its budget."""
+
+    draw: _Draw
+    question: str
+    header: list[int]
+    question_ids: list[int]  # the question and the answer cue
+    needles: list[list[int]]  # in draw order
+    haystack: list[tuple[str, list[int]]]  # (text, ids) pieces holding at least `budget` tokens
+    sources: list[str]  # the haystack documents used, in order
+    budget: int  # the haystack tokens that make the prompt `length` long
+
+
 def _derive_seed(*parts) -> int:
     return int(hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:12], 16)
 
@@ -140,8 +176,9 @@ def _split(text: str) -> list[str]:
     return pieces
 
 
-def _frame(tokenizer, chat: bool) -> tuple[list[int], list[int], str, str]:
-    """(ids before the content, ids after it, text after the question inside the content, format)."""
+def _frame(tokenizer, chat: bool) -> _Frame:
+    """The prompt's frame: a chat template's text around the user message, else the special prefix and the
+    plain-text answer cue."""
     if chat and getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template(
             [{"role": "user", "content": PLACEHOLDER}], tokenize=False, add_generation_prompt=True
@@ -150,8 +187,8 @@ def _frame(tokenizer, chat: bool) -> tuple[list[int], list[int], str, str]:
             raise ValueError("the chat template does not render the user message exactly once")
         before, after = rendered.split(PLACEHOLDER)
         pre, post = _encode(tokenizer, [before, after])
-        return pre, post, "", "chat"
-    return special_prefix(tokenizer), [], "\nAnswer:", "plain"
+        return _Frame(pre, post, "", "chat")
+    return _Frame(special_prefix(tokenizer), [], "\nAnswer:", "plain")
 
 
 def _haystack(tokenizer, docs, start: int, budget: int):
@@ -193,77 +230,16 @@ def build_sample(
     docs = haystack_documents() if haystack is None else list(haystack)
     if not docs:
         raise ValueError("no haystack documents")
-    rng = random.Random(seed)
-    pre, post, answer_cue, fmt = _frame(tokenizer, chat)
-
-    for _attempt in range(20):
-        n_needles = {"single": 1, "multikey": 1 + DISTRACTORS, "multivalue": VALUES}[task]
-        n_keys = n_needles if task == "multikey" else 1
-        keys: list[str] = []
-        while len(keys) < n_keys:
-            k = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
-            if k not in keys:
-                keys.append(k)
-        values: list[str] = []
-        while len(values) < n_needles:
-            v = str(rng.randint(1_000_000, 9_999_999))
-            if v not in values:
-                values.append(v)
-        key = keys[0]
-        # Needle 0 is asked about and sits at `depth`; the others at uniform depths in [0, depth].
-        needle_keys = keys if task == "multikey" else [key] * n_needles
-        depths = [depth] + [rng.uniform(0.0, depth) for _ in range(n_needles - 1)]
-        start = rng.randrange(len(docs))
-
-        question = QUESTIONS[task].format(key=key)
-        needle_texts = [" " + NEEDLE.format(key=k, value=v) for k, v in zip(needle_keys, values)]
-        header_ids, question_ids, *needle_ids = _encode(
-            tokenizer, [HEADER, "\nQuestion: " + question + answer_cue] + needle_texts
-        )
-        fixed = len(pre) + len(header_ids) + len(question_ids) + len(post) + sum(map(len, needle_ids))
-        budget = length - fixed
-        if budget < 1:
-            raise ValueError(f"length {length} is too short: the prompt without haystack is {fixed} tokens")
-        pieces, names = _haystack(tokenizer, docs, start, budget)
-        hay_text = "".join(p for p, _ in pieces)
-        if any(v in hay_text for v in values) or any(k in hay_text for k in keys):
-            continue  # a needle's key or value occurs in the filler: draw again
-        break
-    else:
-        raise ValueError("could not draw needle keys and values absent from the haystack")
-
-    # Cut the haystack to `budget` tokens; boundaries are the piece starts inside it plus its end.
-    cut: list[list[int]] = []
-    used = 0
-    for _, ids in pieces:
-        if used >= budget:
-            break
-        take = ids[: budget - used]
-        cut.append(take)
-        used += len(take)
-    starts = [0]
-    for ids in cut[:-1]:
-        starts.append(starts[-1] + len(ids))
-    starts.append(budget)  # inserting at index len(cut) = after the whole haystack
-    slots = [min(range(len(starts)), key=lambda j: (abs(starts[j] - d * budget), j)) for d in depths]
-
-    prompt = pre + header_ids
-    spans: list[tuple[int, int] | None] = [None] * n_needles
-    order = sorted(range(n_needles), key=lambda i: (slots[i], depths[i], i))
-    pos = 0
-    for j in range(len(cut) + 1):
-        while pos < n_needles and slots[order[pos]] == j:
-            i = order[pos]
-            spans[i] = (len(prompt), len(prompt) + len(needle_ids[i]))
-            prompt += needle_ids[i]
-            pos += 1
-        if j < len(cut):
-            prompt += cut[j]
-    prompt += question_ids + post
+    frame = _frame(tokenizer, chat)
+    parts = _clean_parts(tokenizer, docs, task, length, depth, random.Random(seed), frame)
+    cut = _cut(parts.haystack, parts.budget)
+    slots = _slots(cut, parts.budget, parts.draw.depths)
+    prompt, spans = _assemble(frame, parts, cut, slots)
     assert len(prompt) == length, (len(prompt), length)
 
-    in_order = sorted(range(n_needles), key=lambda i: spans[i])
-    queried_needles = [0] if task != "multivalue" else list(range(n_needles))
+    draw = parts.draw
+    in_order = sorted(range(len(spans)), key=lambda i: spans[i])
+    queried_needles = [0] if task != "multivalue" else list(range(len(spans)))
     return NeedleSample(
         task=task,
         context_tokens=length,
@@ -272,13 +248,101 @@ def build_sample(
         prompt_ids=prompt,
         needle_spans=[spans[i] for i in in_order],
         queried=tuple(sorted(in_order.index(i) for i in queried_needles)),
-        answers=tuple(values[i] for i in in_order if i in queried_needles),
-        question=question,
-        key=key,
+        answers=tuple(draw.values[i] for i in in_order if i in queried_needles),
+        question=parts.question,
+        key=draw.keys[0],
         tail=tail,
-        format=fmt,
-        sources=tuple(names),
+        format=frame.format,
+        sources=tuple(parts.sources),
     )
+
+
+def _draw(rng: random.Random, task: str, depth: float, n_docs: int) -> _Draw:
+    """Keys, values, depths and the haystack's first document, drawn in that order."""
+    n_needles = {"single": 1, "multikey": 1 + DISTRACTORS, "multivalue": VALUES}[task]
+    n_keys = n_needles if task == "multikey" else 1
+    keys: list[str] = []
+    while len(keys) < n_keys:
+        k = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
+        if k not in keys:
+            keys.append(k)
+    values: list[str] = []
+    while len(values) < n_needles:
+        v = str(rng.randint(1_000_000, 9_999_999))
+        if v not in values:
+            values.append(v)
+    needle_keys = keys if task == "multikey" else [keys[0]] * n_needles
+    depths = [depth] + [rng.uniform(0.0, depth) for _ in range(n_needles - 1)]
+    return _Draw(keys, values, needle_keys, depths, rng.randrange(n_docs))
+
+
+def _parts(tokenizer, docs, task: str, length: int, draw: _Draw, frame: _Frame) -> _Parts:
+    """The header, question and needles of `draw` tokenized, and haystack pieces enough to fill the prompt to
+    `length`; ValueError when the prompt without haystack is already that long."""
+    question = QUESTIONS[task].format(key=draw.keys[0])
+    needle_texts = [" " + NEEDLE.format(key=k, value=v) for k, v in zip(draw.needle_keys, draw.values)]
+    header, question_ids, *needles = _encode(
+        tokenizer, [HEADER, "\nQuestion: " + question + frame.answer_cue] + needle_texts
+    )
+    fixed = len(frame.pre) + len(header) + len(question_ids) + len(frame.post) + sum(map(len, needles))
+    budget = length - fixed
+    if budget < 1:
+        raise ValueError(f"length {length} is too short: the prompt without haystack is {fixed} tokens")
+    pieces, names = _haystack(tokenizer, docs, draw.start, budget)
+    return _Parts(draw, question, header, question_ids, needles, pieces, names, budget)
+
+
+def _clean_parts(tokenizer, docs, task: str, length: int, depth: float, rng: random.Random,
+                 frame: _Frame) -> _Parts:
+    """The parts of the first of up to 20 draws none of whose keys or values occurs in its haystack."""
+    for _attempt in range(20):
+        parts = _parts(tokenizer, docs, task, length, _draw(rng, task, depth, len(docs)), frame)
+        hay_text = "".join(p for p, _ in parts.haystack)
+        if not any(x in hay_text for x in parts.draw.values + parts.draw.keys):
+            return parts
+    raise ValueError("could not draw needle keys and values absent from the haystack")
+
+
+def _cut(pieces: list[tuple[str, list[int]]], budget: int) -> list[list[int]]:
+    """The pieces' ids, the last one shortened (and any after it dropped) so that they hold `budget` tokens."""
+    cut: list[list[int]] = []
+    used = 0
+    for _, ids in pieces:
+        if used >= budget:
+            break
+        take = ids[: budget - used]
+        cut.append(take)
+        used += len(take)
+    return cut
+
+
+def _slots(cut: list[list[int]], budget: int, depths: list[float]) -> list[int]:
+    """Each needle's slot: the index of the cut piece it goes before (len(cut): after the whole haystack), the
+    boundary nearest its depth * budget tokens (the earlier one on a tie)."""
+    starts = [0]
+    for ids in cut[:-1]:
+        starts.append(starts[-1] + len(ids))
+    starts.append(budget)
+    return [min(range(len(starts)), key=lambda j: (abs(starts[j] - d * budget), j)) for d in depths]
+
+
+def _assemble(frame: _Frame, parts: _Parts, cut: list[list[int]], slots: list[int]):
+    """(prompt ids, [start, end) of each needle in draw order): the frame, the header, the cut haystack with each
+    needle before its slot's piece (needles sharing a slot by depth, then draw order), the question."""
+    n_needles = len(parts.needles)
+    prompt = frame.pre + parts.header
+    spans: list[tuple[int, int]] = [(0, 0)] * n_needles
+    order = sorted(range(n_needles), key=lambda i: (slots[i], parts.draw.depths[i], i))
+    pos = 0
+    for j in range(len(cut) + 1):
+        while pos < n_needles and slots[order[pos]] == j:
+            i = order[pos]
+            spans[i] = (len(prompt), len(prompt) + len(parts.needles[i]))
+            prompt += parts.needles[i]
+            pos += 1
+        if j < len(cut):
+            prompt += cut[j]
+    return prompt + parts.question_ids + frame.post, spans
 
 
 def build_suite(
