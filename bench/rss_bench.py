@@ -19,15 +19,16 @@
    (`--child-embed`): in a fresh process per corpus, only the embedding lookups of every token, and how much of
    the embedding matrix is then mapped in (/proc/self/pagemap): the model's weights are mmapped from the
    dequantized cache's safetensors, so RSS counts the pages a run touches, and a larger corpus touches more
-   embedding rows (more distinct token ids, each mapping the 64 KiB around it). `--old-tokens N` adds the
-   pre-rewrite bench's corpora (N and 5N tokens).
+   embedding rows (more distinct token ids, each mapping the 64 KiB around it). `--old-tokens N` adds two
+   corpora of whole builtin:default documents (N and 5N tokens; mixed lengths, so the larger one also has longer
+   documents: the corpora the first version of this bench measured, reported as old_bench_small / _large).
 3. With --malloc-probe BYTES, both sizes once more with glibc's mmap threshold fixed at BYTES
    (MALLOC_MMAP_THRESHOLD_), to tell heap retention apart from memory capture holds; with --trim-probe, the
    instrumented capture on both sizes calling malloc_trim(0) after every document.
 
-`--child` runs one instrumented capture in this process, in the store `--store` (a fresh one from the parent), and
-writes its trace as JSON (used by part 2; it can also run another checkout's ridgefill with --code-root DIR and
---config '{"max_tokens": 1024}' to trace the capture from before the rewrite).
+`--child` runs one instrumented capture in this process, in the store `--store` (a fresh one from the parent), with
+`--config` (CaptureConfig fields as JSON), and writes its trace as JSON (used by part 2). It measures the real
+capture: the trace is taken at capture's own observation points (`after_load`, `after_plan`, `after_unit`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -121,97 +123,84 @@ class AnonPeak:
         return round(self.peak / 1024, 1)
 
 
-EMB: dict = {}  # the embedding matrix's address and size, once the model is loaded
-
-
-def snapshot(what: str, **extra) -> dict:
+def snapshot(what: str, embedding: dict | None = None, **extra) -> dict:
+    """This process's memory now: RSS and its high-water mark, anonymous and file pages, the model file's mapped
+    pages, glibc's heap; with `embedding` (the matrix's address and size), how much of it is mapped in."""
     mib = lambda f: round(status_kib(f) / 1024, 1)  # noqa: E731
     s = {"at": what, "rss": mib("VmRSS"), "hwm": mib("VmHWM"), "anon": mib("RssAnon"), "file": mib("RssFile"),
          "model_file": mapping_rss_mib(".safetensors"), "malloc": mallinfo(), "t": round(time.perf_counter(), 2)}
-    if EMB:
-        s["embedding_resident"] = round(resident_bytes(EMB["ptr"], EMB["bytes"]) / 2**20, 1)
+    if embedding:
+        s["embedding_resident"] = round(resident_bytes(embedding["ptr"], embedding["bytes"]) / 2**20, 1)
     return s | extra
 
 
+class Trace:
+    """The instrumented capture's trace: a snapshot at the start, after the imports, and at capture's observation
+    points (its `after_load`, `after_plan` and `after_unit` hooks), with what the run had reached there."""
+
+    def __init__(self, malloc_trim: bool = False):
+        self.snapshots = [snapshot("start")]
+        self.embedding: dict = {}  # the embedding matrix's address and size, once the model is loaded
+        self.ids: dict = {}  # the run's token ids ({variant: [ids per document]}) and units, once planned
+        self.units: list = []
+        self.tokens_done = 0
+        self.seen: set[int] = set()  # distinct token ids fed so far
+        # glibc: give the heap's free pages back to the kernel after every document
+        self.trim = ctypes.CDLL("libc.so.6").malloc_trim if malloc_trim else None
+
+    def add(self, what: str, **extra) -> None:
+        self.snapshots.append(snapshot(what, self.embedding, **extra))
+
+    def after_load(self, lm) -> None:
+        w = lm.model.get_input_embeddings().weight
+        self.embedding = {"ptr": w.data_ptr(), "bytes": w.numel() * w.element_size()}
+        ad = lm.adapter
+        attention = {"kv_heads": ad.num_kv_heads, "head_dim": ad.head_dim, "attention_heads": ad.num_heads,
+                     "layer_kinds": list(ad.layer_kinds), "dtype_bytes": ad.dtype.itemsize,
+                     "sliding_window": getattr(ad.config, "sliding_window", None)}
+        self.add("model loaded", embedding_mib=round(self.embedding["bytes"] / 2**20, 1), vocab_rows=w.shape[0],
+                 attention=attention)
+
+    def after_plan(self, ids: dict, units: list) -> None:
+        self.ids, self.units = ids, units
+        raw = ids["raw"]
+        self.add("tokenized", documents=len(raw), tokens=int(sum(len(x) for x in raw)),
+                 longest=int(max(len(x) for x in raw)))
+
+    def after_unit(self, i: int) -> None:
+        if self.trim is not None:
+            self.trim(0)
+        u = self.units[i]
+        self.tokens_done += u.tokens
+        self.seen.update(int(t) for t in self.ids[u.variant][u.doc])
+        self.add("unit", unit=i, doc=u.doc, unit_tokens=int(u.tokens), tokens_done=self.tokens_done,
+                 distinct_ids=len(self.seen))
+
+
 def child(args) -> None:
-    """One instrumented capture in this process; the trace goes to args.trace."""
-    if args.code_root:
-        sys.path.insert(0, str(Path(args.code_root).resolve()))
-    trace = [snapshot("start")]
+    """One instrumented capture in this process (through capture's observation points); the trace goes to
+    args.trace."""
+    trace = Trace(args.malloc_trim)
     import numpy  # noqa: F401
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
     import ridgefill
-    import ridgefill.capture.artifact as capture_artifact
-    import ridgefill.capture.run as run
-    import ridgefill.models
     from ridgefill.artifacts import Store
+    from ridgefill.capture import CaptureConfig, capture
     from ridgefill.output import Output
 
-    trace.append(snapshot("imports", ridgefill=str(Path(ridgefill.__file__).parent)))
-    real_load, real_tok, real_units = ridgefill.models.load_model, capture_artifact.tokenize, run.make_units
-    units: list = []
-
-    def load_model(*a, **k):
-        lm = real_load(*a, **k)
-        w = lm.model.get_input_embeddings().weight
-        EMB.update(ptr=w.data_ptr(), bytes=w.numel() * w.element_size(), rows=w.shape[0],
-                   row_bytes=w.shape[1] * w.element_size())
-        ad = lm.adapter
-        attention = {"kv_heads": ad.num_kv_heads, "head_dim": ad.head_dim, "attention_heads": ad.num_heads,
-                     "layer_kinds": list(ad.layer_kinds), "dtype_bytes": ad.dtype.itemsize,
-                     "sliding_window": getattr(ad.config, "sliding_window", None)}
-        trace.append(snapshot("model loaded", embedding_mib=round(EMB["bytes"] / 2**20, 1), vocab_rows=w.shape[0],
-                              attention=attention))
-        return lm
-
-    token_ids: dict = {}
-
-    def tokenize(*a, **k):
-        ids = real_tok(*a, **k)
-        token_ids.update(ids)
-        raw = ids["raw"]
-        trace.append(snapshot("tokenized", documents=len(raw), tokens=int(sum(len(x) for x in raw)),
-                              longest=int(max(len(x) for x in raw))))
-        return ids
-
-    def make_units(*a, **k):
-        us = real_units(*a, **k)
-        units.extend(us)
-        return us
-
-    ridgefill.models.load_model, capture_artifact.tokenize, run.make_units = load_model, tokenize, make_units
-    done = 0
-    seen: set = set()
-    trim = ctypes.CDLL("libc.so.6").malloc_trim if args.malloc_trim else None
-
-    def after_unit(i: int) -> None:
-        nonlocal done
-        if trim is not None:
-            trim(0)  # glibc: give the heap's free pages back to the kernel after every document
-        u = units[i]
-        n = getattr(u, "tokens", None)
-        if n is None:
-            n = u.end - u.start  # before the rewrite: a unit was one window of a document
-            ids = token_ids[u.variant][u.doc][u.start : u.end]
-        else:
-            ids = token_ids[u.variant][u.doc]
-        done += n
-        seen.update(int(t) for t in ids)
-        trace.append(snapshot("unit", unit=i, doc=u.doc, unit_tokens=int(n), tokens_done=done,
-                              distinct_ids=len(seen)))
-
-    store = Store(args.store)
-    cfg = run.CaptureConfig(held_out=0, held_out_rows=0, **json.loads(args.config))
+    trace.add("imports", ridgefill=str(Path(ridgefill.__file__).parent))
+    cfg = CaptureConfig(held_out=0, held_out_rows=0, **json.loads(args.config))
     anon = AnonPeak()
-    art, _ = run.capture(store, args.model, [str(args.data)], cfg, Output(quiet=True), after_unit=after_unit)
+    art, _ = capture(Store(args.store), args.model, [str(args.data)], cfg, Output(quiet=True),
+                     after_unit=trace.after_unit, after_load=trace.after_load, after_plan=trace.after_plan)
     import resource
 
-    trace.append(snapshot("end", ru_maxrss=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                          anon_peak=anon.stop(), distinct_ids=len(seen)))
-    Path(args.trace).write_text(json.dumps({"trace": trace, "summary": art.manifest["summary"], "model": args.model,
-                                            "config": cfg.__dict__ if hasattr(cfg, "__dict__") else str(cfg)}))
+    trace.add("end", ru_maxrss=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+              anon_peak=anon.stop(), distinct_ids=len(trace.seen))
+    Path(args.trace).write_text(json.dumps({"trace": trace.snapshots, "summary": art.manifest["summary"],
+                                            "model": args.model, "config": asdict(cfg)}))
 
 
 def child_embed(args) -> None:
@@ -239,8 +228,9 @@ def child_embed(args) -> None:
 
 
 def old_bench_corpus(tok, tokens_wanted: int, dest: Path) -> Path:
-    """The corpus the capture bench used before the rewrite: builtin:default's documents, prose and code
-    interleaved, the first ones until about `tokens_wanted` tokens (so its large corpus had longer documents)."""
+    """builtin:default's documents, prose and code interleaved, the first ones until about `tokens_wanted` tokens
+    (the last one cut), into `dest`: the corpora the first version of this bench measured (mixed lengths, so the
+    larger one has longer documents too)."""
     from ridgefill.capture.corpus import read_corpus
 
     if (dest / ".done").is_file():
@@ -324,13 +314,13 @@ def main() -> None:
                     help="also run both sizes with MALLOC_MMAP_THRESHOLD_=BYTES (glibc: a fixed mmap threshold, so "
                          "large temporaries are unmapped when freed instead of fragmenting the heap)")
     ap.add_argument("--old-tokens", type=count, default=20000,
-                    help="embedding probe: the pre-rewrite bench's small corpus size (its large one is 5x; 0: skip)")
+                    help="embedding probe: also corpora of whole builtin:default documents, this many tokens and 5x "
+                         "(0: skip)")
     # --child: one instrumented capture (used by the diagnosis); --child-embed: the embedding probe
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--config", default="{}", help=argparse.SUPPRESS)
-    ap.add_argument("--code-root", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-embed", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child or args.child_embed:
