@@ -54,7 +54,7 @@ from harness import (BENCH, FIGURES, MODEL_CACHE, MODELS, OUT, Parser, command, 
 
 DEFAULT = ("capture", "rss", "torchrun", "naive", "cli", "chunk", "solve", "prefill")
 NAMES = {"builtin:smollm2-135m": "SmolLM2-135M", "builtin:gemma3-270m": "Gemma-3-270M"}
-STANDALONE = {"engine_ttft", "vllm_fill"}  # run by itself: it needs an engine's environment
+STANDALONE = {"engine_ttft", "vllm_fill", "gpu"}  # run by itself: an engine's environment, or a GPU machine
 NEEDS_CAPTURE, NEEDS_RELEASE = {"solve", "sweep"}, {"prefill", "anchor", "eval", "sweep"}
 
 
