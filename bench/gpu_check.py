@@ -7,7 +7,7 @@ Phases, each timed (its elapsed seconds printed and recorded), a failure recorde
 
 - env: versions, the GPU, and every requirement of ridgefill's closure (pyproject.toml, then each installed
   distribution's own requirements) against what this python imports: on the GPU machine, the image's packages
-  with the carried wheels in front.
+  with the carried wheels in front. One not met is logged and recorded (a wheel to add to scripts/gpu-wheels.sh).
 - wheels (dry run only): the wheels of scripts/gpu-wheels.sh install into a clean --target with --no-index
   --no-deps, one distribution each at the wheel's version. No .whl folder: skipped, with the line that says so.
 - correctness: tiny random llama, qwen3 and gemma3_text models (tests/tiny.py), through the CLI's own `main()`
@@ -518,8 +518,8 @@ def main() -> None:
         scratch = bench.scratch
         checks, details = {}, {"dry_run": dry, "device": device, "budget_s": args.budget}
         with clock.phase("env") as rec:
-            details["env"] = phase_env(device)
-            checks["requirements met"] = details["env"]["requirements_met"]
+            details["env"] = phase_env(device)  # a requirement not met is logged, not a failed check: pip's
+            # bounds are not always what the code needs, and the phases after it show whether it runs
         if dry:
             with clock.phase("wheels") as rec:
                 if not any(args.wheels.glob("*.whl")):

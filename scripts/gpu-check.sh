@@ -11,6 +11,7 @@ mkdir -p "$OUT"
 if [ "${1:-}" = "--dry-run" ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   PY=.venv/bin/python
+  threads=1
 else
   PY=python3
   ls .whl/*.whl >/dev/null 2>&1 || { echo "gpu-check: no .whl/ (run scripts/gpu-wheels.sh here, carry .whl)" >&2; exit 1; }
@@ -18,6 +19,6 @@ else
   "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  threads=0  # torch's default: the CPU side (offloaded layers, capture's float64 totals) has 16 cores there
 fi
-set -o pipefail
-"$PY" bench/gpu_check.py "$@" 2>&1 | tee "$OUT/gpu-check.log"
+"$PY" bench/gpu_check.py --threads "$threads" "$@" 2>&1 | tee "$OUT/gpu-check.log"
