@@ -84,10 +84,23 @@ ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
 def ceiling(N: int, T: int, S: int, L: int) -> float:
     """Fraction of the exact prefill's layer-rows the fill still runs: (S*(N-T) + L*T) / (L*N).
 
-    The speed-up ceiling is its inverse (filled rows' K/V projections counted as free)."""
+    The speed-up ceiling is its inverse (filled rows' K/V projections counted as free): `ceiling_speedup`."""
+    run, total = _layer_rows(N, T, S, L)
+    return run / total
+
+
+def ceiling_speedup(N: int, T: int, S: int, L: int) -> float:
+    """The speed-up ceiling 1 / `ceiling`, as one division of the integer counts, (L*N) / (S*(N-T) + L*T):
+    correctly rounded, which 1 / ceiling(...) (two roundings) is not always (it may differ in the last bit)."""
+    run, total = _layer_rows(N, T, S, L)
+    return total / run if run else float("inf")
+
+
+def _layer_rows(N: int, T: int, S: int, L: int) -> tuple[int, int]:
+    """(layer-rows the fill runs, layer-rows the exact prefill runs) for N rows, tail T, split S and L layers."""
     if not (L > 0 and N > 0 and 0 <= T <= N and 0 <= S <= L):
         raise BadInput(f"ceiling needs L > 0, N > 0, 0 <= T <= N, 0 <= S <= L (got N={N}, T={T}, S={S}, L={L})")
-    return (S * (N - T) + L * T) / (L * N)
+    return S * (N - T) + L * T, L * N
 
 
 @dataclass
