@@ -9,10 +9,10 @@
     tokens = greedy(lm, res, max_new=20)
 
 The public API is `__all__` below; docs/runtime.md describes it, with a runnable example. Modules: `api.py`
-(the arms, their options, `prefill`, `exact_run`, `prefill_from`, `ceiling`), `fill.py` (the fill itself),
-`rows.py` (which rows run exactly), `corrections.py`, `cache.py` (`SlotCache`, `greedy`, `greedy_batch`, cache
-copies), `maps.py` (maps from a release folder onto the model's devices), `layers.py` (calling the model's own
-decoder layers on chosen rows).
+(the arms, their options, `prefill`, `exact_run`, `prefill_from`, `ceiling`, `ceiling_speedup`), `fill.py` (the
+fill itself), `rows.py` (which rows run exactly), `corrections.py`, `cache.py` (`SlotCache`, `greedy`,
+`greedy_batch`, cache copies), `maps.py` (maps from a release folder onto the model's devices), `layers.py`
+(calling the model's own decoder layers on chosen rows).
 
 Names are loaded on first use (PEP 562): `import ridgefill.runtime` is cheap, and torch is imported with the first
 name that needs it (`ridgefill.runtime.rows` never does).
@@ -22,6 +22,7 @@ from ridgefill.lazy import exports
 
 __getattr__, __all__ = exports(__name__, {
     "ARMS": "api", "ExactRun": "api", "FillOptions": "api", "PrefillResult": "api", "ceiling": "api",
+    "ceiling_speedup": "api",
     "exact_run": "api", "fill_rows": "api", "prefill": "api", "prefill_from": "api", "prefix_prefill": "api",
     "selects_from": "api",
     "OUTLIER_RATIO": "rows", "norm_rows": "rows",
