@@ -13,7 +13,7 @@
     [solve]                                 # alphas, metric, split, chat_share, alpha_per_layer, and on a hybrid
                                             # state_data (paths, as capture's data) and state_chunk
     split = "auto"                          # optional: run `ridgefill sweep` and release its recommended split
-    [sweep]                                 # with split = "auto": SweepConfig fields (splits, length, samples,
+    [sweep]                                 # with split = "auto": SweepConfig fields (splits, length, needles,
                                             # max_needle_drop, max_key_dnll, ...); tail defaults to [export]'s
     [quantize]                              # enabled = true (false: release the float maps)
     [export]                                # tail
@@ -182,11 +182,14 @@ def load_recipe(path: Path) -> Recipe:
         sol["state_data"] = [str(rel(x)) for x in paths]
     sweep = None
     if sol.get("split") == "auto":
-        from ridgefill.sweep import RECIPE_KEYS, SweepConfig, check_config
+        from ridgefill.sweep import RECIPE_KEYS, SweepConfig, check_config, renamed
 
         # quantize and alpha_per_layer come from [quantize] and [solve], as for the release itself
         keys = {f.name for f in fields(SweepConfig)} - {"quantize", "alpha_per_layer"}
-        sweep = dict(_typed(_known(doc.get("sweep", {}), keys, "sweep"), _kinds_of(SweepConfig), "sweep"))
+        table = doc.get("sweep", {})
+        if isinstance(table, dict):  # an old key name: its new one, with a warning (or refused beside it)
+            table = renamed(table, RECIPE_KEYS, Output())
+        sweep = dict(_typed(_known(table, keys, "sweep"), _kinds_of(SweepConfig), "sweep"))
         if sweep.get("splits") == []:  # SweepConfig's empty splits mean its defaults: say so, do not guess
             raise BadInput("recipe [sweep]: splits is an empty array: name at least one split, or leave splits out "
                            "for the default ones")

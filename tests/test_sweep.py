@@ -3,20 +3,21 @@ and the exhaustive sweep recommend the same (split, configuration); every needle
 prefill; configurations beside their controls; timing rounds; resuming; reuse of a capture; the refusals."""
 
 import json
+import time
 
 import pytest
 import torch
 
 from ridgefill.artifacts import Store
 from ridgefill.sweep import SweepConfig, sweep
-from ridgefill.sweep.run import default_splits, parse_splits
+from ridgefill.sweep.config import default_splits, parse_splits
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 from clirun import cli_here
 from conftest import SMALL_CHAIN
 
-SMALL = ["--length", "600", "--tail", "48", "--scored", "16", "--samples", "16", "--documents", "2"]
-CFG = SweepConfig(splits=(1, 2, 3), length=600, tail=48, scored=16, samples=16, documents=2)
+SMALL = ["--length", "600", "--tail", "48", "--scored", "16", "--needles", "16", "--documents", "2"]
+CFG = SweepConfig(splits=(1, 2, 3), length=600, tail=48, scored=16, needles=16, documents=2)
 # The sweeps measure 600-token prompts, so they run the tiny llama's weights with a context of 1024 (ridgefill refuses a
 # length past a model's context); the capture cuts documents at 256 tokens, as the tiny llama's own context would.
 CAPTURE = {"chunk": 64, "held_out": 1, "max_length": 256}
@@ -26,9 +27,9 @@ def key_budget(monkeypatch):
     """The random tiny model has no key tokens (no token loses 2 nats without its context), so no key ΔNLL is
     measured and every split would be over budget on it: here the plain arms at split 1 are over on key ΔNLL and
     everything else within, so the needles decide splits 2 and 3, and the configurations are measured at split 1."""
-    from ridgefill.sweep import run as sw
+    from ridgefill.sweep import documents
 
-    monkeypatch.setattr(sw.Measurement, "_key_over", lambda self, job, figs: job in ((1, "ridgefill"), (1, "identity")))
+    monkeypatch.setattr(documents, "key_over", lambda job, figures, cfg: job in ((1, "ridgefill"), (1, "identity")))
 
 
 @pytest.fixture(scope="module")
@@ -41,23 +42,26 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def both(tmp_path_factory, tiny_llama_1k, data):
-    """The adaptive and the exhaustive sweep of the same model, settings and capture."""
+    """The adaptive and the exhaustive sweep of the same model, settings and capture, and the wall and CPU seconds
+    each call took."""
     mp = pytest.MonkeyPatch()
     key_budget(mp)
     try:
         st = Store(tmp_path_factory.mktemp("sweep") / "store")
-        arts = {}
+        arts, spent = {}, {}
         for mode in ("adaptive", "exhaustive"):
             from dataclasses import replace
 
             cfg = replace(CFG, exhaustive=mode == "exhaustive")
+            wall, cpu = time.perf_counter(), time.process_time()
             art, cached = sweep(st, str(tiny_llama_1k), cfg, Output(quiet=True), data=[str(data)],
                                 capture_args=CAPTURE)
+            spent[mode] = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
             assert not cached
             arts[mode] = (art, json.loads(art.file("sweep.json").read_text()))
     finally:
         mp.undo()
-    return st, arts
+    return st, arts, spent
 
 
 def test_parse_splits():
@@ -79,19 +83,29 @@ def test_parse_splits():
 
 def test_adaptive_and_exhaustive_recommend_the_same(both):
     """Same recommendation, fewer needle prompts; the adaptive one measures no needle where key ΔNLL decides."""
-    _, arts = both
+    _, arts, _ = both
     (ad_art, ad), (_, ex) = arts["adaptive"], arts["exhaustive"]
-    # the configuration pass read the early layers the needle pass kept instead of running them again
-    assert ad["cost"]["early_layers_read_back"] > 0 and ex["cost"]["early_layers_read_back"] > 0
     assert (ad["mode"], ex["mode"]) == ("adaptive", "exhaustive")
     for k in ("split", "configuration", "tail"):
         assert ad["recommended"][k] == ex["recommended"][k]
     assert ad["search"]["ridgefill"]["edge"] == ex["search"]["ridgefill"]["edge"] == 2
     assert ad["recommended"]["split"] is not None
-    cost = lambda r: sum(r["cost"]["needle_prompts"].values())  # noqa: E731
-    assert cost(ad) < cost(ex)
-    # exhaustive: every split and arm on all 16 prompts
-    assert all(ex["cost"]["needle_prompts"][f"{s}/{a}"] == 16 for s in (1, 2, 3) for a in ("ridgefill", "identity"))
+    # The prompts each job was measured on, counted by hand. The random model's exact forward answers no needle, so
+    # every pair is (wrong, wrong): no early look decides (within at 8 prompts needs P(Binomial(8, 0.2) = 0) =
+    # 0.168 below 0.05), and every job measured runs to the last look, all 16 prompts. Exhaustive: every split and
+    # arm, and every configuration and control at split 1 (rows, rows:tail, kscale, protected, protected:tail).
+    # Adaptive: split 1 is over on key ΔNLL (no needle there), bisection measures 2 and 3 side by side (the last
+    # open splits), and of the configurations only +kscale (the highest ceiling, within; test below).
+    plain = [f"{s}/{a}" for s in (1, 2, 3) for a in ("ridgefill", "identity")]
+    confs = ["1/ridgefill+rows", "1/ridgefill+rows:tail", "1/ridgefill+kscale", "1/ridgefill+protected",
+             "1/ridgefill+protected:tail"]
+    assert ex["cost"]["needle_prompts"] == {job: 16 for job in plain + confs}
+    assert ad["cost"]["needle_prompts"] == {job: 16 for job in plain[2:] + ["1/ridgefill+kscale"]}
+    # Each prompt's exact forward runs once, in the needle pass, which keeps its early layers; the configuration
+    # pass (one pass of 16 prompts in both modes) reads them back for every prompt instead of running them again.
+    for res in (ad, ex):
+        assert (res["cost"]["exact_forwards"], res["cost"]["early_layers_read_back"]) == (16, 16)
+        assert res["cost"]["prompts_with_exact_answer"] == 16 and res["exact"]["needle"] == 0.0
     # adaptive: split 1 is over on key ΔNLL (no needle there), and bisection visits 2 first
     assert not any(k.startswith("1/ridgefill") and not k.startswith("1/ridgefill+") for k in ad["cost"]["needle_prompts"])
     assert ad["search"]["ridgefill"]["measured"][0] == 2
@@ -112,9 +126,9 @@ def test_needle_outcomes_equal_independent_prefills(both, tiny_llama_1k):
     from ridgefill.models import load_model, resolve_model
     from ridgefill.quantize.artifact import float_maps
     from ridgefill.runtime import greedy, prefill
-    from ridgefill.sweep.run import needle_suite
+    from ridgefill.sweep.needles import needle_suite
 
-    st, arts = both
+    st, arts, _ = both
     _, res = arts["adaptive"]
     lm = load_model(resolve_model(str(tiny_llama_1k), store_root=st.root), store_root=st.root)
     suite = needle_suite(lm, CFG)
@@ -143,7 +157,7 @@ def test_configurations_beside_their_controls(both):
     """At the split just shallower than the maps' edge, +rows, +kscale (a Llama has no QK-norm) and +protected,
     each with its control, their ceilings from the rows they add, and the beats-control judgement. The exhaustive
     sweep measures every one; the adaptive one only what can change the recommendation, highest ceiling first."""
-    _, arts = both
+    _, arts, _ = both
     for mode in ("adaptive", "exhaustive"):
         res = arts[mode][1]
         e1 = next(e for e in res["splits"] if e["split"] == 1)
@@ -192,12 +206,32 @@ def test_configurations_beside_their_controls(both):
         assert all(not e["configurations"] for e in res["splits"] if e["split"] != 1)
 
 
-def test_timing_rounds_and_macs(both):
-    _, arts = both
+def test_timing_rounds_and_macs(both, tiny_llama_1k, tmp_path):
+    from ridgefill.evaluate.macs import model_shape, prefill_macs
+    from ridgefill.models import load_model, resolve_model
+
+    _, arts, spent = both
+    for mode in ("adaptive", "exhaustive"):
+        # Where this run's time went: the phases follow one another, each lap rounded to 0.01 s, within the sweep()
+        # call. Wall-clock and CPU times, so only bounded: by the call's own clocks, which also count what comes
+        # before the first phase (the capture, or finding it and the solves cached).
+        secs = arts[mode][1]["cost"]["seconds"]
+        assert set(secs) == {"solve", "documents", "needles", "configurations", "timing"}
+        for clock in ("wall", "cpu"):
+            assert 0 <= sum(v[clock] for v in secs.values()) <= spent[mode][clock] + 0.005 * len(secs)
+        assert min(v[clock] for v in secs.values() for clock in ("wall", "cpu")) >= 0
     res = arts["adaptive"][1]
-    secs = res["cost"]["seconds"]  # where this run's time went
-    assert set(secs) == {"solve", "documents", "needles", "configurations", "timing"}
-    assert all(v["cpu"] >= 0 and v["wall"] >= 0 for v in secs.values()) and secs["needles"]["cpu"] > 0
+    # multiply-accumulates: evaluate/macs.py's counts (tested against the runtime's work in test_macs.py) at the
+    # sweep's length and tail; a configuration's extra exact rows count beside the anchor row
+    shape = model_shape(load_model(resolve_model(str(tiny_llama_1k), store_root=tmp_path), store_root=tmp_path).adapter)
+    for e in res["splits"]:
+        s = e["split"]
+        exact = prefill_macs(shape, 600, 48, s, "exact")["total"]
+        assert e["macs"] == {"exact": exact, "arm": prefill_macs(shape, 600, 48, s, "ridgefill", exact_rows=1)["total"]}
+        for name, c in e["configurations"].items():
+            base = "ridgefill+rows" if name == "ridgefill+rows" else "ridgefill"
+            rows = 1 + round(c["extra_rows"])
+            assert c["macs"] == {"exact": exact, "arm": prefill_macs(shape, 600, 48, s, base, exact_rows=rows)["total"]}
     t = res["timing"]
     assert t["repeats"] == 3 and len(t["rounds"]) == 3
     for r in t["rounds"]:
@@ -210,10 +244,38 @@ def test_timing_rounds_and_macs(both):
         assert sp["noise"] == (sp["median"] > e["ceiling_speedup"])
 
 
-def test_sweep_artifact_files_and_table(both, tmp_path):
-    from ridgefill.sweep.report import plot
+def test_the_sweeps_ceilings_are_the_runtimes_correctly_rounded(both):
+    """Every compute ceiling in sweep.json is `runtime.ceiling_speedup`: (L N) / (S (N - T) + L T) as one correctly
+    rounded division (checked against the exact fraction), which 1 / `ceiling` (two roundings) misses by one ulp
+    for some (N, T, S, L); a configuration's extra exact rows count as tail rows."""
+    from fractions import Fraction
+    from math import ulp
 
-    _, arts = both
+    from ridgefill.runtime import ceiling, ceiling_speedup
+
+    def exact(n, t, s, layers):  # the fraction, rounded once
+        return float(Fraction(layers * n, s * (n - t) + layers * t))
+
+    grid = [(n, t, s, layers) for layers in (4, 18, 30) for n in (600, 1024, 4096) for t in range(0, n + 1, n // 24)
+            for s in range(layers + 1) if s * (n - t) + layers * t]
+    assert all(ceiling_speedup(*g) == exact(*g) for g in grid)
+    assert all(abs(1 / ceiling(*g) - exact(*g)) <= ulp(exact(*g)) for g in grid)
+    assert any(1 / ceiling(*g) != exact(*g) for g in grid)  # why the sweep does not divide 1 by `ceiling`
+    assert ceiling_speedup(600, 12, 1, 4) == 3.7735849056603774 != 1 / ceiling(600, 12, 1, 4)
+    assert ceiling_speedup(100, 0, 0, 10) == float("inf")
+    with pytest.raises(BadInput, match="ceiling needs"):
+        ceiling_speedup(10, 11, 1, 4)
+    for mode in ("adaptive", "exhaustive"):
+        for e in both[1][mode][1]["splits"]:
+            assert e["ceiling_speedup"] == exact(600, 48, e["split"], 4)
+            for c in e["configurations"].values():
+                assert c["ceiling_speedup"] == exact(600, min(48 + round(c["extra_rows"]), 600), e["split"], 4)
+
+
+def test_sweep_artifact_files_and_table(both, tmp_path):
+    from ridgefill.sweep.plot import plot
+
+    _, arts, _ = both
     art, res = arts["adaptive"]
     assert sorted(p.name for p in art.path.iterdir() if p.name != "artifact.json") == ["sweep.json", "sweep.md", "sweep.png"]
     md = art.file("sweep.md").read_text()
@@ -225,7 +287,7 @@ def test_sweep_artifact_files_and_table(both, tmp_path):
 
 
 def test_sweep_cli_is_cached_and_reuses_a_capture(both, tiny_llama_1k):
-    st, arts = both
+    st, arts, _ = both
     art = arts["adaptive"][0]
     cap = art.recipe["capture"]
     r = cli_here("sweep", tiny_llama_1k, "--splits", "1-3", *SMALL, "--capture", cap, "--store", st.root, "--json")
@@ -233,6 +295,54 @@ def test_sweep_cli_is_cached_and_reuses_a_capture(both, tiny_llama_1k):
     out = json.loads(r.stdout)
     assert out["id"] == art.id and out["cached"] is True
     assert "recommended" in r.stderr and "sweep.png" in r.stderr and "what the maps earn" in r.stderr
+
+
+DEPRECATED = "samples is deprecated: it is now {} (the same number); the old name goes in the next release"
+
+
+def test_needles_is_the_setting_samples_was(both, tiny_llama_1k):
+    """--needles counts the single-needle prompts in all (eval's --samples counts per cell). --samples, its old
+    name, still works for one release, with one deprecation line; both at once are refused with one line (exit 2).
+    The artifact's recipe and sweep.json keep the key `samples`: the same sweep, whichever name set it, and the
+    same id as before the rename."""
+    st, arts, _ = both
+    art, res = arts["adaptive"]
+    assert art.recipe["samples"] == res["samples"] == 16 and "needles" not in art.recipe  # (res["needles"]: outcomes)
+    new = ["sweep", tiny_llama_1k, "--splits", "1-3", *SMALL, "--capture", art.recipe["capture"], "--store", st.root,
+           "--json"]
+    old = ["--samples" if a == "--needles" else a for a in new]
+    assert "--needles" not in old
+    r = cli_here(*old)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["id"] == art.id and json.loads(r.stdout)["cached"] is True
+    assert [line for line in r.stderr.splitlines() if "deprecated" in line] == [
+        "Warning: --" + DEPRECATED.format("--needles")]
+    r = cli_here(*new)
+    assert r.returncode == 0 and "deprecated" not in r.stderr and json.loads(r.stdout)["id"] == art.id
+    r = cli_here(*new, "--samples", "16")
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == ("Error: --samples and --needles are the same setting; give only --needles (--samples is its "
+                        "old name)\n")
+    r = cli_here("sweep", "--help")
+    assert r.returncode == 0 and "--needles" in r.stdout and "--samples" not in r.stdout
+
+
+def test_a_recipes_sweep_table_takes_needles_and_the_old_samples(tmp_path, capsys):
+    from ridgefill.recipe import load_recipe
+
+    head = 'model = "x"\n[solve]\nsplit = "auto"\n[sweep]\n'
+    warned = "Warning: recipe [sweep]: " + DEPRECATED.format("needles") + "\n"
+    for name, table, err in (("new", "needles = 24\n", ""), ("old", "samples = 24\n", warned)):
+        (tmp_path / f"{name}.toml").write_text(head + table)
+        assert load_recipe(tmp_path / f"{name}.toml").sweep == {"needles": 24}
+        assert capsys.readouterr().err == err
+    (tmp_path / "both.toml").write_text(head + "samples = 24\nneedles = 24\n")
+    with pytest.raises(BadInput) as e:
+        load_recipe(tmp_path / "both.toml")
+    assert str(e.value) == ("recipe [sweep]: samples and needles are the same setting; give only needles (samples is "
+                            "its old name)")
+    r = cli_here("release", tmp_path / "both.toml", "--store", tmp_path / "store")
+    assert r.returncode == 2 and r.stderr == f"Error: {e.value}\n"
 
 
 @pytest.mark.parametrize("args, msg", [
@@ -244,7 +354,7 @@ def test_sweep_cli_is_cached_and_reuses_a_capture(both, tiny_llama_1k):
     (["--splits", "1-3", "--length", "40"], "--length (40) must be longer than --tail (48)"),
     (["--splits", "1-3", "--seed", "-1"], "--seed must be at least 0 (numpy's generators take no negative seed), got -1"),
     (["--splits", "1-3", "--repeats", "2"], "--repeats must be at least 3"),
-    (["--splits", "1-3", "--samples", "0"], "--samples must be at least 1, got 0"),
+    (["--splits", "1-3", "--needles", "0"], "--needles must be at least 1, got 0"),
     (["--splits", "1-3"], "--length 600 is longer than the model's context (256 positions)"),  # the tiny llama's
 ])
 def test_sweep_refusals(tmp_path, tiny_llama, args, msg):
@@ -270,11 +380,11 @@ def test_sweep_refuses_a_capture_without_the_splits(tiny_chain, tiny_llama):
 def test_a_stopped_sweep_resumes_where_it_was(tmp_path, tiny_llama_1k, data, both, monkeypatch):
     """Killed after three needle prompts, the sweep keeps every outcome in .work-<id>/needles.json; the next run
     measures no prompt twice and gives the uninterrupted sweep's artifact."""
-    from ridgefill.sweep import run as sw
+    from ridgefill.sweep.needles import NeedleMemo
 
     key_budget(monkeypatch)
     st = Store(tmp_path / "store")
-    real_save, saves = sw.NeedleMemo.save, []
+    real_save, saves = NeedleMemo.save, []
 
     def save_then_die(self):
         real_save(self)
@@ -282,7 +392,7 @@ def test_a_stopped_sweep_resumes_where_it_was(tmp_path, tiny_llama_1k, data, bot
         if len(saves) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(sw.NeedleMemo, "save", save_then_die)
+    monkeypatch.setattr(NeedleMemo, "save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         sweep(st, str(tiny_llama_1k), CFG, Output(quiet=True), data=[str(data)], capture_args=CAPTURE)
     work = list((st.root / "sweep").glob(".work-*"))
@@ -290,7 +400,7 @@ def test_a_stopped_sweep_resumes_where_it_was(tmp_path, tiny_llama_1k, data, bot
     saved = json.loads((work[0] / "needles.json").read_text())
     assert len(saved["exact"]) == 3
 
-    monkeypatch.setattr(sw.NeedleMemo, "save", real_save)
+    monkeypatch.setattr(NeedleMemo, "save", real_save)
     art, cached = sweep(st, str(tiny_llama_1k), CFG, Output(quiet=True), data=[str(data)], capture_args=CAPTURE)
     assert not cached and not work[0].exists()
     res, want = json.loads(art.file("sweep.json").read_text()), both[1]["adaptive"][1]
@@ -306,7 +416,7 @@ def test_a_fill_from_the_early_run_equals_one_from_the_whole_forward(fixture, re
     fills built on it give the same logits and caches as on the whole forward."""
     from ridgefill.models import load_model, resolve_model
     from ridgefill.runtime import exact_run, prefill_from
-    from ridgefill.sweep.run import early_run
+    from ridgefill.sweep.early import early_run
 
     path = request.getfixturevalue(fixture)
     lm = load_model(resolve_model(str(path), store_root=tmp_path), store_root=tmp_path)
@@ -324,11 +434,11 @@ def test_a_fill_from_the_early_run_equals_one_from_the_whole_forward(fixture, re
 def test_kscale_is_measured_only_without_a_qk_norm(tiny_llama, tiny_gemma3, tmp_path):
     """+kscale rescales the filled keys, which a QK-norm (Gemma 3) renormalizes away: the sweep leaves it out there."""
     from ridgefill.models import load_model, resolve_model
-    from ridgefill.sweep.run import _kscale_applies
+    from ridgefill.sweep.configurations import kscale_applies
 
     lms = {p: load_model(resolve_model(str(p), store_root=tmp_path), store_root=tmp_path) for p in (tiny_llama, tiny_gemma3)}
-    assert _kscale_applies(lms[tiny_llama], 1) is True
-    assert lms[tiny_gemma3].adapter.has_qk_norm and _kscale_applies(lms[tiny_gemma3], 1) is False
+    assert kscale_applies(lms[tiny_llama], 1) is True
+    assert lms[tiny_gemma3].adapter.has_qk_norm and kscale_applies(lms[tiny_gemma3], 1) is False
 
 
 @pytest.mark.parametrize("fixture,dtype", [("tiny_llama", "float32"), ("tiny_gemma3", "float32"),
@@ -340,7 +450,7 @@ def test_early_layers_read_back_give_the_fills_of_the_whole_forward(fixture, dty
     past the disk limit, are not read back: the sweep runs the early layers again."""
     from ridgefill.models import load_model, resolve_model
     from ridgefill.runtime import exact_run, prefill_from, selects_from
-    from ridgefill.sweep.run import EarlyCaches
+    from ridgefill.sweep.early import EarlyCaches
 
     path = request.getfixturevalue(fixture)
     lm = load_model(resolve_model(str(path), store_root=tmp_path), store_root=tmp_path, dtype=dtype)

@@ -1,4 +1,4 @@
-"""`ridgefill sweep MODEL [--splits 8-24]`: which split to ship, measured."""
+"""`ridgefill sweep MODEL [--splits 8-24]`: which split to ship, measured. The defaults are SweepConfig's."""
 
 from __future__ import annotations
 
@@ -7,42 +7,49 @@ from typing import Annotated, Optional
 import typer
 
 from ridgefill.cli.common import ModelArg, done, output, placed, store
-from ridgefill.runtime.rows import DEFAULT_TAIL
+from ridgefill.sweep.config import DEFAULT_SPLITS, FLAGS, SweepConfig, renamed
+
+D = SweepConfig()
 
 
 @placed
 def sweep(
+    ctx: typer.Context,
     model: ModelArg,
-    splits: Annotated[Optional[str], typer.Option("--splits", help="Splits to measure: 8-24, 8-24:2, 8,12,16 (default: 8 evenly spaced over the middle half of the layers).")] = None,
+    splits: Annotated[Optional[str], typer.Option("--splits", help=f"Splits to measure: 8-24, 8-24:2, 8,12,16 (default: {DEFAULT_SPLITS} evenly spaced over the middle half of the layers).")] = None,
     data: Annotated[Optional[list[str]], typer.Option("--data", help="Calibration text for the capture (as in `capture`; default builtin:default). Repeatable.")] = None,
     capture_ref: Annotated[Optional[str], typer.Option("--capture", help="Reuse this capture artifact (it must have every split).")] = None,
-    length: Annotated[int, typer.Option("--length", help="Prompt length in tokens (needles, documents, speed).")] = 4096,
-    tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = DEFAULT_TAIL,
-    samples: Annotated[int, typer.Option("--samples", help="Single-needle prompts at most, half in noise filler, half in prose, drawn in the same order at every split (the sequential rule may stop sooner).")] = 40,
-    documents: Annotated[int, typer.Option("--documents", help="Long documents for the ΔNLL figures.")] = 4,
-    scored: Annotated[int, typer.Option("--scored", help="Scored stretch: the last tokens of each document.")] = 256,
-    max_needle_drop: Annotated[float, typer.Option("--max-needle-drop", help="Budget: needle accuracy points below exact.")] = 10.0,
-    max_key_dnll: Annotated[float, typer.Option("--max-key-dnll", help="Budget: key-token ΔNLL in nats.")] = 0.5,
-    quantize: Annotated[bool, typer.Option("--quantize/--float", help="Measure the int8 maps a release ships, or the float maps.")] = True,
-    alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Solve each layer at its own best alpha.")] = False,
-    exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Measure every split and arm on every needle prompt (no bisection, no early stop); for checking the adaptive search.")] = False,
-    configurations: Annotated[bool, typer.Option("--configurations/--no-configurations", help="Also measure +rows, +kscale and +protected, each beside its equal-cost control, at the splits just shallower than the maps' edge.")] = True,
-    repeats: Annotated[int, typer.Option("--repeats", help="Timing rounds (at least 3): the measured speed-up is their median, with [min, max].")] = 3,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    length: Annotated[int, typer.Option("--length", help="Prompt length in tokens (needles, documents, speed).")] = D.length,
+    tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = D.tail,
+    needles: Annotated[int, typer.Option("--needles", help="Single-needle prompts in all, at most (not per depth and length, as eval's samples): half in noise filler, half in prose, drawn in the same order at every split (the sequential rule may stop sooner).")] = D.needles,
+    samples: Annotated[Optional[int], typer.Option("--samples", hidden=True, help="Deprecated name of --needles.")] = None,
+    documents: Annotated[int, typer.Option("--documents", help="Long documents for the ΔNLL figures.")] = D.documents,
+    scored: Annotated[int, typer.Option("--scored", help="Scored stretch: the last tokens of each document.")] = D.scored,
+    max_needle_drop: Annotated[float, typer.Option("--max-needle-drop", help="Budget: needle accuracy points below exact.")] = D.max_needle_drop,
+    max_key_dnll: Annotated[float, typer.Option("--max-key-dnll", help="Budget: key-token ΔNLL in nats.")] = D.max_key_dnll,
+    quantize: Annotated[bool, typer.Option("--quantize/--float", help="Measure the int8 maps a release ships, or the float maps.")] = D.quantize,
+    alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Solve each layer at its own best alpha.")] = D.alpha_per_layer,
+    exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Measure every split and arm on every needle prompt (no bisection, no early stop); for checking the adaptive search.")] = D.exhaustive,
+    configurations: Annotated[bool, typer.Option("--configurations/--no-configurations", help="Also measure +rows, +kscale and +protected, each beside its equal-cost control, at the splits just shallower than the maps' edge.")] = D.configurations,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timing rounds (at least 3): the measured speed-up is their median, with \\[min, max].")] = D.repeats,
+    seed: Annotated[int, typer.Option("--seed")] = D.seed,
     place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
 ) -> None:
     """Measure splits and quality configurations (needles, key-token ΔNLL, speed-up) and recommend the (split,
     configuration) with the highest compute ceiling within budget."""
-    from ridgefill.sweep import SweepConfig
     from ridgefill.sweep import sweep as run
     from ridgefill.sweep.artifact import PLOT, load_result
     from ridgefill.sweep.report import table
 
     out = output()
-    cfg = SweepConfig(splits=splits if splits is not None else (), length=length, tail=tail,
-                      samples=samples, documents=documents, scored=scored, max_needle_drop=max_needle_drop,
-                      max_key_dnll=max_key_dnll, quantize=quantize, alpha_per_layer=alpha_per_layer, seed=seed,
-                      exhaustive=exhaustive, configurations=configurations, repeats=repeats)
+    named = {"samples": samples} if samples is not None else {}  # the old name, with a warning
+    if ctx.get_parameter_source("needles").name != "DEFAULT":  # typed too: both at once are refused
+        named["needles"] = needles
+    needles = renamed(named, FLAGS, out).get("needles", needles)
+    cfg = SweepConfig(splits=splits if splits is not None else (), length=length, tail=tail, needles=needles,
+                      documents=documents, scored=scored, max_needle_drop=max_needle_drop, max_key_dnll=max_key_dnll,
+                      quantize=quantize, alpha_per_layer=alpha_per_layer, seed=seed, exhaustive=exhaustive,
+                      configurations=configurations, repeats=repeats)
     art, cached = run(store(), model, cfg, out, data=data, capture_ref=capture_ref, place=place)
     result = load_result(art)
     out.table(table(result))

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
+from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
 from ridgefill.evaluate.arms import Arm
 from ridgefill.evaluate.source import MapsSource
@@ -33,9 +33,7 @@ class Checkpoint:
     def add(self, kind: str, row: dict) -> None:
         self.rows.setdefault(kind, []).append(row)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.rows, sort_keys=True))
-        os.replace(tmp, self.path)
+        write_json(self.path, self.rows)
 
 
 class _Rows:

@@ -1,5 +1,7 @@
 """Sweep: measure several split layers side by side with eval's measurements and recommend the one to ship
-(docs/sweep.md). run.py is the stage, report.py the recommendation, table and plot, artifact.py its files.
+(docs/sweep.md). config.py holds the settings and their checks, run.py the stage and the order of its phases
+(documents.py, needles.py with search.py and sequential.py, configurations.py, early.py, result.py, timing.py),
+report.py the recommendation and table, plot.py the plot, artifact.py its files.
 
     from ridgefill.sweep import SweepConfig, parse_splits, sweep
     from ridgefill.sweep import RECIPE_KEYS, check_config     # a recipe's [sweep] table, checked as it is read
@@ -7,5 +9,6 @@
 
 from ridgefill.lazy import exports
 
-__getattr__, __all__ = exports(__name__, {"SweepConfig": "run", "parse_splits": "run", "sweep": "run",
-                                          "RECIPE_KEYS": "run", "check_config": "run"})
+__getattr__, __all__ = exports(__name__, {"SweepConfig": "config", "parse_splits": "config", "sweep": "run",
+                                          "RECIPE_KEYS": "config", "RENAMED": "config", "check_config": "config",
+                                          "renamed": "config"})

@@ -8,6 +8,7 @@ import json
 from ridgefill.artifacts import Artifact
 
 RESULT, PLOT, TABLE = "sweep.json", "sweep.png", "sweep.md"
+ARMS = ("ridgefill", "identity")  # the fills measured at every split (a split entry's "arms")
 
 
 def load_result(art: Artifact) -> dict:

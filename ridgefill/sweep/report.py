@@ -1,31 +1,24 @@
 """The sweep's report: which (split, configuration) to ship, what the fitted maps earn over the identity fill, and
-the figures as a table and a plot.
+the figures as a table (plot.py draws them).
 
-    from ridgefill.sweep.report import advantage, plot, recommend, table, write_markdown
+    from ridgefill.sweep.report import advantage, recommend, table, write_markdown
     rec = recommend(result)           # {"split": 20, "configuration": "ridgefill", "tail": 512, "reason": ..., ...}
     out.table(table(result))          # rich, one row per split and one per configuration measured
-    plot(result, Path("sweep.png"))   # needle %, key ΔNLL and measured speed-up, against the compute ceiling
     md = write_markdown(result)       # the same table as GitHub markdown
 
-Everything here is a pure function of the sweep's result dict (ridgefill.sweep.run builds it; docs/sweep.md
-describes it): per split the fitted maps ("ridgefill") and the identity fill ("identity"), each with its budget
-verdict, and, at the splits just shallower than the maps' edge, the quality configurations beside their controls.
-Importing this module imports neither rich nor matplotlib; `table` and `plot` import them when called.
+Everything here is a pure function of the sweep's result dict (result.py builds it; docs/sweep.md describes it):
+per split the fitted maps ("ridgefill") and the identity fill ("identity"), each with its budget verdict, and, at
+the splits just shallower than the maps' edge, the quality configurations beside their controls. Importing this
+module does not import rich; `table` imports it when called.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import tempfile
-from pathlib import Path
 
 from ridgefill.errors import BadInput
+from ridgefill.sweep.artifact import ARMS
 
-ARMS = ("ridgefill", "identity")
-FIGSIZE = (15.0, 4.5)  # inches; fixed, so that the same result gives the same PNG bytes
-DPI = 100
-DODGE = 3.0  # points: how far each series is drawn left / right of its x
 RECOMMENDED, WITHIN, OVER = "★", "✓", "✗"
 # Equal ceilings: the simpler recommendation first.
 PREFERENCE = {"plain": 0, "longer tail": 1, "configuration": 2}
@@ -35,7 +28,7 @@ PREFERENCE = {"plain": 0, "longer tail": 1, "configuration": 2}
 # Reading the result
 
 
-def _splits(result: dict) -> list[dict]:
+def sorted_splits(result: dict) -> list[dict]:
     """The split entries sorted by split; refuses a result without a budget, or with a split measured twice."""
     if not isinstance(result, dict) or not isinstance(result.get("splits"), list):
         raise BadInput("sweep result has no 'splits' list")
@@ -55,7 +48,7 @@ def _splits(result: dict) -> list[dict]:
     return entries
 
 
-def _arm(entry: dict, arm: str) -> dict:
+def arm_figures(entry: dict, arm: str) -> dict:
     return (entry.get("arms") or {}).get(arm) or {}
 
 
@@ -76,9 +69,9 @@ def candidates(result: dict) -> list[dict]:
     Each with its compute ceiling."""
     tail = result.get("tail")
     out = []
-    for e in _splits(result):
+    for e in sorted_splits(result):
         s = e["split"]
-        if _arm(e, "ridgefill").get("verdict") == "within":
+        if arm_figures(e, "ridgefill").get("verdict") == "within":
             out.append({"split": s, "configuration": "ridgefill", "tail": tail, "kind": "plain",
                         "ceiling_speedup": e.get("ceiling_speedup")})
         for name, c in sorted((e.get("configurations") or {}).items()):
@@ -102,10 +95,10 @@ def recommend(result: dict) -> dict:
     """
     cands = candidates(result)
     if not cands:
-        over = [e for e in _splits(result) if _arm(e, "ridgefill")]
+        over = [e for e in sorted_splits(result) if arm_figures(e, "ridgefill")]
         why = ""
         if over:
-            deepest = _arm(over[-1], "ridgefill")
+            deepest = arm_figures(over[-1], "ridgefill")
             why = f"; even the deepest, split {over[-1]['split']}, is over ({deepest.get('decided', '?')})"
         return {"split": None, "configuration": None, "tail": None, "ceiling_speedup": None, "kind": None,
                 "reason": f"no split or configuration is within budget ({_budget_text(result)}){why}",
@@ -132,7 +125,7 @@ def advantage(result: dict) -> dict:
     (layers / ceiling None when either arm has no edge)."""
     search = result.get("search") or {}
     edges = {a: (search.get(a) or {}).get("edge") for a in ARMS}
-    ceil = {e["split"]: e.get("ceiling_speedup") for e in _splits(result)}
+    ceil = {e["split"]: e.get("ceiling_speedup") for e in sorted_splits(result)}
     out = {"ridgefill": edges["ridgefill"], "identity": edges["identity"], "layers": None, "ceiling": None}
     r, i = edges["ridgefill"], edges["identity"]
     if r is not None and i is not None:
@@ -200,8 +193,8 @@ def _mark(v: str | None) -> str:
 def _rows(result: dict, rec: dict) -> list[tuple[list[str], bool]]:
     """(cells, recommended?) per split and per configuration measured, split by split."""
     rows = []
-    for e in _splits(result):
-        r, i = _arm(e, "ridgefill"), _arm(e, "identity")
+    for e in sorted_splits(result):
+        r, i = arm_figures(e, "ridgefill"), arm_figures(e, "identity")
         held = e.get("heldout") or {}
         fit, ident = held.get("fitted") or {}, held.get("identity") or {}
         plain = rec.get("split") == e["split"] and rec.get("kind") == "plain"
@@ -271,151 +264,3 @@ def write_markdown(result: dict) -> str:
     lines += ["", _legend(result) + ".", "", f"Recommendation: {rec.get('reason', '')}", "",
               f"What the maps earn: {adv['line']}", ""]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The plot
-
-
-def _points(result: dict, arm: str, panel: str) -> list[tuple]:
-    """(split, ceiling, y, below, above) per split where the arm has the panel's figure."""
-    ex = (result.get("exact") or {}).get("needle")
-    pts = []
-    for e in _splits(result):
-        a, x = _arm(e, arm), e.get("ceiling_speedup")
-        if x is None:
-            continue
-        if panel == "needle" and a.get("needle") is not None:
-            y, ci = a["needle"], a.get("needle_minus_exact") or {}
-            base = a.get("needle_exact", ex)
-            lo = y if base is None or ci.get("low") is None else min(max(base + ci["low"], 0.0), 100.0)
-            hi = y if base is None or ci.get("high") is None else min(max(base + ci["high"], 0.0), 100.0)
-            pts.append((e["split"], x, y, max(y - lo, 0.0), max(hi - y, 0.0)))
-        elif panel == "dnll" and a.get("dnll_key") is not None:
-            y, ci = a["dnll_key"], a.get("dnll_key_ci") or {}
-            lo, hi = ci.get("low", y), ci.get("high", y)
-            pts.append((e["split"], x, y, max(y - lo, 0.0), max(hi - y, 0.0)))
-    return pts
-
-
-def _recommended_figure(result: dict, rec: dict, key: str):
-    """A figure ("needle", "dnll_key") of the recommended configuration or longer tail: the configuration's own, or
-    that of the control whose tail was recommended; None for a plain recommendation or a figure not measured."""
-    e = next((e for e in _splits(result) if e["split"] == rec.get("split")), None)
-    if e is None or rec.get("kind") not in ("configuration", "longer tail"):
-        return None
-    for name, c in sorted((e.get("configurations") or {}).items()):
-        if rec["kind"] == "configuration" and name == rec["configuration"]:
-            return (c.get("figures") or {}).get(key)
-        ctl = c.get("control") or {}
-        if rec["kind"] == "longer tail" and ctl.get("tail") == rec["tail"] and ctl.get("verdict") == "within":
-            return (ctl.get("figures") or {}).get(key)
-    return None
-
-
-def plot(result: dict, path: Path) -> Path:
-    """Write the sweep's PNG, three panels against the compute ceiling (the horizontal axis): needle accuracy with
-    the interval of (arm - exact) placed on exact's accuracy, key-token ΔNLL with its interval, each for the fitted
-    maps and the identity fill, the budget dashed and the recommendation ringed; and the measured speed-up, its
-    median with the [min, max] of the timing rounds, beside the line y = x that no prefill can beat: a median above
-    it is drawn hollow and grey, as noise. A recommended configuration or longer tail is a green star at its own
-    ceiling. Fixed size, no date or version in the file, written by rename."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise BadInput(f"cannot write the plot to '{path}': folder '{path.parent}' does not exist")
-    entries = _splits(result)
-    rec = result.get("recommended") or recommend(result)
-    import matplotlib
-    import matplotlib.style
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.transforms import offset_copy
-
-    b, ex = result["budget"], (result.get("exact") or {}).get("needle")
-    with matplotlib.style.context("default"):
-        fig = Figure(figsize=FIGSIZE, dpi=DPI)
-        FigureCanvasAgg(fig)
-        ax_n, ax_d, ax_s = fig.subplots(1, 3)
-        styles = {"ridgefill": dict(color="tab:blue", marker="o", dx=-DODGE),
-                  "identity": dict(color="tab:orange", marker="s", dx=DODGE)}
-        for ax, panel in ((ax_n, "needle"), (ax_d, "dnll")):
-            for arm in ARMS:
-                pts, st = _points(result, arm, panel), styles[arm]
-                if not pts:
-                    continue
-                splits, xs, ys, lo, hi = zip(*pts)
-                ax.errorbar(xs, ys, yerr=[lo, hi], color=st["color"], marker=st["marker"], linestyle="none",
-                            markersize=5, capsize=3, label=arm,
-                            transform=offset_copy(ax.transData, fig=fig, x=st["dx"], y=0, units="points"))
-                ax.update_datalim([(x, y - d) for x, y, d in zip(xs, ys, lo)] + [(x, y + u) for x, y, u in zip(xs, ys, hi)])
-                for s, x, y in zip(splits, xs, ys):
-                    ax.annotate(str(s), (x, y), textcoords="offset points", xytext=(st["dx"] + 4, 6), fontsize=8,
-                                color=st["color"])
-            if rec.get("split") is not None:
-                hit = [p for p in _points(result, "ridgefill", panel) if p[0] == rec["split"]]
-                if hit and rec.get("kind") == "plain":
-                    ax.plot([hit[0][1]], [hit[0][2]], linestyle="none", marker="o", markersize=14,
-                            markerfacecolor="none", markeredgecolor="tab:green", markeredgewidth=2,
-                            label=f"recommended: split {rec['split']}",
-                            transform=offset_copy(ax.transData, fig=fig, x=-DODGE, y=0, units="points"))
-                y = _recommended_figure(result, rec, "needle" if panel == "needle" else "dnll_key")
-                if rec.get("kind") != "plain" and y is not None:  # a configuration or a longer tail: its own point
-                    what = (f"tail {rec['tail']}" if rec["kind"] == "longer tail"
-                            else rec["configuration"].removeprefix("ridgefill"))
-                    ax.plot([rec["ceiling_speedup"]], [y], linestyle="none", marker="*", markersize=12,
-                            color="tab:green", label=f"recommended: split {rec['split']}, {what}")
-                    ax.update_datalim([(rec["ceiling_speedup"], y)])
-        if ex is not None:
-            ax_n.axhline(ex, color="black", linewidth=1, label=f"exact ({ex:.1f} %)")
-            ax_n.axhline(ex - b["max_needle_drop"], color="tab:red", linestyle="--", linewidth=1,
-                         label=f"budget (-{b['max_needle_drop']:g} points)")
-        ax_d.axhline(0.0, color="black", linewidth=1, label="exact (0)")
-        ax_d.axhline(b["max_key_dnll"], color="tab:red", linestyle="--", linewidth=1,
-                     label=f"budget ({b['max_key_dnll']:g} nats)")
-        xs = [e["ceiling_speedup"] for e in entries if e.get("ceiling_speedup") is not None]
-        if xs:
-            ax_s.plot([min(xs), max(xs)], [min(xs), max(xs)], color="black", linewidth=1, label="ceiling (y = x)")
-        for kind in (False, True):
-            pts = [(e["split"], e["ceiling_speedup"], e["speed"]) for e in entries
-                   if e.get("speed") and bool(e["speed"].get("noise")) == kind]
-            if not pts:
-                continue
-            splits, x, sp = zip(*pts)
-            med = [p["median"] for p in sp]
-            ax_s.errorbar(x, med, yerr=[[m - p["low"] for m, p in zip(med, sp)], [p["high"] - m for m, p in zip(med, sp)]],
-                          linestyle="none", marker="o", markersize=5, capsize=3,
-                          color="tab:gray" if kind else "tab:blue", markerfacecolor="none" if kind else "tab:blue",
-                          label="above the ceiling: noise" if kind else "measured (median, [min, max])")
-            for s, xx, m in zip(splits, x, med):
-                ax_s.annotate(str(s), (xx, m), textcoords="offset points", xytext=(4, 6), fontsize=8)
-        for ax in (ax_n, ax_d, ax_s):
-            ax.margins(x=0.06, y=0.08)
-            ax.autoscale_view()
-            ax.set_xlabel("compute ceiling 1/r")
-            ax.grid(True, linewidth=0.4, alpha=0.5)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=8, loc="best")
-        ax_n.set_ylabel("needle accuracy (%)")
-        ax_n.set_title("needle retrieval", fontsize=10)
-        ax_d.set_ylabel("key-token ΔNLL vs exact (nats)")
-        ax_d.set_title("key-token ΔNLL", fontsize=10)
-        ax_s.set_ylabel("measured prefill speed-up")
-        ax_s.set_title("measured speed-up, fitted maps", fontsize=10)
-        fig.suptitle(f"{result.get('model', '?')} ({result.get('mode', '?')}): length {result.get('length', '?')}, "
-                     f"tail {result.get('tail', '?')}, {result.get('samples', '?')} needle prompts at most, "
-                     f"{result.get('documents', '?')} documents", fontsize=11)
-        fig.text(0.5, 0.01, "compute ceiling 1/r: the speed-up if only the skipped layer-rows counted",
-                 ha="center", va="bottom", fontsize=9)
-        fig.subplots_adjust(left=0.05, right=0.985, bottom=0.17, top=0.86, wspace=0.22)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            with os.fdopen(fd, "wb") as f:
-                fig.savefig(f, format="png", dpi=DPI, metadata={"Software": None})
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    return path

@@ -9,7 +9,8 @@ has been monotone in the split in every sweep so far): it visits the middle cand
 and a verdict closes every split on its side. When at most TOGETHER splits are still open it measures them all in
 one pass: a pass costs one forward of the early layers per prompt whatever it holds, and a fill about a quarter of
 that, so measuring the last few side by side costs less than visiting them in turn. A split whose verdict is known
-without needles (its key-token ΔNLL is over budget) costs no prompt.
+without needles (its key-token ΔNLL is over budget) costs no prompt. `find_edges` is the sweep's plain search: a
+bisection per arm, or every split and arm on every prompt.
 
     b = Bisection([8, 10, 12, 14], known={8: "over"})
     while splits := b.next_splits():
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ridgefill.sweep.sequential import Decision, Rule
+from ridgefill.sweep.sequential import GROUP, Decision, Rule
 
 TOGETHER = 3  # the open splits measured in one pass once no more than this many remain
 
@@ -117,4 +118,67 @@ def bisect_arms(arms: dict, rule: Rule, measure) -> tuple[dict, dict]:
             results[(s, arm)] = (d, pairs)
 
 
-__all__ = ["TOGETHER", "Bisection", "Decision", "bisect_arms", "run_pass"]
+def rule_of(cfg) -> Rule:
+    """The sequential rule of a sweep's settings (a SweepConfig): the needle budget, at most `needles` prompts,
+    looking every GROUP prompts, or only at the last in an exhaustive sweep."""
+    return Rule(budget=cfg.max_needle_drop / 100.0, samples=cfg.needles, group=cfg.needles if cfg.exhaustive else GROUP)
+
+
+@dataclass(frozen=True)
+class Edges:
+    """The plain needle search's outcome, per arm and per (split, arm)."""
+
+    verdicts: dict  # {(split, arm): "within" | "over"}, measured, known or implied
+    decided: dict  # {(split, arm): how its verdict was reached, in words}
+    jobs: dict  # {(split, arm): (Decision, pairs)} for every job measured
+    search: dict  # {arm: {"edge": the shallowest split within budget or None, "measured": the splits measured}}
+
+
+def find_edges(splits: list[int], arms, key_over: dict, rule: Rule, measure, exhaustive: bool, out) -> Edges:
+    """Each arm's edge among `splits`: by bisection with the sequential rule, or every split and arm on every prompt
+    (`exhaustive`). A (split, arm) over on key ΔNLL (`key_over`) is over without needles (in an exhaustive sweep it
+    is measured all the same, and over)."""
+    if exhaustive:
+        out.info(f"needles: every split and arm on all {rule.samples} prompts (--exhaustive)")
+        jobs = run_pass([(s, a) for s in splits for a in arms], rule, measure)
+        verdicts = {k: ("over" if key_over[k] or d.verdict == "over" else "within") for k, (d, _) in jobs.items()}
+        search = {a: {"edge": exhaustive_edge([s for s in splits if verdicts[(s, a)] == "within"], splits),
+                      "measured": list(splits)} for a in arms}
+    else:
+        bis = {a: Bisection(splits, known={s: "over" for s in splits if key_over[(s, a)]}) for a in arms}
+        out.info(f"needles: bisection over splits {', '.join(map(str, splits))}, sequential rule "
+                 f"(looks at {', '.join(map(str, rule.looks))} prompts)")
+        bis, jobs = bisect_arms(bis, rule, measure)
+        verdicts = {(s, a): v for a, b in bis.items() for s, v in b.inferred().items()}
+        search = {a: {"edge": b.edge, "measured": b.measured} for a, b in bis.items()}
+    decided = {k: _decided(k, key_over, jobs, search) for k in verdicts}
+    return Edges(verdicts, decided, jobs, search)
+
+
+def exhaustive_edge(within: list[int], splits: list[int]) -> int | None:
+    """The shallowest split from which every deeper candidate is within budget (exhaustive measurements)."""
+    edge = None
+    for s in reversed(splits):
+        if s not in within:
+            break
+        edge = s
+    return edge
+
+
+def decision_words(d: Decision) -> str:
+    """How a job's needles decided it, in words."""
+    return f"needles, {d.n} prompts" + (" (sequential rule)" if d.early else "")
+
+
+def _decided(job, key_over: dict, jobs: dict, search: dict) -> str:
+    if key_over[job]:
+        return "key ΔNLL"
+    if job in jobs:
+        return decision_words(jobs[job][0])
+    s, arm = job
+    edge = search[arm]["edge"]
+    return f"implied: {'within from split ' + str(edge) if edge is not None and s >= edge else 'over below the edge'}"
+
+
+__all__ = ["TOGETHER", "Bisection", "Decision", "Edges", "bisect_arms", "exhaustive_edge", "find_edges", "rule_of",
+           "run_pass"]
