@@ -112,7 +112,7 @@ def test_gate_failure_exits_3_and_does_not_push(first_run, tiny_llama):
     ('model = \n', "recipe '"),
     ('model = "x"\n[capture]\nsplits = [2]\n[solve]\nsplit = "auto"\n', "[capture] splits and [solve] split = \"auto\" conflict"),
     ('model = "x"\n[sweep]\nsamples = 40\n', "a [sweep] table is used only with [solve] split = \"auto\""),
-    ('model = "x"\n[solve]\nsplit = "auto"\n[sweep]\nneedles = 3\n', "recipe [sweep]: unknown key(s) needles"),
+    ('model = "x"\n[solve]\nsplit = "auto"\n[sweep]\nneedle = 3\n', "recipe [sweep]: unknown key(s) needle"),
 ])
 def test_bad_recipes(tmp_path, text, message):
     path = tmp_path / "r.toml"
@@ -212,7 +212,7 @@ def test_sample_ci_workflow():
     assert f"'{recipe}'" in caches[0]["with"]["key"]  # a changed recipe is a new cache key
 
 
-SWEEP = ["[sweep]", "splits = [1, 2, 3]", "length = 600", "scored = 16", "samples = 4", "documents = 2"]
+SWEEP = ["[sweep]", "splits = [1, 2, 3]", "length = 600", "scored = 16", "needles = 4", "documents = 2"]
 
 
 def _auto_recipe(tmp, model, budget):
@@ -257,7 +257,7 @@ def test_auto_split_releases_the_sweeps_recommendation(tmp_path, tiny_llama_1k, 
     ("bootstrap = 0", "recipe [sweep]: bootstrap must be at least 1, got 0"),
     ("bootstrap = -5", "recipe [sweep]: bootstrap must be at least 1, got -5"),
     ("repeats = 0", "recipe [sweep]: repeats must be at least 3 (a median and an interval need three timings), got 0"),
-    ("samples = 0", "recipe [sweep]: samples must be at least 1, got 0"),
+    ("needles = 0", "recipe [sweep]: needles must be at least 1, got 0"),
     ("seed = -1", "recipe [sweep]: seed must be at least 0 (numpy's generators take no negative seed), got -1"),
     ("splits = []", "recipe [sweep]: splits is an empty array: name at least one split, or leave splits out for the "
                     "default ones"),
