@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from ridgefill.sweep.run import _edge
-from ridgefill.sweep.search import TOGETHER, Bisection
+from ridgefill.sweep.search import TOGETHER, Bisection, exhaustive_edge
 
 
 def search(candidates, truth, known=None):
@@ -31,7 +30,7 @@ def test_monotone_verdicts_give_the_exhaustive_edge_in_few_passes():
             for known_n in range(k + 1):
                 known = {s: "over" for s in cands[:known_n]}
                 b, passes = search(cands, truth, known)
-                assert b.edge == _edge([s for s in cands if truth[s] == "within"], cands)
+                assert b.edge == exhaustive_edge([s for s in cands if truth[s] == "within"], cands)
                 measured = [s for p in passes for s in p]
                 assert not set(measured) & set(known)
                 assert len(passes) <= max(1, (n - known_n).bit_length())
@@ -56,7 +55,7 @@ def test_a_deeper_split_over_moves_the_edge_past_it():
     cands = [10, 12, 14]
     truth = {10: "within", 12: "over", 14: "within"}
     b, passes = search(cands, truth)
-    assert passes == [[10, 12, 14]] and b.edge == 14 == _edge([10, 14], cands)
+    assert passes == [[10, 12, 14]] and b.edge == 14 == exhaustive_edge([10, 14], cands)
     b, _ = search(cands, {10: "within", 12: "within", 14: "over"})
     assert b.edge is None and b.inferred() == {10: "within", 12: "within", 14: "over"}
     # a split known over on key ΔNLL deeper than one within counts as well
@@ -72,7 +71,7 @@ def test_random_truths_against_the_exhaustive_edge():
         k = rng.randint(0, n)
         truth = {s: "over" if i < k else "within" for i, s in enumerate(cands)}
         b, passes = search(cands, truth)
-        assert b.edge == _edge([s for s in cands if truth[s] == "within"], cands)
+        assert b.edge == exhaustive_edge([s for s in cands if truth[s] == "within"], cands)
         assert sum(len(p) for p in passes) <= n
 
 
@@ -90,4 +89,4 @@ def test_exhaustive_and_bisection_agree_on_every_monotone_truth_of_8():
         if list(bits) != sorted(bits, key=lambda v: v == "within"):
             continue  # not monotone
         b, _ = search(cands, truth)
-        assert b.edge == _edge([s for s in cands if truth[s] == "within"], cands)
+        assert b.edge == exhaustive_edge([s for s in cands if truth[s] == "within"], cands)
