@@ -1,4 +1,4 @@
-"""The sweep's report (ridgefill/sweep/report.py): the (split, configuration) recommendation against a plain loop,
+"""The sweep's report (ridgefill/sweep/report.py, plot.py): the (split, configuration) recommendation against a plain loop,
 what the maps earn, the table, the markdown and the PNG."""
 
 import os
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from ridgefill.errors import BadInput
-from ridgefill.sweep.report import DPI, FIGSIZE, advantage, candidates, plot, recommend, table, write_markdown
+from ridgefill.sweep.plot import DPI, FIGSIZE, plot
+from ridgefill.sweep.report import advantage, candidates, recommend, table, write_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 L, N, T = 30, 4096, 512
@@ -229,7 +230,7 @@ PLOT_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
 from test_sweep_report import sweep
-from ridgefill.sweep.report import plot
+from ridgefill.sweep.plot import plot
 plot(sweep(), {path!r})
 """
 
@@ -269,7 +270,7 @@ def test_plot_draws_the_figures_and_the_noise(tmp_path):
 
 
 def test_plot_draws_a_recommended_configuration_or_longer_tail_at_its_ceiling(tmp_path):
-    from ridgefill.sweep.report import _recommended_figure
+    from ridgefill.sweep.plot import _recommended_figure
 
     r = sweep()  # +rows at 18 is the recommendation
     rec = recommend(r)
@@ -295,7 +296,7 @@ def test_plot_refuses_a_missing_folder_and_writes_nothing(tmp_path):
 
 
 def test_importing_ridgefill_and_the_report_does_not_import_matplotlib():
-    code = ("import sys, ridgefill, ridgefill.sweep.report as rep\n"
+    code = ("import sys, ridgefill, ridgefill.sweep.report as rep, ridgefill.sweep.plot\n"
             "sys.path.insert(0, 'tests')\n"
             "from test_sweep_report import sweep\n"
             "r = sweep(); rep.recommend(r); rep.advantage(r); rep.write_markdown(r)\n"
