@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_bench import QUICK  # noqa: E402
 from harness import Bench, parser  # noqa: E402
 
-QUICK_SWEEP = {"length": 1024, "tail": 256, "scored": 128, "samples": 8, "documents": 1, "bootstrap": 200}
+QUICK_SWEEP = {"length": 1024, "tail": 256, "scored": 128, "needles": 8, "documents": 1, "bootstrap": 200}
 
 
 def main() -> None:
@@ -50,7 +50,7 @@ def main() -> None:
         from ridgefill.artifacts import Store
         from ridgefill.evaluate import EvalConfig, evaluate
         from ridgefill.output import Output
-        from ridgefill.sweep.run import SweepConfig, sweep
+        from ridgefill.sweep import SweepConfig, sweep
 
         eval_cfg = replace(EvalConfig(), **QUICK) if args.quick else EvalConfig()
         sweep_cfg = replace(SweepConfig(), **QUICK_SWEEP) if args.quick else SweepConfig()
