@@ -85,7 +85,7 @@ def arguments(fig: str, model: str, args, fix: dict) -> list[str]:
 
 def sweep_splits(model: str, quick: bool) -> list[int]:
     """The splits the sweep figure sweeps: the sweep's own default ones (two of them with --quick)."""
-    from ridgefill.sweep.run import default_splits
+    from ridgefill.sweep.config import default_splits
 
     splits = list(default_splits(model_cache(MODEL_CACHE, model).num_layers))
     return splits[:2] if quick else splits
