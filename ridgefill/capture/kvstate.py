@@ -20,7 +20,7 @@ holds, and all that is saved of it, every tensor exactly (its own dtype and shap
 state) and the tensors as {name: Lazy}, each copied to the host only when the checkpoint writer reaches it, so a
 checkpoint holds at most one layer's tensor in host memory beyond the cache itself. `snapshot(cache, layers=n)`
 keeps only the first n layers, the rest as a forward stopped before them leaves them (uninitialized): the sweep
-keeps a prompt's early layers that way (sweep/run.py, `EarlyCaches`). `restore` builds a fresh cache
+keeps a prompt's early layers that way (sweep/early.py, `EarlyCaches`). `restore` builds a fresh cache
 from the model's config, checks that its layers are of the same classes, and fills them through the layers' own
 `lazy_initialization` and public attributes, on each layer's device. A cache with a layer of any other class
 (e.g. a model's own remote code) or a tensor of another dtype is not known to be saved faithfully: `snapshot`
