@@ -2,7 +2,7 @@
 
 torchrun sets RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_ADDR / MASTER_PORT); without them this is a world of
 one and nothing here touches torch.distributed. The work is cut into blocks that depend on the input alone
-(capture/run.py); in round j, rank r computes block j*W + r, sends its statistics to rank 0, and rank 0 merges
+(capture/runner.py); in round j, rank r computes block j*W + r, sends its statistics to rank 0, and rank 0 merges
 the blocks in block order. The merge order is fixed by the work, not by the number of processes, so the
 artifact is the same bytes for 1, 2 or 3 processes. Only rank 0 writes.
 

@@ -1,5 +1,5 @@
 """The model's cache in the middle of a document, for a capture checkpoint taken between two chunks
-(capture/checkpoint.py saves it, capture/run.py restores it and the document continues at its next chunk).
+(capture/checkpoint.py saves it, capture/runner.py restores it and the document continues at its next chunk).
 
 The cache is the transformers `DynamicCache` that capture/forward.py builds from the model's config: one layer
 object per decoder layer, of which the forward fills only those below its stop point (ridgefill.models.hooks

@@ -52,8 +52,8 @@ from ridgefill.sweep.timing import Clock, add_speeds, ceiling_at, rounds
 FORMAT_VERSION = 4  # 2: later sinks (outlier rows) run exactly; 3: needles by bisection and a sequential rule, in
 # noise and prose haystacks; quality configurations beside their controls; timing in rounds; multiply-accumulates;
 # 4: an adaptive sweep measures only the configurations that can change the recommendation, by ceiling. Later sinks
-# by each split's exact-row norm (solve format 5) came without a new number here (docs/store.md says 5): the maps'
-# ids in the recipe changed with them, and with them every sweep's id. Raising it now would change every id again.
+# by each split's exact-row norm (solve format 5) came without a new number here: the maps' ids in the recipe
+# changed with them, and with them every sweep's id. Raising it now would change every id again.
 
 
 def sweep(
