@@ -159,7 +159,7 @@ def test_sweep_on_real_model(tmp_path, small_corpus):
             "--chunk", 512, "--split", 12, "--split", 20, "--store", store, "--json")
     assert r.returncode == 0, r.stderr
     cap = json.loads(r.stdout)["id"]
-    small = ["--capture", cap, "--splits", "12,20", "--length", 1024, "--tail", 256, "--scored", 128, "--samples", 4,
+    small = ["--capture", cap, "--splits", "12,20", "--length", 1024, "--tail", 256, "--scored", 128, "--needles", 4,
              "--documents", 1, "--no-configurations", "--store", store, "--json"]
     r = cli("sweep", "builtin:smollm2-135m", *small, "--exhaustive")
     assert r.returncode == 0, r.stderr
