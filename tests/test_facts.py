@@ -61,3 +61,11 @@ def test_readme_results_ship_the_builtin_split():
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     said = {(p.name, int(n)) for p in docs for n in re.findall(r"ships at (?:split )?(\d+)", p.read_text())}
     assert said and {n for _, n in said} <= {b.split for b in BUILTINS.values()}, said
+
+
+def test_readme_python_example_is_the_tested_one():
+    """The README shows docs/runtime.md's example, which tests/test_docs_runtime.py runs: the same text, not a copy
+    that could drift."""
+    block = re.compile(r"^```python\n(.*?)^```$", flags=re.S | re.M)
+    readme, page = (block.findall((ROOT / p).read_text()) for p in ("README.md", "docs/runtime.md"))
+    assert len(readme) == 1 and readme == page
