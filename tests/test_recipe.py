@@ -5,8 +5,11 @@ import json
 import pytest
 
 from ridgefill.artifacts import Store
+from ridgefill.models.spec import HUB_ID
 from ridgefill.output import Output
 from ridgefill.recipe import load_recipe, run_recipe
+from ridgefill.runtime.rows import DEFAULT_TAIL
+from ridgefill.sweep.config import SweepConfig
 from clirun import cli
 
 EVAL = {"tail": 48, "scored": 16, "doc_tokens": 128, "lengths": [600], "documents": 2, "samples": 1,
@@ -191,6 +194,12 @@ def test_example_recipes_load():
         r = load_recipe(root / "examples" / "recipes" / f"{name}.toml")
         assert r.model == f"builtin:{name}" and r.gate == root / "examples" / "gates" / f"{name}.toml"
         assert r.gate.is_file() and r.out == root / "release" / name
+    # the README's own-model recipe: a Hub id, its split measured, the sweep's budget as the defaults, no gate
+    r = load_recipe(root / "examples" / "recipes" / "hub-model.toml")
+    assert HUB_ID.match(r.model) and r.solve["split"] == "auto" and r.gate is None and r.eval is not None
+    assert r.sweep == {"max_needle_drop": SweepConfig.max_needle_drop, "max_key_dnll": SweepConfig.max_key_dnll,
+                       "tail": DEFAULT_TAIL}  # the sweep measures with the release's [export] tail
+    assert r.place == {"device": "auto", "dtype": "auto"} and r.out == root / "release" / "my-model"
 
 
 def test_sample_ci_workflow():
