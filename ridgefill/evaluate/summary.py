@@ -12,7 +12,7 @@ def summarize(results: dict, cfg) -> dict:
     bootstrap intervals for each arm minus exact and for ridgefill minus identity. `cfg`: an EvalConfig (its arms,
     lengths, tail, seed and bootstrap samples)."""
     from ridgefill.numerics import paired_bootstrap
-    from ridgefill.runtime import ceiling
+    from ridgefill.runtime import ceiling, ceiling_speedup
 
     docs, needles = results["documents"], results["needles"]
     boot = lambda a, b, w=None: paired_bootstrap(np.asarray(a, float), np.asarray(b, float), samples=cfg.bootstrap,  # noqa: E731
@@ -57,7 +57,7 @@ def summarize(results: dict, cfg) -> dict:
             if arm != "exact" and "prefill_s" in out["arms"][arm]:
                 out["arms"][arm]["speedup"] = ex / out["arms"][arm]["prefill_s"]
     out["ceiling_r"] = ceiling(longest, cfg.tail, results["split"], results["num_layers"])
-    out["ceiling_speedup"] = 1 / out["ceiling_r"]
+    out["ceiling_speedup"] = ceiling_speedup(longest, cfg.tail, results["split"], results["num_layers"])
     return out
 
 
