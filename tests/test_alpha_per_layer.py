@@ -15,10 +15,9 @@ from ridgefill.formats import safetensors
 from ridgefill.artifacts.store import recipe_id
 from ridgefill.capture.artifact import load_heldout, load_stats
 from ridgefill.capture.stats import moments_of
-from ridgefill.output import Output
 from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose, maps_at, maps_per_layer, search, search_per_layer
 from clirun import cli
-from conftest import ChainSpec
+from conftest import ChainSpec, quiet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -236,8 +235,8 @@ def test_default_recipe_id_is_unchanged_and_the_flag_changes_it(solved):
     assert shared.recipe == before and shared.id == recipe_id(before)
     assert per.recipe == {**before, "alpha_per_layer": True} and per.id == recipe_id(per.recipe) != shared.id
     # both are cache hits, under their own ids; alpha_per_layer=False is the default
-    assert solve(solved["store"], cap.id, Output(quiet=True), alpha_per_layer=False) == (shared, True)
-    assert solve(solved["store"], cap.id, Output(quiet=True), alpha_per_layer=True)[0].id == per.id
+    assert solve(solved["store"], cap.id, quiet(), alpha_per_layer=False) == (shared, True)
+    assert solve(solved["store"], cap.id, quiet(), alpha_per_layer=True)[0].id == per.id
 
 
 def test_release_records_the_per_layer_alphas(solved):
@@ -273,7 +272,7 @@ def test_a_default_release_keeps_its_fit_fields(tmp_path):
 
     st = Store(tmp_path / "store")
     ids = fake_chain(st.root)
-    export(st, ids["solve"], tmp_path / "rel", Output(quiet=True))
+    export(st, ids["solve"], tmp_path / "rel", quiet())
     fit = json.loads((tmp_path / "rel" / "ridgefill.json").read_text())["fit"]
     assert fit == {"alpha": 1e-3, "lambda": 0.5, "rows": 59, "documents": 1, "tokens": 60,
                    "calibration_sha256": ["a" * 64], "capture_id": ids["capture"], "solve_id": ids["solve"],

@@ -6,11 +6,11 @@ import pytest
 
 from ridgefill.artifacts import Store
 from ridgefill.models.spec import HUB_ID
-from ridgefill.output import Output
 from ridgefill.recipe import load_recipe, run_recipe
 from ridgefill.runtime.rows import DEFAULT_TAIL
 from ridgefill.sweep.config import SweepConfig
 from clirun import cli
+from conftest import quiet
 
 EVAL = {"tail": 48, "scored": 16, "doc_tokens": 128, "lengths": [600], "documents": 2, "samples": 1,
         "arms": ["exact", "ridgefill", "identity"]}
@@ -63,7 +63,7 @@ def test_rerun_is_all_cache_hits_without_a_model(first_run, monkeypatch):
 
     monkeypatch.setattr(ridgefill.models.load, "load_model", no)
     monkeypatch.setattr(ridgefill.models, "load_model", no)
-    again = run_recipe(load_recipe(path), Store(tmp / "store"), Output(quiet=True))
+    again = run_recipe(load_recipe(path), Store(tmp / "store"), quiet())
     assert all(v["cached"] for v in again["stages"].values())
     assert {k: v["id"] for k, v in again["stages"].items()} == {k: v["id"] for k, v in s["stages"].items()}
 
@@ -72,7 +72,7 @@ def test_changing_alphas_reruns_solve_not_capture(first_run):
     tmp, path, s = first_run
     path2 = write_recipe(tmp, load_recipe(path).model, alphas=(1.0,), name="alphas")  # other maps (the grid alone would not do:
     # an eval is keyed by the maps' bytes, so a grid that picks the same alpha re-uses it)
-    again = run_recipe(load_recipe(path2), Store(tmp / "store"), Output(quiet=True))
+    again = run_recipe(load_recipe(path2), Store(tmp / "store"), quiet())
     assert again["stages"]["capture"] == {**again["stages"]["capture"], "id": s["stages"]["capture"]["id"], "cached": True}
     for name in ("solve", "quantize", "export", "eval"):
         assert again["stages"][name]["cached"] is False and again["stages"][name]["id"] != s["stages"][name]["id"]
@@ -243,7 +243,7 @@ def test_auto_split_releases_the_sweeps_recommendation(tmp_path, tiny_llama_1k, 
 
     monkeypatch.setattr(metrics, "key_mask", lambda full, cut, threshold=2.0: np.ones(len(full), dtype=bool))
     path = _auto_recipe(tmp_path, tiny_llama_1k, ["max_needle_drop = 100.0", "max_key_dnll = 1e9"])  # 600 tokens
-    s = run_recipe(load_recipe(path), Store(tmp_path / "store"), Output(quiet=True))
+    s = run_recipe(load_recipe(path), Store(tmp_path / "store"), quiet())
     sw = Store(tmp_path / "store").get(s["stages"]["sweep"]["id"])
     assert s["sweep"]["recommended"] == sw.manifest["summary"]["recommended"] == 1  # the shallowest: all qualify
     assert sw.recipe["tail"] == 48 and sw.recipe["splits"] == [1, 2, 3]

@@ -21,6 +21,7 @@ from ridgefill.errors import BadInput
 from ridgefill.export import card as card_mod
 from ridgefill.formats import int8, release, safetensors
 from ridgefill.formats.release import CARD, FORMAT, MANIFEST, MAPS_FILE
+from conftest import quiet
 
 LAYERS = (2, 12, 13)  # "layer.12" sorts before "layer.2": name order is not numeric order
 D = 300  # ragged last group
@@ -511,7 +512,6 @@ def test_eval_loads_release_facts_only_through_verify(tmp_path):
 def test_gguf_export_refuses_an_edited_release(tmp_path):
     from ridgefill.artifacts import Store
     from ridgefill.export.gguf import export_gguf
-    from ridgefill.output import Output
 
     d = tmp_path / "rel"
     rng = np.random.default_rng(0)
@@ -520,7 +520,7 @@ def test_gguf_export_refuses_an_edited_release(tmp_path):
     release.write_release(d, maps, make_manifest(), "# card\n")
     edit_manifest(d, lambda m: m["model"].update(fingerprint="f" * 16))
     with pytest.raises(BadInput, match="^ridgefill.json: 'model.fingerprint' is"):
-        export_gguf(Store(tmp_path / "store"), str(d), tmp_path / "m.gguf", Output(quiet=True))
+        export_gguf(Store(tmp_path / "store"), str(d), tmp_path / "m.gguf", quiet())
     assert not (tmp_path / "m.gguf").exists() and not (tmp_path / "store" / "export").exists()
 
 
@@ -603,13 +603,12 @@ def test_export_takes_the_group_size_of_the_quantize_artifact(tmp_path):
     from ridgefill.evaluate.source import load_source
     from ridgefill.export.build import export
     from ridgefill.quantize.artifact import load_quant
-    from ridgefill.output import Output
 
     st = Store(tmp_path / "store")
     ids = fake_chain(st.root, group=64)
     q = st.get(ids["quantize"])
     out = tmp_path / "rel"
-    export(st, ids["quantize"], out, Output(quiet=True))
+    export(st, ids["quantize"], out, quiet())
     manifest, maps = release.load_release(out)
     assert manifest["projector"]["group_size"] == 64
     assert manifest["fit"]["exact_norm"] == EXACT_NORM  # the solve's exact-row norm, through the quantize artifact
@@ -631,14 +630,13 @@ def test_a_solve_without_the_exact_row_norm_is_refused(tmp_path):
     from ridgefill.artifacts import Store
     from ridgefill.evaluate.source import load_source
     from ridgefill.export.build import export
-    from ridgefill.output import Output
 
     st = Store(tmp_path / "store")
     ids = fake_chain(st.root, exact_norm=None)
     wording = rf"^solve {ids['solve']} has no exact-row norm \(made before solve format 5\): solve its capture again$"
     for stage in ("solve", "quantize"):
         with pytest.raises(BadInput, match=wording):
-            export(st, ids[stage], tmp_path / "rel", Output(quiet=True))
+            export(st, ids[stage], tmp_path / "rel", quiet())
         with pytest.raises(BadInput, match=wording):
             load_source(st, ids[stage])
     assert not (tmp_path / "rel").exists() and not list((st.root / "export").glob("*"))
@@ -669,7 +667,6 @@ def test_export_replaces_an_old_release_atomically(tmp_path, monkeypatch):
 
     from ridgefill.artifacts import Store
     from ridgefill.export.build import export
-    from ridgefill.output import Output
 
     st = Store(tmp_path / "store")
     ids = fake_chain(st.root)
@@ -685,11 +682,11 @@ def test_export_replaces_an_old_release_atomically(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "rename", failing)
     with pytest.raises(OSError, match="no space left"):
-        export(st, ids["quantize"], out, Output(quiet=True), force=True)
+        export(st, ids["quantize"], out, quiet(), force=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == old
     assert sorted(p.name for p in out.parent.iterdir()) == ["rel"]
     monkeypatch.setattr(os, "rename", rename)
-    export(st, ids["quantize"], out, Output(quiet=True), force=True)
+    export(st, ids["quantize"], out, quiet(), force=True)
     assert release.verify_release(out)["split"] == 2
     assert sorted(p.name for p in out.parent.iterdir()) == ["rel"]
 
@@ -896,7 +893,6 @@ def test_export_describes_the_model_from_the_model_never_from_unhashed_info(tmp_
     from ridgefill.artifacts.store import MANIFEST as ART_MANIFEST
     from ridgefill.evaluate.source import load_source
     from ridgefill.export.build import export
-    from ridgefill.output import Output
 
     st = Store(tmp_path / "store")
     ids = fake_chain(st.root)
@@ -909,7 +905,7 @@ def test_export_describes_the_model_from_the_model_never_from_unhashed_info(tmp_
         m["info"]["layer_kinds"] = {str(i): "linear_attention" for i in range(99)}
         m["summary"]["split"] = 5
         path.write_text(json.dumps(m))
-    export(st, ids["quantize"], tmp_path / "rel", Output(quiet=True))
+    export(st, ids["quantize"], tmp_path / "rel", quiet())
     manifest = release.verify_release(tmp_path / "rel")
     assert manifest["model"] == {"name": MODEL_NAME, "revision": None, "architecture": "llama", "num_layers": 14,
                                  "hidden_size": CONFIG["hidden_size"], "fingerprint": fp}
@@ -928,7 +924,7 @@ def test_export_describes_the_model_from_the_model_never_from_unhashed_info(tmp_
     path.write_text(json.dumps(m))
     shutil.rmtree(st.root / "export")
     with pytest.raises(BadInput, match=r"was made with a different model .* than '.*other/Model-1'"):
-        export(st, ids["quantize"], tmp_path / "rel2", Output(quiet=True))
+        export(st, ids["quantize"], tmp_path / "rel2", quiet())
     assert not (tmp_path / "rel2").exists()
-    export(st, ids["quantize"], tmp_path / "rel2", Output(quiet=True), model=str(folder))  # --model: where it is
+    export(st, ids["quantize"], tmp_path / "rel2", quiet(), model=str(folder))  # --model: where it is
     assert release.verify_release(tmp_path / "rel2")["model"]["fingerprint"] == fp

@@ -19,12 +19,10 @@ from ridgefill.errors import BadInput
 from ridgefill.export import card as card_mod
 from ridgefill.formats import release, safetensors
 from ridgefill.formats.release import CONFIGURATIONS, MANIFEST, MAPS_FILE
-from ridgefill.output import Output
 from clirun import cli_here
-from conftest import SMALL_CHAIN
+from conftest import SMALL_CHAIN, quiet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-QUIET = Output(quiet=True)
 D = 64  # the tiny models' width
 
 
@@ -263,7 +261,7 @@ def test_two_exports_into_one_new_out_at_once(store_chain, tmp_path, monkeypatch
         return move(tmp, dst)
 
     monkeypatch.setattr(release, "move_into_place", interleaved)
-    export(st, ids["quantize"], out, QUIET)
+    export(st, ids["quantize"], out, quiet())
     p = other["proc"]
     _, rest = p.communicate(timeout=300)
     other["watchdog"].cancel()
@@ -415,7 +413,7 @@ def configured(tiny_chain):
     from ridgefill.export import export
 
     c = tiny_chain(SMALL_CHAIN)
-    export(c.store, c.sol.id, c.tmp / "rows", QUIET, configuration="ridgefill+rows", row_share=0.2)
+    export(c.store, c.sol.id, c.tmp / "rows", quiet(), configuration="ridgefill+rows", row_share=0.2)
     return c
 
 

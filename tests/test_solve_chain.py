@@ -8,10 +8,9 @@ import pytest
 from ridgefill.artifacts import Store
 from ridgefill.formats import safetensors
 from ridgefill.capture.artifact import load_heldout, load_stats
-from ridgefill.output import Output
 from ridgefill.solve.ridge import direct_solve
 from clirun import cli
-from conftest import ChainSpec
+from conftest import ChainSpec, quiet
 
 TEXTS = [("The rain in Spain stays mainly in the plain. " * 9), ("import os\nprint(os.getcwd())\n" * 12),
          ("We hold these truths to be self-evident. " * 10), ("while True:\n    x = x + 1\n" * 11),
@@ -265,7 +264,7 @@ def test_solve_extends_the_grid_below_its_edge(chain, tiny_llama, tmp_path):
 
     store = Store(tmp_path / "store")
     cap = _constructed_capture(store, chain["cap"])
-    sol, cached = solve(store, cap.id, Output(quiet=True), model=str(tiny_llama))
+    sol, cached = solve(store, cap.id, quiet(), model=str(tiny_llama))
     assert not cached
     rep = json.loads(sol.file(REPORT).read_text())
     given = [1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0]
@@ -325,7 +324,7 @@ def test_solve_runs_no_direct_solve(chain, tmp_path, monkeypatch):
 
     monkeypatch.setattr(ridge, "direct_solve", boom)
     monkeypatch.setattr(run, "direct_solve", boom, raising=False)
-    sol, cached = run.solve(_own_store(chain, tmp_path / "store"), chain["cap"].id, Output(quiet=True),
+    sol, cached = run.solve(_own_store(chain, tmp_path / "store"), chain["cap"].id, quiet(),
                             alphas=[1e-3, 1e-2])
     assert not cached
     assert "direct_solve_one_alpha_s" not in json.loads(sol.file("report.json").read_text())["timings"]

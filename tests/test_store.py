@@ -8,6 +8,7 @@ import pytest
 from ridgefill.artifacts import Store, recipe_id
 from ridgefill.formats import safetensors
 from ridgefill.errors import BadInput, RidgefillError
+from conftest import quiet
 
 
 def test_recipe_id_is_canonical():
@@ -195,7 +196,6 @@ class _Spy(Store):
 def test_trust_remote_code_enters_capture_and_compact_recipes(tmp_path, tiny_llama):
     from ridgefill.capture.run import CaptureConfig, capture
     from ridgefill.fold.compaction import CompactConfig, compact
-    from ridgefill.output import Output
 
     (tmp_path / "d.txt").write_text("one two three four five six seven eight nine ten. " * 20)
     (tmp_path / "ctx.txt").write_text("alpha beta gamma delta. " * 20)
@@ -203,12 +203,12 @@ def test_trust_remote_code_enters_capture_and_compact_recipes(tmp_path, tiny_lla
     for trust in (False, True):
         spy = _Spy(tmp_path / "store")
         cfg = CaptureConfig(splits=(2,), held_out=0, trust_remote_code=trust)
-        assert capture(spy, str(tiny_llama), [str(tmp_path / "d.txt")], cfg, Output(quiet=True)) == ("HIT", True)
+        assert capture(spy, str(tiny_llama), [str(tmp_path / "d.txt")], cfg, quiet()) == ("HIT", True)
         assert spy.seen.get("trust_remote_code", False) is trust
         assert ("trust_remote_code" in spy.seen) is trust  # off: the key is absent, so existing ids stay as they were
         ids[trust] = recipe_id(spy.seen)
         spy = _Spy(tmp_path / "store")
-        assert compact(spy, str(tiny_llama), tmp_path / "ctx.txt", CompactConfig(), Output(quiet=True),
+        assert compact(spy, str(tiny_llama), tmp_path / "ctx.txt", CompactConfig(), quiet(),
                        trust_remote_code=trust) == ("HIT", True)
         assert spy.seen.get("trust_remote_code", False) is trust and ("trust_remote_code" in spy.seen) is trust
     assert ids[False] != ids[True]
@@ -239,7 +239,6 @@ def test_solve_and_fold_take_trust_remote_code_from_the_recipe(tmp_path, tiny_ll
     id); an `info` saying otherwise (unhashed, editable) is ignored."""
     from ridgefill.fold.run import FoldConfig, fold
     from ridgefill.models import resolve_model
-    from ridgefill.output import Output
     from ridgefill.capture.artifact import open_model
 
     st = Store(tmp_path / "store")
@@ -256,7 +255,7 @@ def test_solve_and_fold_take_trust_remote_code_from_the_recipe(tmp_path, tiny_ll
     with st.build("compact", comp_recipe) as b:
         comp = b.commit(info={**info, **info_extra})
     with pytest.raises(_Loaded):
-        fold(st, comp.id, FoldConfig(), Output(quiet=True))
+        fold(st, comp.id, FoldConfig(), quiet())
     assert load_spy == [where == "recipe"] * 2
 
 
@@ -303,7 +302,6 @@ def test_upstream_artifacts_are_found_through_the_hashed_recipe_not_info(tmp_pat
     from ridgefill.evaluate.source import load_source
     from ridgefill.export.build import export
     from ridgefill.solve.artifact import calibration_mean
-    from ridgefill.output import Output
 
     a, b = fake_chain(tmp_path), fake_chain(tmp_path, d_in=192)
     st = Store(tmp_path)
@@ -315,7 +313,7 @@ def test_upstream_artifacts_are_found_through_the_hashed_recipe_not_info(tmp_pat
     q = st.get(a["quantize"])
     assert st.upstream(q, "solve").id == a["solve"] and st.upstream(q, "capture").id == a["capture"]
     assert calibration_mean(st, st.get(a["solve"])).shape == (160,)
-    art, _, _ = export(st, a["quantize"], None, Output(quiet=True))
+    art, _, _ = export(st, a["quantize"], None, quiet())
     manifest = json.loads((art.path / "ridgefill.json").read_text())
     assert (manifest["fit"]["solve_id"], manifest["fit"]["capture_id"]) == (a["solve"], a["capture"])
     assert load_source(st, a["quantize"]).calibration == frozenset({"a" * 64})

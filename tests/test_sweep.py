@@ -12,9 +12,8 @@ from ridgefill.artifacts import Store
 from ridgefill.sweep import SweepConfig, sweep
 from ridgefill.sweep.config import default_splits, parse_splits
 from ridgefill.errors import BadInput
-from ridgefill.output import Output
 from clirun import cli_here
-from conftest import SMALL_CHAIN
+from conftest import SMALL_CHAIN, quiet
 
 SMALL = ["--length", "600", "--tail", "48", "--scored", "16", "--needles", "16", "--documents", "2"]
 CFG = SweepConfig(splits=(1, 2, 3), length=600, tail=48, scored=16, needles=16, documents=2)
@@ -54,7 +53,7 @@ def both(tmp_path_factory, tiny_llama_1k, data):
 
             cfg = replace(CFG, exhaustive=mode == "exhaustive")
             wall, cpu = time.perf_counter(), time.process_time()
-            art, cached = sweep(st, str(tiny_llama_1k), cfg, Output(quiet=True), data=[str(data)],
+            art, cached = sweep(st, str(tiny_llama_1k), cfg, quiet(), data=[str(data)],
                                 capture_args=CAPTURE)
             spent[mode] = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
             assert not cached
@@ -394,14 +393,14 @@ def test_a_stopped_sweep_resumes_where_it_was(tmp_path, tiny_llama_1k, data, bot
 
     monkeypatch.setattr(NeedleMemo, "save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        sweep(st, str(tiny_llama_1k), CFG, Output(quiet=True), data=[str(data)], capture_args=CAPTURE)
+        sweep(st, str(tiny_llama_1k), CFG, quiet(), data=[str(data)], capture_args=CAPTURE)
     work = list((st.root / "sweep").glob(".work-*"))
     assert len(work) == 1
     saved = json.loads((work[0] / "needles.json").read_text())
     assert len(saved["exact"]) == 3
 
     monkeypatch.setattr(NeedleMemo, "save", real_save)
-    art, cached = sweep(st, str(tiny_llama_1k), CFG, Output(quiet=True), data=[str(data)], capture_args=CAPTURE)
+    art, cached = sweep(st, str(tiny_llama_1k), CFG, quiet(), data=[str(data)], capture_args=CAPTURE)
     assert not cached and not work[0].exists()
     res, want = json.loads(art.file("sweep.json").read_text()), both[1]["adaptive"][1]
     assert art.id == both[1]["adaptive"][0].id

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ridgefill.engines import plan, served
+from conftest import quiet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -212,10 +213,9 @@ def test_served_release_refuses_a_damaged_release(chain, tmp_path):
 def test_served_release_refuses_configurations_a_chunked_prefill_cannot_apply(chain, tmp_path):
     from ridgefill.errors import BadInput
     from ridgefill.export import export
-    from ridgefill.output import Output
 
     out = tmp_path / "rows"
-    export(chain.store, chain.sol.id, out, Output(quiet=True), configuration="ridgefill+rows")
+    export(chain.store, chain.sol.id, out, quiet(), configuration="ridgefill+rows")
     with pytest.raises(BadInput, match="configuration ridgefill\\+rows needs the whole prompt's tail"):
         served.load(out)
 
