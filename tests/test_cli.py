@@ -82,6 +82,26 @@ def tiny_release(folder) -> None:
     release.write_release(folder, maps, manifest, "# card\n")
 
 
+def test_eval_and_sweep_option_defaults_are_their_configs():
+    """Each `eval` / `sweep` option that names a setting defaults to the setting's value in EvalConfig / SweepConfig
+    (one place per default; a literal in the command would drift from the config the recipe and the benches use)."""
+    import dataclasses
+    import inspect
+
+    from ridgefill.cli.eval import eval_
+    from ridgefill.cli.sweep import sweep
+    from ridgefill.evaluate.config import EvalConfig
+    from ridgefill.sweep.config import SweepConfig
+
+    for command, config in ((eval_, EvalConfig()), (sweep, SweepConfig())):
+        params = inspect.signature(inspect.unwrap(command)).parameters
+        checked = [f.name for f in dataclasses.fields(config) if f.name in params
+                   and params[f.name].default is not None and not isinstance(getattr(config, f.name), tuple)]
+        assert checked, command
+        for name in checked:
+            assert params[name].default == getattr(config, name), (command.__name__, name)
+
+
 def test_quiet_silences_info_but_not_the_result(tmp_path):
     tiny_release(tmp_path / "rel")
     loud, quiet = here("verify", tmp_path / "rel", "--json"), here("verify", tmp_path / "rel", "--json", "-q")

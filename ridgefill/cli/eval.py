@@ -8,7 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from ridgefill.cli.common import ModelArg, done, output, placed, store
-from ridgefill.runtime.rows import DEFAULT_TAIL
+from ridgefill.evaluate.config import DEFAULT_ARMS, EvalConfig
+
+D = EvalConfig()  # each option's default
 
 
 @placed
@@ -16,28 +18,27 @@ def eval_(
     model: ModelArg,
     source: Annotated[str, typer.Argument(help="Release folder, or a solve / quantize artifact id.")],
     arms: Annotated[Optional[list[str]], typer.Option("--arms", help="exact, ridgefill, identity, nofill, or a fill arm with +corrections (vscale, kscale, kshift, state) and a +selector (rows, protected; its :random and :tail controls are added); repeatable; default: the first four, and the release's configured arm.")] = None,
-    tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = DEFAULT_TAIL,
+    tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = D.tail,
     lengths: Annotated[Optional[list[int]], typer.Option("--lengths", help="Needle context lengths (repeatable).")] = None,
     depths: Annotated[Optional[list[float]], typer.Option("--depths", help="Needle depths in the context (repeatable).")] = None,
     tasks: Annotated[Optional[list[str]], typer.Option("--tasks", help="single, multikey, multivalue (repeatable).")] = None,
-    samples: Annotated[int, typer.Option("--samples", help="Needle samples per (length, depth, task).")] = 1,
-    documents: Annotated[int, typer.Option("--documents", help="Long documents for the NLL figures.")] = 4,
-    doc_tokens: Annotated[int, typer.Option("--doc-tokens", help="Length of each long document.")] = 2048,
-    scored: Annotated[int, typer.Option("--scored", help="Scored stretch: the last tokens of each document.")] = 256,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    samples: Annotated[int, typer.Option("--samples", help="Needle samples per (length, depth, task).")] = D.samples,
+    documents: Annotated[int, typer.Option("--documents", help="Long documents for the NLL figures.")] = D.documents,
+    doc_tokens: Annotated[int, typer.Option("--doc-tokens", help="Length of each long document.")] = D.doc_tokens,
+    scored: Annotated[int, typer.Option("--scored", help="Scored stretch: the last tokens of each document.")] = D.scored,
+    seed: Annotated[int, typer.Option("--seed")] = D.seed,
     gate: Annotated[Optional[Path], typer.Option("--gate", help="TOML thresholds (on the file's arm, default the release's configured arm); exit 3 when one fails.")] = None,
     place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
 ) -> None:
     """Measure the fill arms against exact (needles, ΔNLL, KL) and gate the release."""
     from ridgefill.errors import GateFailed
-    from ridgefill.evaluate import DEFAULT_ARMS, EvalConfig, check, evaluate, record
+    from ridgefill.evaluate import check, evaluate, record
     from ridgefill.evaluate.gate import load_gate
     from ridgefill.evaluate.source import configuration_of
 
     out = output()
-    default = EvalConfig()
-    cfg = EvalConfig(arms=tuple(arms or DEFAULT_ARMS), tail=tail, lengths=tuple(lengths or default.lengths),
-                     depths=tuple(depths or default.depths), tasks=tuple(tasks or default.tasks), samples=samples,
+    cfg = EvalConfig(arms=tuple(arms or DEFAULT_ARMS), tail=tail, lengths=tuple(lengths or D.lengths),
+                     depths=tuple(depths or D.depths), tasks=tuple(tasks or D.tasks), samples=samples,
                      documents=documents, doc_tokens=doc_tokens, scored=scored, seed=seed)
     if gate:  # before any work: a gate it cannot pass (its default arm is the release's configured one)
         configured = configuration_of(source)

@@ -8,5 +8,5 @@ Importing this package does not import torch; `ridgefill.runtime` does.
 
 from ridgefill.lazy import exports
 
-__getattr__, __all__ = exports(__name__, {"DEFAULT_ARMS": "run", "EvalConfig": "run", "check": "run",
+__getattr__, __all__ = exports(__name__, {"DEFAULT_ARMS": "config", "EvalConfig": "config", "check": "run",
                                           "evaluate": "run", "record": "run"})

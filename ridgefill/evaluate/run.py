@@ -17,41 +17,24 @@ the gate file names one. Arms given by name are measured as given.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
 from ridgefill.evaluate.artifact import RESULTS
+from ridgefill.evaluate.config import DEFAULT_ARMS, EvalConfig
 from ridgefill.evaluate.measure import eval_documents, measure_documents, measure_needles, time_prefills
 from ridgefill.evaluate.source import MapsSource, load_source
 from ridgefill.evaluate.summary import manifest_summary, summarize
 from ridgefill.output import Output
-from ridgefill.runtime.rows import DEFAULT_TAIL
 
 FORMAT_VERSION = 8  # 2: single needles in noise filler; 3: nofill needles, "ridgefill+rows"; 4: row 0 exact;
 # 5: arms built from one exact run per prompt, speed from one timed prefill per arm and length ("timing");
 # 6: prefix rows whose split state is an outlier by norm (later sinks) run exactly; 7: corrections, selectors and
 # their controls (evaluate/arms.py), paired comparisons ("pairs"); 8: those rows by the maps' exact-row norm, row by
 # row, instead of 20x the prefix's median
-DEFAULT_ARMS = ("exact", "ridgefill", "identity", "nofill")  # the rest are asked for by name (evaluate/arms.py)
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    arms: tuple[str, ...] = DEFAULT_ARMS
-    tail: int = DEFAULT_TAIL
-    lengths: tuple[int, ...] = (2048, 4096)
-    depths: tuple[float, ...] = (0.25, 0.5)
-    tasks: tuple[str, ...] = ("single", "multikey", "multivalue")
-    samples: int = 1  # per (length, depth, task) cell
-    documents: int = 4
-    doc_tokens: int = 2048
-    scored: int = 256
-    seed: int = 0
-    bootstrap: int = 10000
-
 
 
 def check(cfg: EvalConfig, configuration: str = "ridgefill") -> list:
