@@ -17,15 +17,17 @@ with the model's cache there (capture/kvstate.py); after a crash (even `kill -9`
 inside the document if it stopped in one (a torchrun run at its last finished round), and writes statistics
 byte-identical to an uninterrupted run.
 The run itself (load, plan, feed, checkpoint, write) is capture/runner.py's; the artifact's files are
-capture/artifact.py's; units and blocks, capture/units.py's.
+capture/artifact.py's; units and blocks, capture/units.py's; the settings (`CaptureConfig`) and defaults,
+capture/config.py's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from ridgefill.artifacts import Artifact, Store
+from ridgefill.capture.config import CHECKPOINT_EVERY, CaptureConfig
 from ridgefill.capture.corpus import read_corpus, split_held_out
 from ridgefill.capture.dist import World
 from ridgefill.capture.forward import PRODUCT_DTYPES
@@ -33,24 +35,9 @@ from ridgefill.capture.runner import Hooks, Job, Runner
 from ridgefill.capture.units import SKIP_FIRST
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
-from ridgefill.runtime.rows import OUTLIER_RATIO
 
 FORMAT_VERSION = 3  # 2: whole documents through the KV cache (was: independent windows), blocks, float32 products;
 # 3: rows whose split state is an outlier by norm are not fitted
-
-
-@dataclass(frozen=True)
-class CaptureConfig:
-    splits: tuple[int, ...] = ()  # empty: the model's default split
-    chat: bool = False
-    chunk: int = 1024  # tokens per forward through the KV cache
-    max_length: int | None = None  # truncate documents; None: the model's context
-    held_out: int = 4
-    held_out_rows: int = 2048
-    seed: int = 0
-    product_dtype: str = "float32"  # the per-chunk centred products (totals are float64 either way)
-    trust_remote_code: bool = False
-    outlier_ratio: float = OUTLIER_RATIO  # rows whose split state exceeds this x their chunk's median norm: not fitted
 
 
 def capture(
@@ -59,7 +46,7 @@ def capture(
     data: list[str],
     cfg: CaptureConfig,
     out: Output,
-    checkpoint_every: float = 30.0,
+    checkpoint_every: float = CHECKPOINT_EVERY,
     after_unit: Callable[[int], None] | None = None,
     *,
     place=None,
