@@ -143,7 +143,7 @@ def _kinds_of(config) -> dict[str, str]:
 
 def load_recipe(path: Path) -> Recipe:
     """Parse and check a recipe file; BadInput names the first problem."""
-    from ridgefill.capture import CaptureConfig
+    from ridgefill.capture.config import DEFAULT_DATA, CaptureConfig
     from ridgefill.evaluate import EvalConfig
 
     path = Path(path)
@@ -164,7 +164,7 @@ def load_recipe(path: Path) -> Recipe:
     cap = dict(_known(doc.get("capture", {}), {f.name for f in fields(CaptureConfig)} | {"data", *PLACE_KEYS},
                       "capture"))
     _typed(cap, {**_kinds_of(CaptureConfig), "data": "string | list of string", **PLACE_KINDS}, "capture")
-    cap.setdefault("data", ["builtin:default"])
+    cap.setdefault("data", list(DEFAULT_DATA))
     if isinstance(cap["data"], str):
         cap["data"] = [cap["data"]]
     cap["data"] = [d if d.startswith("builtin:") else str(rel(d)) for d in cap["data"]]

@@ -33,6 +33,10 @@ def test_help_does_not_import_torch():
         assert cmd in r.stdout
     # shell completion is on, and costs --help no heavy import
     assert "--install-completion" in r.stdout and "--show-completion" in r.stdout
+    # nor does a command's help, its defaults read from its config (capture/config.py)
+    r = run_main_and_list_heavy("capture", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "HEAVY []" in r.stdout and "--checkpoint-every" in r.stdout
 
 
 def test_version_prints_the_package_version_without_torch():
@@ -82,24 +86,56 @@ def tiny_release(folder) -> None:
     release.write_release(folder, maps, manifest, "# card\n")
 
 
-def test_eval_and_sweep_option_defaults_are_their_configs():
-    """Each `eval` / `sweep` option that names a setting defaults to the setting's value in EvalConfig / SweepConfig
-    (one place per default; a literal in the command would drift from the config the recipe and the benches use)."""
+def defaults_as_written(function) -> dict[str, str]:
+    """{parameter: its default as written in the source} of a function (a command: the one under its decorator)."""
+    import ast
+    import inspect
+    import textwrap
+
+    args = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(function)))).body[0].args
+    positional = args.posonlyargs + args.args
+    written = {a.arg: ast.unparse(d) for a, d in zip(positional[len(positional) - len(args.defaults):], args.defaults)}
+    return written | {a.arg: ast.unparse(d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None}
+
+
+def test_option_defaults_are_their_configs():
+    """Each `capture` / `eval` / `sweep` option that names a setting defaults to the setting's value in CaptureConfig
+    / EvalConfig / SweepConfig, written as `D.<setting>` (D: the command's config instance), not as a literal (one
+    place per default; a literal in the command would drift from the config the recipe and the benches use). A list
+    option defaults to None and falls back on the config's tuple in the command's body. capture's two defaults that
+    are no setting, the data and the checkpoint interval, are capture/config.py's constants, in the command and in
+    the stage alike."""
     import dataclasses
     import inspect
 
+    from ridgefill.capture import run as capture_stage
+    from ridgefill.capture.config import CHECKPOINT_EVERY, CaptureConfig
+    from ridgefill.cli.capture import capture
     from ridgefill.cli.eval import eval_
     from ridgefill.cli.sweep import sweep
     from ridgefill.evaluate.config import EvalConfig
     from ridgefill.sweep.config import SweepConfig
 
-    for command, config in ((eval_, EvalConfig()), (sweep, SweepConfig())):
-        params = inspect.signature(inspect.unwrap(command)).parameters
-        checked = [f.name for f in dataclasses.fields(config) if f.name in params
-                   and params[f.name].default is not None and not isinstance(getattr(config, f.name), tuple)]
-        assert checked, command
-        for name in checked:
-            assert params[name].default == getattr(config, name), (command.__name__, name)
+    for command, config in ((capture, CaptureConfig()), (eval_, EvalConfig()), (sweep, SweepConfig())):
+        params, written = inspect.signature(inspect.unwrap(command)).parameters, defaults_as_written(command)
+        named = [f.name for f in dataclasses.fields(config) if f.name in params]
+        assert named, command
+        for name in named:
+            value = getattr(config, name)
+            if isinstance(value, tuple):  # a list option: None, and the config's tuple in the body
+                assert params[name].default is None, (command.__name__, name)
+            else:
+                assert written[name] == f"D.{name}", (command.__name__, name, written[name])
+                assert params[name].default == value, (command.__name__, name)
+    # every other capture option is one of these three (--split fills CaptureConfig's splits)
+    capture_options = set(inspect.signature(inspect.unwrap(capture)).parameters) - {"model", "place"}
+    settings = {f.name for f in dataclasses.fields(CaptureConfig)}
+    assert capture_options - settings == {"data", "split", "checkpoint_every"}
+    body = inspect.getsource(inspect.unwrap(capture))
+    assert "tuple(split or D.splits)" in body and "list(data or DEFAULT_DATA)" in body
+    assert defaults_as_written(capture)["checkpoint_every"] == "CHECKPOINT_EVERY"
+    assert defaults_as_written(capture_stage.capture)["checkpoint_every"] == "CHECKPOINT_EVERY"
+    assert inspect.signature(capture_stage.capture).parameters["checkpoint_every"].default == CHECKPOINT_EVERY
 
 
 def test_quiet_silences_info_but_not_the_result(tmp_path):
