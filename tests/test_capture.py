@@ -73,6 +73,38 @@ def brute_force(model_dir, texts, docs, splits, max_length=256, outliers=None):
     return want
 
 
+def brute_force_kv(model_dir, texts, docs, splits, max_length=256):
+    """The key/value moments from one plain forward per calibration document: for every late attention layer l, its
+    keys before RoPE and QK-norm and its values from its true input through the layer's own input norm, k_proj and
+    v_proj ([rows, 2 * kv_heads * head_dim]), against the split state; float64 numpy. {split: (Moments, layers)}."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cfg = model.config
+    L, d = cfg.num_hidden_layers, cfg.hidden_size
+    kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * L
+    attn = [l for l in range(L) if kinds[l] != "linear_attention"]
+    layers = {s: [l for l in attn if l >= s] for s in splits}
+    width = 2 * cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads)
+    want = {s: Moments.empty(len(layers[s]), d, width) for s in splits}
+    for i in docs:
+        ids = tok(texts[i])["input_ids"][:max_length]
+        with torch.inference_mode():
+            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            targets = {}
+            for l in attn:
+                layer = model.model.layers[l]
+                h = layer.input_layernorm(hs[l][0])
+                targets[l] = torch.cat([layer.self_attn.k_proj(h), layer.self_attn.v_proj(h)], 1).double().numpy()
+        for s in splits:
+            keep = np.arange(1, len(ids))
+            x = hs[s][0].double().numpy()[keep]
+            want[s] = merge(want[s], moments_of(x, np.stack([targets[l][keep] for l in layers[s]])))
+    return {s: (want[s], layers[s]) for s in splits}
+
+
 def assert_moments_close(got, want, rel):
     assert got.n == want.n
     for f in ("mean_x", "cxx", "mean_y", "cxy", "yy"):
@@ -132,6 +164,31 @@ def test_stats_match_brute_force(tmp_path, tiny_llama, corpus, product_dtype):
     assert held["hidden.1"].shape[0] == held["doc"].shape[0] <= 40 + 2
     assert set(held["doc"].tolist()) == {i for i, d in enumerate(docs) if d["role"] == "held_out"}
     assert (held["pos"] != 0).all()  # never a document's first row
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3", "tiny_qwen3_next"])
+def test_key_value_stats_match_brute_force(tmp_path, corpus, fixture, request):
+    """Beside the inputs' moments, each split has the moments of the late attention layers' keys (before RoPE and
+    QK-norm) and values, from the same rows: those of a one-shot forward through each layer's own norm and
+    projections (Gated DeltaNet layers have none: a hybrid's kv moments cover its attention layers only)."""
+    from ridgefill.capture.artifact import kv_layers, load_stats
+
+    model = request.getfixturevalue(fixture)
+    store = Store(tmp_path / "store")
+    art, _ = run(store, model, corpus, splits=(1, 2))
+    calib = [i for i, d in enumerate(json.loads(art.file(DOCS).read_text())) if d["role"] == "calibration"]
+    texts = [(corpus / f"doc{i}.txt").read_text() for i in range(len(TEXTS))]
+    want = brute_force_kv(model, texts, calib, (1, 2))
+    for s in (1, 2):
+        got = load_stats(art, s, target="kv")
+        assert kv_layers(art, s) == want[s][1] and len(got.yy) == len(want[s][1]) > 0
+        assert_moments_close(got, want[s][0], 1e-5)
+        inputs = load_stats(art, s)  # the same rows: n, mean_x and cxx are the inputs' own
+        assert got.n == inputs.n
+        np.testing.assert_array_equal(got.mean_x, inputs.mean_x)
+        np.testing.assert_allclose(got.cxx, inputs.cxx, rtol=1e-12, atol=0)
+    if fixture == "tiny_qwen3_next":  # layers 0 and 2 are Gated DeltaNet: no keys, no kv moments
+        assert kv_layers(art, 1) == [1, 3] and kv_layers(art, 2) == [3]
 
 
 def test_cache_hit_loads_no_model(tmp_path, tiny_llama, corpus, monkeypatch):
@@ -457,7 +514,7 @@ def test_a_checkpoint_holds_one_cache_tensor_on_the_host_at_a_time(tmp_path):
 
         return Lazy("F32", (2, 3), 24, fetch)
 
-    empty = lambda: {("raw", 1): Moments.empty(2, 3, 3)}  # noqa: E731
+    empty = lambda: {("raw", 1, "input"): Moments.empty(2, 3, 3)}  # noqa: E731
     st = State(empty())
     st.doc_pos, st.doc_cache = 5, Snapshot({"version": 1, "layers": []}, {f"cache.{i}.keys": lazy(i) for i in range(4)})
     st.save(tmp_path, "the-id")
@@ -465,10 +522,10 @@ def test_a_checkpoint_holds_one_cache_tensor_on_the_host_at_a_time(tmp_path):
     arrays, meta = safetensors.load(tmp_path / "state.safetensors")
     assert meta["doc_pos"] == "5" and json.loads(meta["cache"]) == {"version": 1, "layers": []}
     assert [int(arrays[f"cache.{i}.keys"][0, 0]) for i in range(4)] == [0, 1, 2, 3]
-    back = State.load(tmp_path, "the-id", [("raw", 1)], empty, World())
+    back = State.load(tmp_path, "the-id", [("raw", 1, "input")], empty, World())
     assert back.doc_pos == 5 and set(back.doc_cache.tensors) == {f"cache.{i}.keys" for i in range(4)}
     np.testing.assert_array_equal(back.doc_cache.tensors["cache.2.keys"].fetch(), np.full((2, 3), 2, np.float32))
-    assert State.load(tmp_path, "another-id", [("raw", 1)], empty, World()).doc_pos == 0
+    assert State.load(tmp_path, "another-id", [("raw", 1, "input")], empty, World()).doc_pos == 0
 
 
 def test_checkpoint_every_0_saves_no_cache(tmp_path, tiny_llama, corpus):

@@ -1,8 +1,10 @@
 """The capture artifact (docs/store.md): its file names, how its files are written and read, the tokenizing every
 stage shares with it, and the model it was made with. Later stages read a capture only through this module.
 
-    stats.safetensors          float64 moments per (variant, split): `<variant>.split<S>.<field>` (capture/stats.py),
-                               metadata {splits, variants, num_layers}
+    stats.safetensors          float64 moments per (variant, split) of the late layers' inputs:
+                               `<variant>.split<S>.<field>` (capture/stats.py), and of the late attention layers' keys
+                               and values: `<variant>.split<S>.kv.<field>` (since format 4); metadata {splits,
+                               variants, num_layers, kv_layers}
     heldout.safetensors.zst    held-out rows: `hidden.<l>` float32 [rows, d] for every layer from the lowest split,
                                `doc`, `pos` int32 [rows]; metadata {layers}
     token_counts.safetensors   `counts` int64 [vocab]: unigram counts of the calibration documents (raw)
@@ -19,7 +21,7 @@ import numpy as np
 from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts.store import write_json
 from ridgefill.capture.corpus import Corpus
-from ridgefill.capture.stats import Moments, merge, mix
+from ridgefill.capture.stats import INPUT, Moments, merge, mix
 from ridgefill.errors import BadInput
 from ridgefill.formats import safetensors
 
@@ -33,13 +35,22 @@ CALIBRATION, HELD_OUT = "calibration", "held_out"  # documents.json roles
 # ------------------------------------------------------------------------------------------------ writing
 
 
-def write_stats(path: Path, moments: dict[tuple[str, int], Moments], splits, num_layers: int) -> None:
-    """stats.safetensors from {(variant, split): Moments}."""
+def stats_prefix(key: tuple) -> str:
+    """The tensor-name prefix of one set of moments: key (variant, split, target) -> `<variant>.split<S>` for the
+    late layers' inputs, `<variant>.split<S>.kv` for their keys and values (stats.INPUT, stats.KV)."""
+    variant, split, target = key
+    return f"{variant}.split{split}" + ("" if target == INPUT else f".{target}")
+
+
+def write_stats(path: Path, moments: dict[tuple, Moments], splits, num_layers: int, kv_layers) -> None:
+    """stats.safetensors from {(variant, split, target): Moments}; `kv_layers`: the late attention layers whose keys
+    and values the "kv" moments hold (in order)."""
     arrays: dict[str, np.ndarray] = {}
-    for (v, s), m in moments.items():
-        arrays.update(m.to_arrays(f"{v}.split{s}"))
-    variants = list(dict.fromkeys(v for v, _ in moments))
-    meta = {"splits": ",".join(map(str, splits)), "variants": ",".join(variants), "num_layers": str(num_layers)}
+    for key, m in moments.items():
+        arrays.update(m.to_arrays(stats_prefix(key)))
+    variants = list(dict.fromkeys(key[0] for key in moments))
+    meta = {"splits": ",".join(map(str, splits)), "variants": ",".join(variants), "num_layers": str(num_layers),
+            "kv_layers": ",".join(map(str, kv_layers))}
     safetensors.save(path / STATS, arrays, meta)
 
 
@@ -63,23 +74,33 @@ def write_documents(path: Path, corpus: Corpus, ids, calib, held) -> None:
 # ------------------------------------------------------------------------------------------------ reading
 
 
-def load_stats(art: Artifact, split: int, chat_share: float | None = None) -> Moments:
-    """The capture's moments for one split; raw and chat statistics mixed by `chat_share`."""
+def load_stats(art: Artifact, split: int, chat_share: float | None = None, target: str = INPUT) -> Moments:
+    """The capture's moments for one split and target (stats.INPUT: the late layers' inputs; stats.KV: the late
+    attention layers' keys and values, `kv_layers` of them); raw and chat statistics mixed by `chat_share`."""
     arrays, meta = safetensors.load(art.file(STATS))
     splits = [int(s) for s in meta["splits"].split(",")]
     if split not in splits:
         raise BadInput(f"capture {art.id} has no split {split} (it has {', '.join(map(str, splits))})")
-    raw = Moments.from_arrays(arrays, f"raw.split{split}")
+    if target != INPUT and f"{stats_prefix(('raw', split, target))}.n" not in arrays:
+        raise BadInput(f"capture {art.id} has no key/value statistics at split {split} (made before capture format 4, "
+                       "or no attention layer is above the split): capture again, or solve with --maps input")
+    raw = Moments.from_arrays(arrays, stats_prefix(("raw", split, target)))
     if "chat" not in meta["variants"].split(","):
         if chat_share not in (None, 0.0):
             raise BadInput(f"--chat-share: capture {art.id} has no chat statistics (capture with --chat)")
         return raw
-    chat = Moments.from_arrays(arrays, f"chat.split{split}")
+    chat = Moments.from_arrays(arrays, stats_prefix(("chat", split, target)))
     if chat_share is None:
         return merge(raw, chat)
     if not 0.0 <= chat_share <= 1.0:
         raise BadInput("--chat-share must be between 0 and 1")
     return mix(raw, chat, chat_share)
+
+
+def kv_layers(art: Artifact, split: int) -> list[int]:
+    """The late attention layers above `split` whose keys and values the capture's "kv" moments hold, in order."""
+    meta = safetensors.read_header(art.file(STATS))[1]
+    return [l for l in map(int, filter(None, meta.get("kv_layers", "").split(","))) if l >= split]
 
 
 def load_heldout(art: Artifact) -> dict[str, np.ndarray]:

@@ -44,7 +44,7 @@ class State:
     """Totals over finished blocks, the current block's partial statistics, held-out rows; saved exactly."""
 
     def __init__(self, total: dict):
-        self.total = total  # {(variant, split): Moments} over blocks < next_block
+        self.total = total  # {(variant, split, target): Moments} over blocks < next_block
         self.part = {k: Moments.empty(len(m.yy), len(m.mean_x), m.mean_y.shape[1]) for k, m in total.items()}  # same shapes
         self.held: dict[str, list[np.ndarray]] = {}  # rows of finished blocks
         self.part_held: dict[str, list[np.ndarray]] = {}  # rows of the current block
@@ -62,9 +62,9 @@ class State:
         if f.is_file():
             read, names, meta = _reader(f)
             if meta.get("id") == run_id:
-                for v, s in keys:
-                    st.total[(v, s)] = Moments.from_arrays(read, f"total.{v}.split{s}")
-                    st.part[(v, s)] = Moments.from_arrays(read, f"part.{v}.split{s}")
+                for key in keys:
+                    st.total[key] = Moments.from_arrays(read, f"total.{artifact.stats_prefix(key)}")
+                    st.part[key] = Moments.from_arrays(read, f"part.{artifact.stats_prefix(key)}")
                 for name in names:
                     for prefix, into in (("held.", st.held), ("partheld.", st.part_held)):
                         if name.startswith(prefix):
@@ -99,8 +99,8 @@ class State:
 
     def _arrays(self, which: dict) -> dict[str, np.ndarray]:
         arrays: dict[str, np.ndarray] = {}
-        for (v, s), m in which.items():
-            arrays.update(m.to_arrays(f"{v}.split{s}"))
+        for key, m in which.items():
+            arrays.update(m.to_arrays(artifact.stats_prefix(key)))
         return arrays
 
     def save(self, work: Path, run_id: str) -> None:
@@ -118,8 +118,8 @@ class State:
             lazy = self.doc_cache.tensors
         _write(work / STATE, arrays, lazy, meta)
 
-    def write_outputs(self, path: Path, splits, layers, num_layers) -> None:
-        artifact.write_stats(path, self.total, splits, num_layers)
+    def write_outputs(self, path: Path, splits, layers, num_layers, kv_layers) -> None:
+        artifact.write_stats(path, self.total, splits, num_layers, kv_layers)
         held = concat(self.held)
         if held:
             artifact.write_heldout(path, held, layers)

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ridgefill.capture.stats import Moments
+from ridgefill.capture.stats import INPUT, KV, Moments
 from ridgefill.capture.units import SKIP_FIRST
 from ridgefill.runtime.rows import outlier_rows
 
@@ -129,7 +129,8 @@ def chunk_moments(x, ys: list, product_dtype: str = "float32") -> Moments:
     cxy = torch.matmul(xc.T, yc, out=_buffer("cxy", dx, k * dy, wd, dev))  # [dx, n] @ [n, k*dy] -> [dx, k*dy]
     # [k]: squares summed in float64, one layer at a time (a float32 norm over n*dy terms is off by ~5e-3)
     yy = torch.stack([yc[:, i * dy:(i + 1) * dy].square().sum(dtype=torch.float64) for i in range(k)])
-    host = lambda t: t.to("cpu", torch.float64).numpy()  # noqa: E731
+    # copied: a float64 product on the CPU would otherwise be a view of the workspace, which the next call reuses
+    host = lambda t: t.to("cpu", torch.float64, copy=True).numpy()  # noqa: E731
     return Moments(
         n,
         host(mean_x),
@@ -141,22 +142,44 @@ def chunk_moments(x, ys: list, product_dtype: str = "float32") -> Moments:
 
 
 def fitted_moments(hs: dict, start: int, splits, num_layers: int, outlier_ratio: float,
-                   product_dtype: str = "float32") -> dict[int, Moments]:
-    """One chunk's statistics per split over the rows the maps are fitted on: {split: Moments}.
+                   product_dtype: str = "float32", kv_layers=(), kv_of=None) -> dict[tuple[int, str], Moments]:
+    """One chunk's statistics per split and target over the rows the maps are fitted on:
+    {(split, "input"): Moments of the late layers' inputs, (split, "kv"): Moments of their keys and values}.
 
     hs: {layer: h_l [rows, d]} for every layer from the lowest split (`document_chunks`), the chunk starting at
     document position `start`. Left out: a document's first row (an attention sink, `SKIP_FIRST`) and every row
     whose split state is an outlier by norm (`runtime.rows.outlier_rows` with `outlier_ratio`: a later sink, which
-    the fill runs exactly). {} when the chunk has no row left."""
+    the fill runs exactly). {} when the chunk has no row left.
+
+    `kv_of(l, h)` -> [rows, 2 * kv_heads * head_dim]: layer l's keys (before RoPE and QK-norm) and values for its
+    true input h (`key_value_targets`); computed once per chunk for each of `kv_layers` (the late attention layers)
+    and fitted for every split below them, as a key/value map predicts them (docs/method.md#keyvalue-maps)."""
     skip = SKIP_FIRST if start == 0 else 0
+    targets = {l: kv_of(l, hs[l]) for l in kv_layers} if kv_of is not None else {}  # [rows, 2kv] each
     out = {}
     for s in splits:
         x = hs[s][skip:]  # [n, d]
         if x.shape[0] < 1:
             break
         ys = [hs[l][skip:] for l in range(s, num_layers)]  # k x [n, d]
+        kvs = [targets[l][skip:] for l in sorted(targets) if l >= s]  # k_attn x [n, 2kv]
         sinks = outlier_rows(x, outlier_ratio)
         if sinks.any():
-            x, ys = x[~sinks], [y[~sinks] for y in ys]
-        out[s] = chunk_moments(x, ys, product_dtype)
+            x, ys, kvs = x[~sinks], [y[~sinks] for y in ys], [t[~sinks] for t in kvs]
+        out[(s, INPUT)] = chunk_moments(x, ys, product_dtype)
+        if kvs:
+            out[(s, KV)] = chunk_moments(x, kvs, product_dtype)
     return out
+
+
+def key_value_targets(adapter):
+    """`kv_of` for `fitted_moments`: layer l's keys and values for its true input h [rows, d], side by side as a
+    key/value map predicts them: [rows, kv_heads * head_dim keys (k_proj's order) + kv_heads * head_dim values]."""
+
+    def kv_of(l: int, h):
+        import torch
+
+        k, v = adapter.kv_raw(l, h)  # [rows, kv_heads, head_dim] each, on the layer's device
+        return torch.cat([k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1).to(k.device)], dim=1)
+
+    return kv_of

@@ -24,7 +24,7 @@ from ridgefill.capture import artifact, forward, kvstate  # forward.* looked up 
 from ridgefill.capture.checkpoint import State, concat
 from ridgefill.capture.corpus import Corpus
 from ridgefill.capture.dist import World
-from ridgefill.capture.stats import Moments, merge_into
+from ridgefill.capture.stats import INPUT, KV, Moments, merge_into
 from ridgefill.capture.units import Unit, blocks as make_blocks, make_units
 from ridgefill.output import Output
 
@@ -131,7 +131,13 @@ class Runner:
         self.lo = min(job.splits)
         self.layers = list(range(self.lo, job.ref.num_layers))  # every input needed: split states, late-layer inputs
         variants = ("raw", "chat") if cfg.chat else ("raw",)
-        self.keys = [(v, s) for v in variants for s in job.splits]
+        ad = self.lm.adapter
+        # the late attention layers: their keys and values are fitted too (key/value maps), for every split below one
+        self.kv_layers = [l for l in self.layers if not ad.is_linear(l)]
+        self.kv_width = ad.kv_width
+        self.kv_of = forward.key_value_targets(ad)
+        self.keys = [(v, s, t) for v in variants for s in job.splits
+                     for t in ((INPUT, KV) if any(l >= s for l in self.kv_layers) else (INPUT,))]
         d = job.ref.hidden_size
         self.held_like = ({f"hidden.{l}": ((d,), np.float32) for l in self.layers}
                           | {"doc": ((), np.int32), "pos": ((), np.int32)})  # one held-out row's arrays
@@ -187,7 +193,7 @@ class Runner:
     def write(self) -> Artifact:
         """Rank 0: the statistics, held-out rows, token counts and document list, then the manifest."""
         job, state, build, ids = self.job, self.state, self.build, self.ids
-        state.write_outputs(build.path, job.splits, self.layers, job.ref.num_layers)
+        state.write_outputs(build.path, job.splits, self.layers, job.ref.num_layers, self.kv_layers)
         artifact.write_counts(build.path, ids["raw"], job.calib, _vocab_size(self.lm))
         artifact.write_documents(build.path, job.corpus, ids, job.calib, job.held)
         return build.commit(info=self.info(), summary=self.summary(),
@@ -195,10 +201,17 @@ class Runner:
 
     # -- one document ----------------------------------------------------------------------------------------
 
-    def empty(self) -> dict[tuple[str, int], Moments]:
-        """Empty statistics per (variant, split): what a block is merged from."""
+    def empty(self) -> dict[tuple[str, int, str], Moments]:
+        """Empty statistics per (variant, split, target): what a block is merged from. The inputs of every late
+        layer (d wide), or the keys and values of every late attention layer (`kv_width` wide)."""
         d, num_layers = self.job.ref.hidden_size, self.job.ref.num_layers
-        return {kv: Moments.empty(num_layers - kv[1], d, d) for kv in self.keys}
+
+        def one(s: int, target: str) -> Moments:
+            if target == INPUT:
+                return Moments.empty(num_layers - s, d, d)
+            return Moments.empty(sum(l >= s for l in self.kv_layers), d, self.kv_width)
+
+        return {key: one(key[1], key[2]) for key in self.keys}
 
     def feed(self, u: Unit, part: dict, held_rows: dict, *, first: int = 0, cache=None,
              index: int | None = None) -> None:
@@ -231,9 +244,9 @@ class Runner:
         """Merge one chunk's fitted rows (sink and outliers left out: forward.fitted_moments) into `part`."""
         cfg = self.cfg
         fitted = forward.fitted_moments(hs, start, self.job.splits, self.job.ref.num_layers, cfg.outlier_ratio,
-                                cfg.product_dtype)
-        for s, m in fitted.items():
-            part[(u.variant, s)] = merge_into(part[(u.variant, s)], m)
+                                        cfg.product_dtype, self.kv_layers, self.kv_of)
+        for (s, target), m in fitted.items():
+            part[(u.variant, s, target)] = merge_into(part[(u.variant, s, target)], m)
 
     def keep_rows(self, u: Unit, start: int, hs: dict, held_rows: dict) -> None:
         """Append the held-out rows of one chunk that `u` keeps (every layer read, their document and position)."""
@@ -329,7 +342,7 @@ class Runner:
         truncated = [i for i in range(len(job.corpus.documents)) if ids["full_length"][i] > len(ids["raw"][i])]
         return {
             "splits": list(job.splits),
-            "rows": {f"{v}.split{s}": int(self.state.total[(v, s)].n) for v, s in self.keys},
+            "rows": {f"{v}.split{s}": int(self.state.total[(v, s, t)].n) for v, s, t in self.keys if t == INPUT},
             "calibration_documents": len(job.calib),
             "calibration_tokens": int(sum(len(ids["raw"][i]) for i in job.calib)),
             "held_out_documents": len(job.held),

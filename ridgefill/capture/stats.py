@@ -1,6 +1,7 @@
 """Streaming second moments for the ridge fit, merged exactly with Chan's parallel update (docs/capture.md).
 
-For one split, x is the split state h_S and y_l the input of late layer l. A `Moments` holds, in float64:
+For one split, x is the split state h_S and y_l the input of late layer l (or, for key/value maps, its keys and
+values). A `Moments` holds, in float64:
 n, mean_x [dx], cxx = sum (x - mean_x)(x - mean_x)^T [dx, dx], mean_y [k, dy],
 cxy[l] = sum (x - mean_x)(y_l - mean_y_l)^T [k, dx, dy], yy[l] = sum ||y_l - mean_y_l||^2 [k].
 Memory is independent of the number of rows. Pure numpy: no I/O, no torch.
@@ -13,6 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 FIELDS = ("n", "mean_x", "cxx", "mean_y", "cxy", "yy")
+# What a split's statistics fit: the late layers' inputs (y_l = h_l, an input map's target), or the late attention
+# layers' keys before RoPE and QK-norm and their values side by side (a key/value map's target, width 2 * kv_heads *
+# head_dim). Both share the rows, so their n, mean_x and cxx are equal.
+INPUT, KV = "input", "kv"
 
 
 @dataclass

@@ -109,16 +109,34 @@ class Adapter:
         and moved to the layer's device first, as the residual stream would be. Returns k, v:
         [rows, kv_heads, head_dim] in the model's dtype, on the layer's device.
         """
+        k, v = self.kv_raw(l, x)
+        return self.k_post(l, k), v
+
+    def kv_raw(self, l: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`kv` without the key norm: input norm -> k_proj, input norm -> v_proj. What a key/value map predicts
+        (docs/method.md#keyvalue-maps): k, v [rows, kv_heads, head_dim] in the model's dtype, on the layer's device."""
         with torch.inference_mode():
             x = x.to(device=self.layer_device(l), dtype=self.dtype)
             h = self.input_norm(l)(x)  # [rows, d]
             heads = (*h.shape[:-1], self.num_kv_heads, self.head_dim)
             k = self.k_proj(l)(h).view(heads)  # [rows, kv_heads * head_dim] -> [rows, kv_heads, head_dim]
-            norm = self.k_norm(l)
-            if norm is not None:
-                k = norm(k)  # RMS over head_dim, per head
             v = self.v_proj(l)(h).view(heads)  # [rows, kv_heads, head_dim]
         return k, v.to(k.device)
+
+    def k_post(self, l: int, k: torch.Tensor) -> torch.Tensor:
+        """What layer `l` does to k_proj's keys [rows, kv_heads, head_dim] before RoPE: its per-head key norm on
+        QK-norm models (cast to the model's dtype on the layer's device first), nothing otherwise."""
+        norm = self.k_norm(l)
+        if norm is None:
+            return k
+        with torch.inference_mode():
+            return norm(k.to(device=self.layer_device(l), dtype=self.dtype))  # RMS over head_dim, per head
+
+    @property
+    def kv_width(self) -> int:
+        """2 * kv_heads * head_dim: the width of an attention layer's keys and values side by side, what a key/value
+        map predicts per row."""
+        return 2 * self.num_kv_heads * self.head_dim
 
     def q(self, l: int, x: torch.Tensor) -> torch.Tensor:
         """Queries of layer `l` for input `x` [rows, d], before RoPE: input norm -> q_proj (-> q_norm).
