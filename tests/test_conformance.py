@@ -55,9 +55,28 @@ def _agrees(name: str, message: str | None) -> None:
 def test_the_corpus_covers_every_rule_with_at_least_40_cases(corpus):
     expected = json.loads((corpus / "expected.json").read_text())
     assert len(expected) >= 40 and set(expected) == set(CASES)
-    assert {e["rule"] for e in expected.values()} == set(range(11))
+    assert {e["rule"] for e in expected.values()} == set(range(13))
     assert sum(e["verdict"] == "ok" for e in expected.values()) >= 10
     assert sorted(p.name for p in corpus.iterdir()) == sorted([*expected, "expected.json"])
+
+
+def test_the_corpus_holds_both_formats_and_both_map_kinds(corpus):
+    """Valid /1 releases (written as before /2, layers not tied to the split) and valid /2 ones: all-kv int8 and f32,
+    a hybrid with input maps on its Gated DeltaNet layers and a kv map between them; rules 11 and 12 broken in
+    both."""
+    formats, kinds = {}, {}
+    for name, case in CASES.items():
+        m = json.loads((corpus / name / "ridgefill.json").read_text()) if case.verdict == "ok" else None
+        if m is not None:
+            formats.setdefault(m["format"], []).append(name)
+            kinds[name] = second.map_kinds(m)
+    assert len(formats["ridgefill-maps/1"]) >= 15 and len(formats["ridgefill-maps/2"]) >= 5
+    assert kinds["valid-int8"] == {2: "input", 12: "input", 13: "input"}  # /1: input maps, 2..13 not all there
+    assert kinds["valid-v2-kv-int8"] == kinds["valid-v2-kv-f32"] == {9: "kv", 10: "kv", 11: "kv"}
+    assert kinds["valid-v2-mixed-hybrid"] == {9: "input", 10: "kv", 11: "input"}
+    broken = {(c.rule, json.loads((corpus / n / "ridgefill.json").read_text()).get("format")) for n, c in
+              CASES.items() if c.rule in (11, 12) and (corpus / n / "ridgefill.json").is_file()}
+    assert broken == {(r, f) for r in (11, 12) for f in ("ridgefill-maps/1", "ridgefill-maps/2")}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

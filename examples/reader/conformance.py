@@ -1,5 +1,6 @@
-"""The conformance corpus of the release format `ridgefill-maps/1` (docs/format.md): release folders that a reader
-must accept and folders it must refuse, one per rule of the spec, each with its expected verdict.
+"""The conformance corpus of the release format `ridgefill-maps/2` and of `ridgefill-maps/1`, which readers still
+read (docs/format.md): release folders that a reader must accept and folders it must refuse, one or more per rule of
+the spec, each with its expected verdict.
 
     python examples/reader/conformance.py OUT        # writes OUT/<case>/ and OUT/expected.json
 
@@ -8,8 +9,11 @@ refusal's one-line message must start with `file` followed by ": " (the file or 
 every string of `names` (the field, tensor or file it is about, quoted as the message quotes it). `rule` is the
 number of the rule in the spec's "Verifying" list (0 for a valid folder).
 
-The valid releases are written by ridgefill's own writer; the invalid ones are those folders edited byte by byte,
-re-sealed where a case needs the hashes to agree, so that each case breaks one rule and no earlier one.
+The valid `/2` releases are written by ridgefill's own writer; the valid `/1` releases as that writer wrote them
+before `/2` (the same deterministic safetensors encoder, `write_v1`): layers 2, 12, 13 of 14 and 96-row maps of a
+160-wide model, which `/1` allows (it never tied `layers` to `split` nor the widths to the model). The invalid cases
+are those folders edited byte by byte, re-sealed where a case needs the hashes to agree, so that each case breaks one
+rule and no earlier one.
 tests/test_conformance.py runs `ridgefill verify`, the loader and the independent reader beside this file
 (ridgefill_reader.py) over the corpus.
 """
@@ -30,9 +34,16 @@ import numpy as np
 
 from ridgefill.formats import int8
 from ridgefill.formats.release import write_release
+from ridgefill.formats.release.names import facts_json, manifest_text
+from ridgefill.formats.safetensors import BF16, encode
+from ridgefill.numerics import f32_to_bf16_bits
 
-LAYERS = (2, 12, 13)  # "layer.12" sorts before "layer.2": a reader must not rely on name order
-D_IN, D_OUT = 160, 96  # the last scale group of a row is 32 columns wide
+LAYERS = (2, 12, 13)  # /1: "layer.12" sorts before "layer.2": a reader must not rely on name order
+D_IN, D_OUT = 160, 96  # /1: the last scale group of a row is 32 columns wide
+V1 = "ridgefill-maps/1"
+# /2: a 12-layer model split at 9 ("layer.10" sorts before "layer.9"), hidden size 160, 2 KV heads of 24 dims
+LAYERS2, SPLIT2, NUM_LAYERS2, KV_HEADS, HEAD_DIM = (9, 10, 11), 9, 12, 2, 24
+KV = 2 * KV_HEADS * HEAD_DIM  # a kv map's d_out: keys then values, 96 rows
 MANIFEST, MAPS, PROTECTED, CORRECTIONS = "ridgefill.json", "maps.safetensors", "protected.safetensors", \
     "corrections.safetensors"
 ITEMSIZE = {"I8": 1, "I32": 4, "BF16": 2, "F16": 2, "F32": 4}
@@ -42,6 +53,7 @@ ITEMSIZE = {"I8": 1, "I32": 4, "BF16": 2, "F16": 2, "F32": 4}
 
 
 def _manifest(kinds: dict[int, str] | None = None) -> dict:
+    """A /1 manifest (the writer sets `format`, `projector` and `files`)."""
     kinds = kinds or {}
     return {
         "model": {"name": "example/model-1", "revision": "0" * 40, "architecture": "llama", "num_layers": 14,
@@ -58,12 +70,13 @@ def _manifest(kinds: dict[int, str] | None = None) -> dict:
     }
 
 
-def _maps(quantized: bool, seed: int = 0) -> dict:
+def _maps(quantized: bool, seed: int = 0, shapes: dict[int, tuple[int, int]] | None = None) -> dict:
+    """{layer: map} as the writer takes them; `shapes` {layer: (d_out, d_in)}, by default the /1 ones."""
     rng = np.random.default_rng(seed)
     out = {}
-    for layer in LAYERS:
-        w = (rng.standard_normal((D_OUT, D_IN)) * 0.05).astype(np.float32)
-        b = rng.standard_normal(D_OUT).astype(np.float32)
+    for layer, shape in (shapes or {l: (D_OUT, D_IN) for l in LAYERS}).items():
+        w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        b = rng.standard_normal(shape[0]).astype(np.float32)
         if quantized:
             codes, bits = int8.quantize(w)
             out[layer] = {"codes": codes, "scale_bits": bits, "bias": b}
@@ -72,18 +85,80 @@ def _maps(quantized: bool, seed: int = 0) -> dict:
     return out
 
 
-def _write(d: Path, dtype: str = "int8", protected: bool = False, hybrid: bool = False, seed: int = 0) -> None:
+def _extras(protected: bool, linear: tuple[int, ...], seed: int) -> dict:
+    """The writer's keyword arguments for a protected-token table and the `linear` layers' state offsets."""
     kw: dict = {}
-    kinds = {12: "linear_attention", 13: "linear_attention"} if hybrid else None
     if protected:
         kw.update(protected=np.array([3, 7, 40 + seed], dtype=np.int32),
                   protected_facts={"share": 0.25, "types": 3, "max_count": 17})
-    if hybrid:
+    if linear:
         rng = np.random.default_rng(seed + 100)
-        kw.update(state_offsets={l: rng.standard_normal((2, 4, 4)).astype(np.float32) for l in (12, 13)},
+        kw.update(state_offsets={l: rng.standard_normal((2, 4, 4)).astype(np.float32) for l in linear},
                   state_facts={"chunk": 64, "states_per_layer": 8, "data_sha256": "ef" * 32})
-    write_release(d, _maps(dtype == "int8", seed), _manifest(kinds), "# example release\n",
-                  weight_dtype=None if dtype == "int8" else dtype, **kw)
+    return kw
+
+
+def _write(d: Path, dtype: str = "int8", protected: bool = False, hybrid: bool = False, seed: int = 0) -> None:
+    """A /1 release: layers 2, 12 and 13 (12 and 13 Gated DeltaNet in a hybrid), 96 x 160 input maps."""
+    kinds = {12: "linear_attention", 13: "linear_attention"} if hybrid else None
+    write_v1(d, _maps(dtype == "int8", seed), _manifest(kinds), dtype, **_extras(protected, (12, 13) if hybrid
+                                                                                  else (), seed))
+
+
+def write_v1(d: Path, maps: dict, manifest: dict, dtype: str, protected=None, protected_facts=None,
+             state_offsets=None, state_facts=None) -> None:
+    """A `ridgefill-maps/1` folder, byte for byte as ridgefill's writer wrote it before `/2` (which it now writes):
+    the same tensors, facts and deterministic encoder, `format` "ridgefill-maps/1"."""
+    tensors: dict = {}
+    for layer, m in maps.items():
+        bias = BF16(f32_to_bf16_bits(m["bias"])) if dtype != "f32" else m["bias"]
+        if dtype == "int8":
+            tensors.update({f"layer.{layer}.codes": m["codes"], f"layer.{layer}.scales": BF16(m["scale_bits"])})
+        else:
+            tensors[f"layer.{layer}.weight"] = BF16(f32_to_bf16_bits(m["weight"])) if dtype == "bf16" else m["weight"]
+        tensors[f"layer.{layer}.bias"] = bias
+    m = {**manifest, "format": V1, "projector": {"dtype": dtype, "group_size": int8.GROUP_SIZE if dtype == "int8"
+                                                 else None, "files": [MAPS]}}
+    extra = {}
+    if state_offsets:
+        extra[CORRECTIONS] = encode({f"layer.{l}.state_offset": o for l, o in state_offsets.items()}, {"format": V1})
+        m["corrections"] = {"state": {**state_facts, "file": CORRECTIONS, "layers": sorted(state_offsets),
+                                      "sha256": hashlib.sha256(extra[CORRECTIONS]).hexdigest()}}
+    if protected is not None:
+        extra[PROTECTED] = encode({"protected_token_ids": protected}, {"format": V1})
+        m["protected_tokens"] = {**protected_facts, "file": PROTECTED,
+                                 "sha256": hashlib.sha256(extra[PROTECTED]).hexdigest()}
+    blob = encode(tensors, {"format": V1, "ridgefill.facts": facts_json(m)})
+    m["files"] = {MAPS: hashlib.sha256(blob).hexdigest(),
+                  **{name: hashlib.sha256(data).hexdigest() for name, data in extra.items()}}
+    d.mkdir(parents=True)
+    for name, data in {MAPS: blob, **extra, MANIFEST: manifest_text(m).encode(),
+                       "README.md": b"# example release\n"}.items():
+        (d / name).write_bytes(data)
+
+
+def _manifest2(kinds: dict[int, str], maps: dict[int, str]) -> dict:
+    """A /2 manifest: layers 9..11 of 12 with their kinds and map kinds."""
+    m = _manifest()
+    m["model"].update(num_layers=NUM_LAYERS2, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                      architecture="qwen3_5" if "linear_attention" in kinds.values() else "qwen3")
+    m.update(split=SPLIT2, layers=[{"index": l, "kind": kinds[l], "map": maps[l]} for l in LAYERS2])
+    return m
+
+
+def _write2(d: Path, dtype: str, kinds: dict[int, str], maps: dict[int, str], corrections: bool = False,
+            protected: bool = False, seed: int = 0) -> None:
+    """A /2 release written by ridgefill's writer: kv maps [96, 160], input maps [160, 160]."""
+    shapes = {l: (KV if maps[l] == "kv" else D_IN, D_IN) for l in LAYERS2}
+    linear = tuple(l for l in LAYERS2 if kinds[l] == "linear_attention") if corrections else ()
+    write_release(d, _maps(dtype == "int8", seed, shapes), _manifest2(kinds, maps), "# example release\n",
+                  weight_dtype=None if dtype == "int8" else dtype, **_extras(protected, linear, seed))
+
+
+ATTENTION = {l: "full_attention" for l in LAYERS2}
+HYBRID = {9: "linear_attention", 10: "full_attention", 11: "linear_attention"}  # Qwen3.5's pattern, in part
+ALL_KV = {l: "kv" for l in LAYERS2}
+MIXED = {9: "input", 10: "kv", 11: "input"}  # Gated DeltaNet layers keep input maps
 
 
 # ---------------------------------------------------------------------------------------- editing a folder
@@ -294,6 +369,11 @@ def protected_release(d): _write(d, protected=True)
 def hybrid_release(d): _write(d, hybrid=True)
 def other_protected(d): _write(d, protected=True, seed=1)
 def other_hybrid(d): _write(d, hybrid=True, seed=1)
+def kv_int8(d): _write2(d, "int8", ATTENTION, ALL_KV)
+def kv_f32(d): _write2(d, "f32", ATTENTION, ALL_KV)
+def mixed_int8(d): _write2(d, "int8", HYBRID, MIXED, corrections=True, protected=True)
+def mixed_plain(d): _write2(d, "int8", HYBRID, MIXED)
+def input_bf16(d): _write2(d, "bf16", ATTENTION, {l: "input" for l in LAYERS2})
 
 
 def _text(fn: Callable[[str], str]) -> Callable[[Path], None]:
@@ -363,6 +443,15 @@ CASES = [
     Case("valid-exact-norm-integer", int8_release, facts(lambda m: m["fit"].update(exact_norm=812)), 0),
     Case("valid-facts-not-canonical", int8_release, lambda d: (tensors(MAPS, _unsorted_facts, resealed=False)(d),
                                                                _fix_maps_sha(d)), 0),
+    Case("valid-v1-no-skip-first-rows", int8_release, facts(lambda m: m["fit"].pop("skip_first_rows")), 0),
+    Case("valid-v1-split-at-last-layer", int8_release, facts(lambda m: m.update(split=13)), 0),
+    Case("valid-v2-kv-int8", kv_int8, None, 0),
+    Case("valid-v2-kv-f32", kv_f32, None, 0),
+    Case("valid-v2-mixed-hybrid", mixed_int8, None, 0),
+    Case("valid-v2-input-bf16", input_bf16, None, 0),
+    Case("valid-v2-configured-kscale", kv_int8, facts(lambda m: m.update(configuration={
+        "arm": "ridgefill+kscale", "sweep": None})), 0),
+    Case("valid-v2-largest-tail", kv_f32, facts(lambda m: m.update(tail_default=2**31 - 1)), 0),
     Case("manifest-missing", int8_release, lambda d: (d / MANIFEST).unlink(), 1, MANIFEST),
     Case("manifest-not-json", int8_release, _text(lambda t: t[:-3]), 1, MANIFEST, ("invalid JSON",)),
     Case("manifest-not-utf8", int8_release, lambda d: (d / MANIFEST).write_bytes(b'{"format": "\xff"}'), 1,
@@ -375,8 +464,8 @@ CASES = [
          1, MANIFEST, ("Infinity",)),
     Case("manifest-overflowing-number", int8_release, _text(lambda t: t.replace('"alpha": 0.001', '"alpha": 1e999')),
          1, MANIFEST, ("1e999",)),
-    Case("manifest-format", int8_release, edit(lambda m: m.update(format="ridgefill-maps/2")), 1, MANIFEST,
-         ("ridgefill-maps/2",)),
+    Case("manifest-format", int8_release, edit(lambda m: m.update(format="ridgefill-maps/3")), 1, MANIFEST,
+         ("ridgefill-maps/3",)),
     Case("manifest-symlink", int8_release, _symlink(MANIFEST), 1, MANIFEST, ("symbolic link",)),
     # 2: files
     Case("files-missing", int8_release, edit(lambda m: m.pop("files")), 2, MANIFEST, ("'files'",)),
@@ -427,6 +516,8 @@ CASES = [
     Case("maps-duplicate-tensor", int8_release, header(_duplicate_tensor), 7, MAPS, ("'layer.2.bias'",)),
     Case("maps-format-metadata", int8_release, tensors(MAPS, lambda ts, meta: meta.update(format="ridgefill-maps/X")),
          7, MAPS, ("ridgefill-maps/X",)),
+    Case("v2-maps-format-metadata-v1", kv_int8, tensors(MAPS, lambda ts, meta: meta.update(format=V1)), 7, MAPS,
+         (V1,)),
     Case("maps-no-facts", int8_release, lambda d: (tensors(MAPS, lambda ts, meta: meta.pop("ridgefill.facts"),
                                                            resealed=False)(d), _fix_maps_sha(d)), 7, MAPS),
     Case("facts-not-object", int8_release, lambda d: (tensors(MAPS, lambda ts, meta: meta.update(
@@ -505,6 +596,57 @@ CASES = [
         "layer.12.state_offset"].__setattr__("shape", [2, 16])), 10, CORRECTIONS, ("layer.12.state_offset",)),
     Case("offsets-layer-missing", hybrid_release, tensors(CORRECTIONS, lambda ts, m: ts.pop("layer.13.state_offset")),
          10, CORRECTIONS),
+    Case("v2-protected-format-metadata-v1", mixed_int8, tensors(PROTECTED, lambda ts, meta: meta.update(format=V1)),
+         10, PROTECTED, (V1,)),
+    # 11: the facts the release is applied with
+    Case("split-is-num-layers", int8_release, facts(lambda m: m.update(split=14)), 11, MANIFEST, ("'split'",)),
+    Case("split-negative", kv_int8, facts(lambda m: m.update(split=-1)), 11, MANIFEST, ("'split'",)),
+    Case("split-fraction", kv_int8, facts(lambda m: m.update(split=9.5)), 11, MANIFEST, ("'split'",)),
+    Case("split-string", int8_release, facts(lambda m: m.update(split="2")), 11, MANIFEST, ("'split'",)),
+    Case("num-layers-missing", int8_release, facts(lambda m: m["model"].pop("num_layers")), 11, MANIFEST,
+         ("'model.num_layers'",)),
+    Case("tail-zero", int8_release, facts(lambda m: m.update(tail_default=0)), 11, MANIFEST, ("'tail_default'",)),
+    Case("tail-overflows", kv_int8, facts(lambda m: m.update(tail_default=10**30)), 11, MANIFEST,
+         ("'tail_default'",)),
+    Case("tail-past-int32", int8_release, facts(lambda m: m.update(tail_default=2**31)), 11, MANIFEST,
+         ("'tail_default'",)),
+    Case("tail-bool", kv_int8, facts(lambda m: m.update(tail_default=True)), 11, MANIFEST, ("'tail_default'",)),
+    Case("skip-first-rows-negative", int8_release, facts(lambda m: m["fit"].update(skip_first_rows=-1)), 11,
+         MANIFEST, ("'fit.skip_first_rows'",)),
+    Case("skip-first-rows-string", kv_int8, facts(lambda m: m["fit"].update(skip_first_rows="1")), 11, MANIFEST,
+         ("'fit.skip_first_rows'",)),
+    Case("v2-skip-first-rows-missing", kv_int8, facts(lambda m: m["fit"].pop("skip_first_rows")), 11, MANIFEST,
+         ("'fit.skip_first_rows'",)),
+    Case("v2-layers-start-below-split", kv_int8, facts(lambda m: m.update(split=10)), 11, MANIFEST, ("'layers'",)),
+    Case("v2-layers-stop-short", kv_int8, facts(lambda m: m["model"].update(num_layers=13)), 11, MANIFEST,
+         ("'layers'",)),
+    Case("v2-layers-descending", kv_int8, facts(lambda m: m["layers"].reverse()), 11, MANIFEST, ("'layers'",)),
+    # 12: map kinds and widths
+    Case("v1-layer-with-map", int8_release, facts(lambda m: m["layers"][0].update(map="input")), 12, MANIFEST,
+         ("'layers[0].map'",)),
+    Case("v2-map-missing", kv_int8, facts(lambda m: m["layers"][1].pop("map")), 12, MANIFEST, ("'layers[1].map'",)),
+    Case("v2-map-unknown", kv_int8, facts(lambda m: m["layers"][2].update(map="keys")), 12, MANIFEST,
+         ("'layers[2].map'",)),
+    Case("v2-map-null", mixed_int8, facts(lambda m: m["layers"][0].update(map=None)), 12, MANIFEST,
+         ("'layers[0].map'",)),
+    Case("v2-layer-extra-key", kv_int8, facts(lambda m: m["layers"][0].update(rope=True)), 12, MANIFEST,
+         ("'layers[0]'",)),
+    Case("v2-kv-on-linear-attention", mixed_plain, facts(lambda m: m["layers"][1].update(kind="linear_attention")),
+         12, MANIFEST, ("'layers[1].map'",)),
+    Case("v2-num-kv-heads-missing", kv_int8, facts(lambda m: m["model"].pop("num_kv_heads")), 12, MANIFEST,
+         ("'model.num_kv_heads'",)),
+    Case("v2-head-dim-zero", kv_f32, facts(lambda m: m["model"].update(head_dim=0)), 12, MANIFEST,
+         ("'model.head_dim'",)),
+    Case("v2-hidden-size-string", mixed_int8, facts(lambda m: m["model"].update(hidden_size="160")), 12, MANIFEST,
+         ("'model.hidden_size'",)),
+    Case("v2-kv-width", mixed_int8, facts(lambda m: m["model"].update(head_dim=16)), 12, MAPS,
+         ("'layer.10.codes'", "[64, 160]")),
+    Case("v2-kv-map-said-input", mixed_int8, facts(lambda m: m["layers"][1].update(map="input")), 12, MAPS,
+         ("'layer.10.codes'", "[160, 160]")),
+    Case("v2-input-map-said-kv", input_bf16, facts(lambda m: m["layers"][1].update(map="kv")), 12, MAPS,
+         ("'layer.10.weight'", "[96, 160]")),
+    Case("v2-hidden-size", kv_f32, facts(lambda m: m["model"].update(hidden_size=128)), 12, MAPS,
+         ("[96, 128]",)),  # every layer is too wide: any may be named
 ]
 
 

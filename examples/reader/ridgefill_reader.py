@@ -1,4 +1,4 @@
-"""A minimal second reader for the `ridgefill-maps/1` release format.
+"""A minimal second reader for the release formats `ridgefill-maps/2` and `ridgefill-maps/1`.
 
 Written from docs/format.md alone (Files, Tensors, Manifest, Verifying, Applying a map), without the project's
 own reader, to show that the spec is enough for a runtime author; the conformance tests run it beside the
@@ -8,7 +8,9 @@ project's reader. Standard library and numpy only: the safetensors bytes are par
 
 `read_release(folder)` checks the rules of "Verifying" in their order and returns
 `(manifest, {layer: (W float32 [d_out, d_in], b float32 [d_out])})`, or raises `Refused` with one line that
-starts with the file at fault and quotes the manifest field or tensor at fault.
+starts with the file at fault and quotes the manifest field or tensor at fault. `map_kinds(manifest)` says what
+each map predicts: "input" (x_hat, every map of a `/1` release) or "kv" (the layer's keys, before RoPE and QK-norm,
+then its values).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import sys
 
 import numpy as np
 
-FORMAT = "ridgefill-maps/1"
+V1, V2 = "ridgefill-maps/1", "ridgefill-maps/2"
+FORMATS = (V1, V2)
 MANIFEST, MAPS, README = "ridgefill.json", "maps.safetensors", "README.md"
 PROTECTED, CORRECTIONS = "protected.safetensors", "corrections.safetensors"
 EXTRA = (("protected_tokens", PROTECTED), ("corrections.state", CORRECTIONS))  # the optional tensor files
@@ -190,8 +193,8 @@ def read_release(folder):
     except UnicodeDecodeError:
         refuse(MANIFEST, "not UTF-8")
     need(isinstance(manifest, dict), MANIFEST, "not a JSON object")
-    need(manifest.get("format") == FORMAT, MANIFEST,
-         f"'format' is {show(manifest.get('format', MISSING))}, not '{FORMAT}'")
+    fmt = manifest.get("format", MISSING)
+    need(fmt in FORMATS, MANIFEST, f"'format' is {show(fmt)}, not '{V1}' or '{V2}'")
     # 2. files
     files = manifest.get("files")
     need(isinstance(files, dict) and files, MANIFEST, "'files' is not a non-empty object")
@@ -235,8 +238,8 @@ def read_release(folder):
     # 7. maps.safetensors and its facts
     parsed = {MAPS: parse_safetensors(data[MAPS], MAPS)}
     meta = parsed[MAPS][0]
-    need(meta.get("format") == FORMAT, MAPS, f"'format' metadata is {show(meta.get('format', MISSING))}, "
-                                             f"not '{FORMAT}'")
+    need(meta.get("format") == fmt, MAPS, f"'format' metadata is {show(meta.get('format', MISSING))}, "
+                                          f"not the manifest's '{fmt}'")
     need("ridgefill.facts" in meta, MAPS, "no 'ridgefill.facts' metadata (written before facts were recorded: "
                                           "export it again)")
     facts = strict_json(meta["ridgefill.facts"], MAPS, "'ridgefill.facts' is not valid JSON")
@@ -255,14 +258,77 @@ def read_release(folder):
     # 10. the tensors
     parsed.update({name: parse_safetensors(data[name], name) for name in named if name != MAPS})
     for name, (meta, _) in parsed.items():
-        need(meta.get("format") == FORMAT, name,
-             f"'format' metadata is {show(meta.get('format', MISSING))}, not '{FORMAT}'")
+        need(meta.get("format") == fmt, name,
+             f"'format' metadata is {show(meta.get('format', MISSING))}, not the manifest's '{fmt}'")
     for name, (_, tensors) in parsed.items():
         for t, (dtype, _, _) in sorted(tensors.items()):
             need(dtype in NUMPY, name, f"tensor {q(t)} has dtype {dtype}, not one of I8, I32, BF16, F32")
     check_configuration(manifest)
     check_exact_norm(manifest)
-    return manifest, tensor_checks(manifest, parsed, pfiles, named)
+    maps = tensor_checks(manifest, parsed, pfiles, named)
+    check_applied(manifest)  # 11
+    check_map_kinds(manifest)  # 12
+    if fmt == V2:
+        check_widths(manifest, maps, pfiles)
+    return manifest, maps
+
+
+def check_applied(manifest):
+    """Rule 11: the facts a runtime applies the release with. Integers as a JavaScript reader sees them."""
+    layers_n = as_int(get(manifest, "model.num_layers"))
+    need(layers_n is not None and layers_n > 0, MANIFEST,
+         f"'model.num_layers' is {show(get(manifest, 'model.num_layers'))}, not a positive integer")
+    split = as_int(manifest.get("split"))
+    need(split is not None and 0 <= split < layers_n, MANIFEST,
+         f"'split' is {show(manifest.get('split', MISSING))}, not an integer in [0, {layers_n})")
+    tail = as_int(manifest.get("tail_default"))
+    need(tail is not None and 1 <= tail <= 2**31 - 1, MANIFEST,
+         f"'tail_default' is {show(manifest.get('tail_default', MISSING))}, not an integer in [1, 2**31 - 1]")
+    skip = get(manifest, "fit.skip_first_rows")
+    v1 = manifest["format"] == V1
+    need(skip is not MISSING or v1, MANIFEST, "'fit.skip_first_rows' is missing")
+    need((skip is MISSING and v1) or (as_int(skip) is not None and skip >= 0), MANIFEST,
+         f"'fit.skip_first_rows' is {show(skip)}, not an integer >= 0")
+    if not v1:
+        indices = [as_int(e.get("index")) if isinstance(e, dict) else None for e in manifest["layers"]]
+        need(indices == list(range(split, layers_n)), MANIFEST,
+             f"'layers' runs over {show(indices)}, not {split}..{layers_n - 1} ascending")
+
+
+def check_map_kinds(manifest):
+    """Rule 12, before the widths: `map` only in /2, where it is "input" or "kv", never "kv" on a Gated DeltaNet
+    layer; the KV shape a positive integer number of heads and dims."""
+    layers = manifest["layers"]
+    if manifest["format"] == V1:
+        for i, e in enumerate(layers):
+            need(not (isinstance(e, dict) and "map" in e), MANIFEST, f"'layers[{i}].map' is not in '{V1}'")
+        return
+    for key in ("hidden_size", "num_kv_heads", "head_dim"):
+        n = get(manifest, f"model.{key}")
+        need(as_int(n) is not None and n > 0, MANIFEST, f"'model.{key}' is {show(n)}, not a positive integer")
+    for i, e in enumerate(layers):
+        need(set(e) <= {"index", "kind", "map"}, MANIFEST,
+             f"'layers[{i}]' has the keys {show(sorted(e))}, not index, kind and map")
+        need(e.get("map", MISSING) in ("input", "kv"), MANIFEST,
+             f"'layers[{i}].map' is {show(e.get('map', MISSING))}, not \"input\" or \"kv\"")
+        need(not (e["map"] == "kv" and e["kind"] == "linear_attention"), MANIFEST,
+             f"'layers[{i}].map' is \"kv\" on a linear_attention layer")
+
+
+def map_kinds(manifest):
+    """{layer: "input" | "kv"} of a release that reads."""
+    return {as_int(e["index"]): e.get("map", "input") for e in manifest["layers"]}
+
+
+def check_widths(manifest, maps, pfiles):
+    """Rule 12's widths (/2): d_in is model.hidden_size; d_out is hidden_size (input) or 2 kv_heads head_dim (kv)."""
+    d = as_int(get(manifest, "model.hidden_size"))
+    kv = 2 * as_int(get(manifest, "model.num_kv_heads")) * as_int(get(manifest, "model.head_dim"))
+    part = "codes" if get(manifest, "projector.dtype") == "int8" else "weight"
+    for layer, kind in sorted(map_kinds(manifest).items()):
+        want = [kv if kind == "kv" else d, d]
+        got = list(maps[layer][0].shape)
+        need(got == want, pfiles[0], f"tensor 'layer.{layer}.{part}' is {got}, not {want} for {kind} map")
 
 
 def check_configuration(manifest):

@@ -1,19 +1,23 @@
-"""Every name of the release format `ridgefill-maps/1` (docs/format.md): files, tensors, manifest keys, metadata
-keys, and the facts that maps.safetensors records. The writer, the verifier and the loader import them from here;
-nothing else in the package repeats these literals.
+"""Every name of the release format `ridgefill-maps/2` (docs/format.md): files, tensors, manifest keys, metadata
+keys, and the facts that maps.safetensors records, and the rules on the facts that say how a release is applied
+(`applied_problem`, `maps_problem`, `width_problem`: phrases for one-line refusals, shared by the writer and the
+reader). The writer, the verifier and the loader import them from here; nothing else in the package repeats these
+literals. The writer writes `/2`; the reader reads `/1` too (every map of a `/1` release is an input map).
 
 A release folder holds exactly:
 
-    ridgefill.json      the manifest (JSON object, keys sorted, indent 2): `format` ("ridgefill-maps/1"), the
+    ridgefill.json      the manifest (JSON object, keys sorted, indent 2): `format` ("ridgefill-maps/2"), the
                         facts the exporter gives (`model` {name, revision, architecture, num_layers, hidden_size,
-                        fingerprint}, `split`, `tail_default`, `layers` [{index, kind}], `fit`, `heldout`, and
+                        num_kv_heads, head_dim, fingerprint}, `split`, `tail_default`, `layers` [{index, kind, map}]
+                        for l = split..num_layers-1, map "input" (x_hat, d_out = hidden_size) or "kv" ([k; v]_hat,
+                        d_out = 2 num_kv_heads head_dim; never on a linear_attention layer), `fit`, `heldout`, and
                         any other field), `projector` {dtype: int8|bf16|f32, group_size: int (int8) or null,
                         files: ["maps.safetensors"]}, `files` {name: sha256 hex} and, once `ridgefill eval` has
                         run on the folder, `eval` (its summary)
     maps.safetensors    tensors `layer.<l>.codes` I8 [d_out, d_in], `layer.<l>.scales` BF16
                         [d_out, ceil(d_in/group_size)], `layer.<l>.bias` BF16 [d_out]; or, unquantized,
                         `layer.<l>.weight` BF16|F32 [d_out, d_in] and `layer.<l>.bias` (same dtype);
-                        `__metadata__` {"format": "ridgefill-maps/1", "ridgefill.facts": <facts JSON>}
+                        `__metadata__` {"format": "ridgefill-maps/2", "ridgefill.facts": <facts JSON>}
     corrections.safetensors   only in a release of a hybrid fitted with terminal-state offsets (`solve
                         --state-data`): `layer.<l>.state_offset` F32 [value heads, key dim, value dim] for every
                         `linear_attention` layer of `layers`; the manifest's `corrections` {"state": {file, layers,
@@ -40,7 +44,9 @@ from __future__ import annotations
 import json
 import re
 
-FORMAT = "ridgefill-maps/1"
+FORMAT = "ridgefill-maps/2"  # what the writer writes
+FORMAT_V1 = "ridgefill-maps/1"  # still read: no `map` in `layers`, every map an input map
+FORMATS = (FORMAT_V1, FORMAT)
 MANIFEST = "ridgefill.json"
 CARD = "README.md"
 MAPS_FILE = "maps.safetensors"
@@ -62,6 +68,15 @@ CONFIGURATIONS = ("ridgefill", "ridgefill+rows", "ridgefill+kscale", "ridgefill+
 PLAIN, ROWS_CONFIGURATION, KSCALE_CONFIGURATION, PROTECTED_CONFIGURATION = CONFIGURATIONS
 
 LINEAR_KIND = "linear_attention"  # `layers[].kind` of a Gated DeltaNet layer (transformers' layer type name)
+
+# `layers[].map` (/2): what a layer's map predicts. "input": the layer's input x_hat [hidden_size]; "kv": the layer's
+# keys (before RoPE and QK-norm) and values [k; v]_hat [2 * num_kv_heads * head_dim], rows in k_proj's then
+# v_proj's output order. A linear_attention layer has no such keys: its map is always "input".
+INPUT_MAP, KV_MAP = "input", "kv"
+MAP_KINDS = (INPUT_MAP, KV_MAP)
+LAYER_KEYS = ("index", "kind", "map")  # exactly the keys of a /2 `layers` entry
+MAX_TAIL = 2**31 - 1  # `tail_default` fits an int32: a runtime's row counts never overflow
+SKIP_FIRST_ROWS, DEFAULT_SKIP_FIRST_ROWS = "skip_first_rows", 1  # `fit.skip_first_rows`; absent in an old /1: 1
 
 # `fit.exact_norm`: a prefix row whose split state's L2 norm (float32) is above it runs every layer exactly (a later
 # attention sink). Required since the rule replaced the prefix-median one; a release without it predates the field.
@@ -178,3 +193,134 @@ def exact_norm_problem(manifest: dict) -> str | None:
         return (f"'{FIT}.{EXACT_NORM}' is {json.dumps(value)[:60]}, expected a positive number (the split-state norm "
                 "above which a prefix row runs exactly)")
     return None
+
+
+# ------------------------------------------------------------------------ the facts a release is applied with
+
+
+def _show(value) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def integer(value) -> int | None:
+    """A JSON integer as a JavaScript reader sees one (12 and 12.0 alike), else None (booleans included)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _model_int(manifest: dict, key: str) -> tuple[int | None, str | None]:
+    """(`model.<key>` as a positive int, None) or (None, the phrase refusing it)."""
+    model = manifest.get("model")
+    value = model.get(key, "missing") if isinstance(model, dict) else "missing"
+    n = integer(value)
+    if n is None or n < 1:
+        shown = "missing" if value == "missing" else _show(value)
+        return None, f"'model.{key}' is {shown}, expected a positive integer"
+    return n, None
+
+
+def applied_problem(manifest: dict) -> str | None:
+    """What is wrong with the facts that say where and how a release is applied (docs/format.md, Verifying, rule 11),
+    as a phrase for a one-line refusal; None when they are valid: `model.num_layers` a positive integer, `split` an
+    integer in [0, num_layers), `tail_default` an integer in [1, MAX_TAIL], `fit.skip_first_rows` an integer >= 0
+    (absent in a /1 release: DEFAULT_SKIP_FIRST_ROWS), and, in /2, `layers` indexed exactly split..num_layers-1 in
+    that order (/1 releases were never held to it). Integers as a JavaScript reader sees them (2.0 is 2)."""
+    num_layers, problem = _model_int(manifest, "num_layers")
+    if problem is not None:
+        return problem
+    split = integer(manifest.get("split"))
+    if split is None or not 0 <= split < num_layers:
+        return (f"'split' is {_show(manifest.get('split'))}, expected an integer from 0 to {num_layers - 1} "
+                f"(model.num_layers is {num_layers})")
+    tail = integer(manifest.get("tail_default"))
+    if tail is None or not 1 <= tail <= MAX_TAIL:
+        return f"'tail_default' is {_show(manifest.get('tail_default'))}, expected an integer from 1 to {MAX_TAIL}"
+    fit = manifest.get(FIT) if isinstance(manifest.get(FIT), dict) else {}
+    if SKIP_FIRST_ROWS not in fit and manifest.get("format") != FORMAT_V1:
+        return f"'{FIT}.{SKIP_FIRST_ROWS}' is missing, expected the number of leading rows the fit left out"
+    skip = integer(fit.get(SKIP_FIRST_ROWS, DEFAULT_SKIP_FIRST_ROWS))
+    if skip is None or skip < 0:
+        return f"'{FIT}.{SKIP_FIRST_ROWS}' is {_show(fit[SKIP_FIRST_ROWS])}, expected an integer >= 0"
+    if manifest.get("format") == FORMAT_V1:
+        return None
+    layers = manifest.get("layers")
+    got = [x.get("index") if isinstance(x, dict) else None for x in layers] if isinstance(layers, list) else None
+    want = list(range(split, num_layers))
+    if got is None or len(got) != len(want) or any(integer(g) != w for g, w in zip(got, want)):
+        return (f"'layers' has the indices {_show(got)}, expected {split}..{num_layers - 1} ascending (every layer "
+                f"from 'split' to model.num_layers - 1)")
+    return None
+
+
+def maps_problem(manifest: dict) -> str | None:
+    """What is wrong with the manifest's map kinds (Verifying, rule 12, before the widths), as a phrase for a
+    one-line refusal; None when valid. /1: no `layers` entry carries `map`. /2: `model.hidden_size`,
+    `model.num_kv_heads` and `model.head_dim` are positive integers, and every `layers[i]` is exactly
+    {index, kind, map} with `kind` a string and `map` one of MAP_KINDS, never "kv" on a linear_attention layer."""
+    layers = manifest.get("layers")
+    entries = list(enumerate(layers)) if isinstance(layers, list) else []
+    if manifest.get("format") == FORMAT_V1:
+        for i, x in entries:
+            if isinstance(x, dict) and "map" in x:
+                return (f"'layers[{i}].map' is in a {FORMAT_V1} release, whose maps are all input maps (map kinds "
+                        f"are {FORMAT})")
+        return None
+    for key in ("hidden_size", "num_kv_heads", "head_dim"):
+        problem = _model_int(manifest, key)[1]
+        if problem is not None:
+            return problem
+    if not entries:
+        return f"'layers' is {_show(layers)}, expected a list of {{\"index\", \"kind\", \"map\"}}"
+    for i, x in entries:
+        if not isinstance(x, dict) or set(x) != set(LAYER_KEYS):
+            keys = sorted(x) if isinstance(x, dict) else _show(x)
+            if isinstance(x, dict) and set(x) == {"index", "kind"}:
+                return f"'layers[{i}].map' is missing, expected one of {', '.join(map(repr, MAP_KINDS))}"
+            return f"'layers[{i}]' has the keys {keys}, expected exactly {', '.join(LAYER_KEYS)}"
+        if not isinstance(x["kind"], str) or not x["kind"]:
+            return f"'layers[{i}].kind' is {_show(x['kind'])}, expected the layer type (a string)"
+        if x["map"] not in MAP_KINDS:
+            return f"'layers[{i}].map' is {_show(x['map'])}, expected one of {', '.join(map(repr, MAP_KINDS))}"
+        if x["map"] == KV_MAP and x["kind"] == LINEAR_KIND:
+            return (f"'layers[{i}].map' is \"kv\" on a {LINEAR_KIND} layer (layer {x['index']}), which has no keys "
+                    "and values to predict: its map is \"input\"")
+    return None
+
+
+def map_kinds(manifest: dict) -> dict[int, str]:
+    """{layer: "input" | "kv"} of a manifest that passed `maps_problem` (a /1 release: every map "input")."""
+    return {int(x["index"]): x.get("map", INPUT_MAP) for x in manifest.get("layers") or []}
+
+
+def kv_width(manifest: dict) -> int | None:
+    """A kv map's d_out, 2 * num_kv_heads * head_dim, of a /2 manifest that passed `maps_problem`; None for /1."""
+    if manifest.get("format") == FORMAT_V1:
+        return None
+    model = manifest["model"]
+    return 2 * integer(model["num_kv_heads"]) * integer(model["head_dim"])
+
+
+def width_problem(manifest: dict, layer: int, shape: tuple[int, ...]) -> str | None:
+    """What is wrong with a layer's map weight shape [d_out, d_in] in a /2 release (rule 12), as a phrase; None when
+    d_in is model.hidden_size and d_out is hidden_size (an input map) or 2 * num_kv_heads * head_dim (a kv map). /1
+    widths are not the reader's to check (a runtime checks them against its model: `Release.check_model`)."""
+    if manifest.get("format") == FORMAT_V1:
+        return None
+    d = integer(manifest["model"]["hidden_size"])
+    kind = map_kinds(manifest)[layer]
+    want = (kv_width(manifest) if kind == KV_MAP else d, d)
+    if tuple(shape) == want:
+        return None
+    why = ("2 x model.num_kv_heads x model.head_dim rows" if kind == KV_MAP else "model.hidden_size rows") + \
+        " and model.hidden_size columns"
+    return f"has shape {list(shape)}, expected {list(want)} ({_a_map(kind)}: {why})"
+
+
+def _a_map(kind: str) -> str:
+    return "an input map" if kind == INPUT_MAP else "a kv map"

@@ -6,8 +6,13 @@ the manifest (JSON without duplicate keys, NaN or infinity, format), `files` (ba
 name), the folder's entries (nothing unlisted, no symbolic link), every file's sha256, the facts maps.safetensors
 records against the manifest (compared by value), the hashes the facts record for the other tensor files, and then
 the release's `configuration`, its `fit.exact_norm` and every tensor of every file, decoded as a runtime would use
-it. `verify_release`
-and `load_release` are it; `release_configuration` is the configuration a verified manifest records.
+it, then the facts it is applied with (split, tail, the rows the fit left out, the layers) and, in a
+`ridgefill-maps/2` release, the map kinds and the maps' widths. `verify_release` and `load_release` are it;
+`release_configuration` is the configuration a verified manifest records.
+
+A `Release` is the one place a runtime takes "the release as applied" from: `split`, `tail`, `anchor`,
+`exact_norm`, `configuration`, `map_kinds`, `kv_width`, computed and checked once when it is read, and
+`check_model(...)`, the one-line refusal of a model it was not made for.
 """
 
 from __future__ import annotations
@@ -17,18 +22,22 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
 
 import numpy as np
 
 from ridgefill.artifacts.store import sha256_file
 from ridgefill.errors import BadInput
 from ridgefill.formats import int8, safetensors
-from ridgefill.formats.release.names import (BIAS, CODES, CORRECTIONS_FILE, DOWNLOAD_CACHE, FORMAT, GITATTRIBUTES,
-                                             HF_DIR, HUB_LEFTOVERS, LINEAR_KIND, MANIFEST, MAPS_FILE, META_FACTS,
-                                             META_FORMAT, OFFSET_RE, PLAIN, PROJECTOR_DTYPES, PROTECTED_FILE,
-                                             PROTECTED_IDS, SCALES, SHA256_RE, STATE_OFFSET, UNHASHED, WEIGHT,
-                                             configuration_problem, exact_norm_problem, facts_of, is_bare_name,
-                                             layer_indices, parse_tensor_name, tensor_name)
+from ridgefill.formats.release.names import (BIAS, CODES, CORRECTIONS_FILE, DEFAULT_SKIP_FIRST_ROWS, DOWNLOAD_CACHE,
+                                             EXACT_NORM, FIT, FORMATS, GITATTRIBUTES, HF_DIR, HUB_LEFTOVERS, KV_MAP,
+                                             LINEAR_KIND, MANIFEST, MAPS_FILE, META_FACTS, META_FORMAT, OFFSET_RE,
+                                             PLAIN, PROJECTOR_DTYPES, PROTECTED_FILE, PROTECTED_IDS, SCALES,
+                                             SHA256_RE, SKIP_FIRST_ROWS, STATE_OFFSET, UNHASHED, WEIGHT,
+                                             applied_problem, configuration_problem, exact_norm_problem, facts_of,
+                                             integer, is_bare_name, kv_width, layer_indices, map_kinds, maps_problem,
+                                             parse_tensor_name, tensor_name, width_problem)
 from ridgefill.numerics import bf16_bits_to_f32
 
 _READ_DTYPES = ("I8", "I32", "BF16", "F32")  # what a release's tensor files may hold
@@ -36,28 +45,93 @@ _READ_DTYPES = ("I8", "I32", "BF16", "F32")  # what a release's tensor files may
 
 @dataclass(frozen=True)
 class Release:
-    """A verified release, decoded."""
+    """A verified release, decoded, with the facts a runtime applies it with (read and checked once, by
+    `read_release`; a runtime takes them from here, never from the manifest)."""
 
     manifest: dict
     maps: dict[int, dict[str, np.ndarray]]  # {layer: {"weight": float32 [d_out, d_in], "bias": float32 [d_out]}}
     protected: np.ndarray | None  # int32 token ids, ascending
     state_offsets: dict[int, np.ndarray] | None  # {layer: float32 [value heads, key dim, value dim]}
+    format: str  # "ridgefill-maps/1" or "ridgefill-maps/2"
+    split: int  # S: the maps take h_S; layers split..num_layers-1 are filled
+    tail: int  # `tail_default`: the exact tail the release was exported for, 1..2**31-1
+    anchor: int  # `fit.skip_first_rows` (1 when an old release lacks it): leading rows that run exactly
+    exact_norm: float  # `fit.exact_norm`: prefix rows whose split-state norm is above it run exactly
+    configuration: Mapping  # `release_configuration`: {"arm", "sweep"[, "row_share"]}, read-only
+    map_kinds: Mapping[int, str]  # {layer: "input" | "kv"} for every layer of `layers` (all "input" in a /1), read-only
+    kv_width: int | None  # a kv map's d_out, 2 * model.num_kv_heads * model.head_dim; None in a /1 release
 
-    @property
-    def configuration(self) -> dict:
-        """The configuration the release is applied with (`release_configuration`)."""
-        return release_configuration(self.manifest)
+    def check_model(self, *, fingerprint: str | None, num_layers: int, hidden_size: int, num_kv_heads: int | None,
+                    head_dim: int | None, name: str, where: str) -> None:
+        """Refuse, with one line starting `where: `, a model (called `name`) the release was not made for: another
+        fingerprint (None: not known, not compared), another layer count or hidden size than the release records,
+        maps that do not cover its late layers split..num_layers-1 or whose widths are not the model's (an input
+        map [hidden_size, hidden_size], a kv map [2 * num_kv_heads * head_dim, hidden_size]), or, in a /2 release,
+        other KV heads or head size than it records (None: not known, not compared)."""
+        refusal = model_problem(self, fingerprint=fingerprint, num_layers=num_layers, hidden_size=hidden_size,
+                                num_kv_heads=num_kv_heads, head_dim=head_dim, name=name)
+        if refusal is not None:
+            raise BadInput(f"{where}: {refusal}")
+
+
+def model_problem(rel: Release, *, fingerprint: str | None, num_layers: int, hidden_size: int,
+                  num_kv_heads: int | None, head_dim: int | None, name: str) -> str | None:
+    """`Release.check_model`'s refusal, as a phrase; None when the model is the release's."""
+    model = rel.manifest["model"]
+    theirs = model.get("fingerprint")
+    if fingerprint is not None and theirs != fingerprint:
+        return (f"the maps were made for another model (fingerprint {str(theirs)[:12]}) than '{name}' "
+                f"({fingerprint[:12]})")
+    for key, ours in (("num_layers", num_layers), ("hidden_size", hidden_size), ("num_kv_heads", num_kv_heads),
+                      ("head_dim", head_dim)):
+        recorded = model.get(key)
+        if ours is not None and (recorded is not None or key in ("num_layers", "hidden_size")) and \
+                integer(recorded) != ours:
+            return f"the release is for a model with {key} {recorded!r}, but '{name}' has {ours}"
+    missing = [l for l in range(rel.split, num_layers) if l not in rel.maps]
+    if missing:
+        return f"the release has no maps for late layers {missing} (split {rel.split}, {num_layers} layers)"
+    for l in sorted(rel.maps):
+        kv = rel.map_kinds.get(l) == KV_MAP
+        if kv and (num_kv_heads is None or head_dim is None):
+            continue  # the kv shape is not known here: the widths were checked against the release's own facts
+        want = (2 * num_kv_heads * head_dim if kv else hidden_size, hidden_size)
+        got = rel.maps[l]["weight"].shape
+        if tuple(got) != want:
+            return (f"layer {l}'s {'kv' if kv else 'input'} map is {list(got)}, expected {list(want)} for "
+                    f"'{name}'")
+    return None
 
 
 def read_release(dir: Path) -> Release:
     """Verify a release folder and decode every tensor it holds; BadInput names the first problem."""
     dir = Path(dir)
     manifest = _verified_manifest(dir)
-    release_configuration(manifest)
+    configuration = release_configuration(manifest)
     problem = exact_norm_problem(manifest)
     if problem is not None:
         raise BadInput(f"{MANIFEST}: {problem}")
-    return Release(manifest, _maps(dir, manifest), _protected(dir, manifest), _state_offsets(dir, manifest))
+    maps = _maps(dir, manifest)
+    protected, offsets = _protected(dir, manifest), _state_offsets(dir, manifest)
+    for problem in (applied_problem(manifest), maps_problem(manifest)):  # rules 11 and 12
+        if problem is not None:
+            raise BadInput(f"{MANIFEST}: {problem}")
+    _check_widths(manifest, maps)
+    fit = manifest[FIT]
+    return Release(manifest, maps, protected, offsets, format=manifest["format"], split=integer(manifest["split"]),
+                   tail=integer(manifest["tail_default"]),
+                   anchor=integer(fit.get(SKIP_FIRST_ROWS, DEFAULT_SKIP_FIRST_ROWS)),
+                   exact_norm=float(fit[EXACT_NORM]), configuration=MappingProxyType(configuration),
+                   map_kinds=MappingProxyType(map_kinds(manifest)), kv_width=kv_width(manifest))
+
+
+def _check_widths(manifest: dict, maps: dict[int, dict[str, np.ndarray]]) -> None:
+    """Rule 12's widths (/2): every map [d_out, d_in] as `width_problem` wants, named by its weight tensor."""
+    codes = manifest["projector"]["dtype"] == "int8"
+    for layer, m in sorted(maps.items()):
+        problem = width_problem(manifest, layer, m["weight"].shape)
+        if problem is not None:
+            raise BadInput(f"{MAPS_FILE}: tensor {tensor_name(layer, CODES if codes else WEIGHT)!r} {problem}")
 
 
 def verify_release(dir: Path) -> dict:
@@ -143,8 +217,9 @@ def _verified_manifest(dir: Path) -> dict:
     if not dir.is_dir():
         raise BadInput(f"{dir}: not a directory")
     manifest = read_manifest(dir)
-    if manifest.get("format") != FORMAT:
-        raise BadInput(f"{MANIFEST}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
+    if manifest.get("format") not in FORMATS:
+        raise BadInput(f"{MANIFEST}: format is {manifest.get('format')!r}, expected "
+                       f"{' or '.join(map(repr, FORMATS))}")
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise BadInput(f"{MANIFEST}: 'files' must be a non-empty object of file name -> sha256")
@@ -186,7 +261,7 @@ def _verified_manifest(dir: Path) -> dict:
         if got != files[name]:
             raise BadInput(f"{name}: sha256 mismatch (expected {files[name]}, got {got})")
     meta = safetensors.read_header(dir / MAPS_FILE)[1]
-    _check_format(MAPS_FILE, meta)
+    _check_format(MAPS_FILE, meta, manifest["format"])
     _check_facts(manifest, meta)
     for key, field in (("protected_tokens", ("protected_tokens",)), ("corrections.state", ("corrections", "state"))):
         info = _get(manifest, field)
@@ -196,9 +271,14 @@ def _verified_manifest(dir: Path) -> dict:
     return manifest
 
 
-def _check_format(name: str, meta: dict[str, str]) -> None:
-    if meta.get(META_FORMAT) != FORMAT:
-        raise BadInput(f"{name}: metadata '{META_FORMAT}' is {meta.get(META_FORMAT)!r}, expected {FORMAT!r}")
+def _check_format(name: str, meta: dict[str, str], format: str | None) -> None:
+    """A tensor file's `format` metadata must be the manifest's `format` (None: either release format)."""
+    if format is None and meta.get(META_FORMAT) not in FORMATS:
+        raise BadInput(f"{name}: metadata '{META_FORMAT}' is {meta.get(META_FORMAT)!r}, expected "
+                       f"{' or '.join(map(repr, FORMATS))}")
+    if format is not None and meta.get(META_FORMAT) != format:
+        raise BadInput(f"{name}: metadata '{META_FORMAT}' is {meta.get(META_FORMAT)!r}, expected {format!r} (the "
+                       "manifest's format)")
 
 
 def _hub_leftover(path: Path) -> bool:
@@ -276,12 +356,13 @@ def _difference(given, recorded, path: str) -> str | None:
 # ------------------------------------------------------------------------------------------------- the tensors
 
 
-def read_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+def read_tensors(path: Path, format: str | None = None) -> dict[str, tuple[str, np.ndarray]]:
     """A release tensor file: {name: (safetensors dtype, numpy array)}, bf16 as uint16 bit patterns; BadInput for
-    an unreadable file, a format other than the release's, or a dtype a release never holds."""
+    an unreadable file, a format other than the release's (`format`, the manifest's; None: either release format),
+    or a dtype a release never holds."""
     fname = Path(path).name
     arrays, meta = safetensors.load(path)
-    _check_format(fname, meta)
+    _check_format(fname, meta, format)
     out = {}
     for name, a in arrays.items():
         dtype = safetensors.dtype_of(a)
@@ -302,7 +383,7 @@ def _maps(dir: Path, manifest: dict) -> dict[int, dict[str, np.ndarray]]:
     raw: dict[int, dict[str, tuple[str, np.ndarray]]] = {}
     where: dict[str, str] = {}
     for fname in proj["files"]:
-        for tname, (st_dtype, arr) in read_tensors(dir / fname).items():
+        for tname, (st_dtype, arr) in read_tensors(dir / fname, manifest["format"]).items():
             parsed = parse_tensor_name(tname)
             if parsed is None:
                 raise BadInput(f"{fname}: unexpected tensor {tname!r} (expected layer.<l>.codes|scales|bias|weight)")
@@ -370,7 +451,7 @@ def _a(word: str) -> str:
 def _protected(dir: Path, manifest: dict) -> np.ndarray | None:
     if manifest.get("protected_tokens") is None:
         return None
-    got = read_tensors(Path(dir) / PROTECTED_FILE)
+    got = read_tensors(Path(dir) / PROTECTED_FILE, manifest["format"])
     if set(got) != {PROTECTED_IDS} or got[PROTECTED_IDS][0] != "I32" or got[PROTECTED_IDS][1].ndim != 1:
         raise BadInput(f"{PROTECTED_FILE}: expected one I32 vector {PROTECTED_IDS!r}, got {sorted(got)}")
     ids = got[PROTECTED_IDS][1]
@@ -384,7 +465,7 @@ def _state_offsets(dir: Path, manifest: dict) -> dict[int, np.ndarray] | None:
     if state is None:
         return None
     offsets = {}
-    for tname, (st_dtype, arr) in read_tensors(Path(dir) / CORRECTIONS_FILE).items():
+    for tname, (st_dtype, arr) in read_tensors(Path(dir) / CORRECTIONS_FILE, manifest["format"]).items():
         m = OFFSET_RE.match(tname)
         if m is None:
             raise BadInput(f"{CORRECTIONS_FILE}: unexpected tensor {tname!r} (expected layer.<l>.{STATE_OFFSET})")

@@ -1,4 +1,7 @@
-"""Writing a release folder (`write_release`), and recording an eval summary in one (`write_eval`).
+"""Writing a `ridgefill-maps/2` release folder (`write_release`), and recording an eval summary in one
+(`write_eval`). A release the reader would refuse is never written: the writer checks the facts with the reader's own
+rules (names.py), so a manifest without map kinds or KV shape, or with a split, tail or layers out of range, or maps
+of the wrong width, fails here and not in a runtime.
 
 The safetensors files are encoded by `ridgefill.formats.safetensors`, so their bytes are a pure function of the
 tensors and facts. Everything is written into a temporary sibling folder and swapped into place
@@ -20,10 +23,10 @@ from ridgefill.errors import BadInput
 from ridgefill.formats import int8
 from ridgefill.formats.release import folder
 from ridgefill.formats.release.names import (BIAS, CARD, CODES, CORRECTIONS_FILE, FORMAT, LINEAR_KIND, MANIFEST,
-                                             MAPS_FILE,
-                                             META_FACTS, META_FORMAT, PROTECTED_FILE, PROTECTED_IDS, SCALES, WEIGHT,
-                                             configuration_problem, exact_norm_problem, facts_json, layer_indices,
-                                             manifest_text, offset_name, tensor_name)
+                                             MAPS_FILE, META_FACTS, META_FORMAT, PROTECTED_FILE, PROTECTED_IDS,
+                                             SCALES, WEIGHT, applied_problem, configuration_problem,
+                                             exact_norm_problem, facts_json, layer_indices, manifest_text,
+                                             maps_problem, offset_name, tensor_name, width_problem)
 from ridgefill.formats.safetensors import BF16, encode
 from ridgefill.numerics import f32_to_bf16_bits
 
@@ -111,7 +114,10 @@ def write_release(
     bias stored bf16) or {"weight": float32, "bias": float32} (unquantized; `weight_dtype` "f32" (default)
     or "bf16", bias stored in the same dtype). `manifest` holds the caller's fields; `format`, `projector`
     and `files` are set here (the caller's `projector` keys are kept, ours win). If the manifest has
-    `layers: [{index, ...}]`, its indices must be exactly the keys of `maps`. The facts (the manifest written,
+    `layers: [{index, kind, map}]`, its indices must be exactly the keys of `maps`, and with `model` (num_layers,
+    hidden_size, num_kv_heads, head_dim), `split`, `tail_default` and `fit.skip_first_rows` it must pass the
+    reader's rules 11 and 12 (`names.applied_problem`, `maps_problem`, `width_problem`: layers split..num_layers-1,
+    each map of its kind's width). The facts (the manifest written,
     less `files` and `eval`) go into maps.safetensors' metadata, so its hash covers them. `card` is the model
     card's text, or a function of the manifest written that returns it. `state_offsets` {layer: float32 [value
     heads, key dim, value dim]} (with `state_facts`, what was measured) go into corrections.safetensors, the
@@ -122,8 +128,8 @@ def write_release(
 
     An existing non-empty `out_dir` is refused (BadInput) unless `overwrite=True`, and even then only if it is a
     release folder (holds ridgefill.json), so a mistyped path never deletes unrelated files.
-    Raises ValueError for malformed maps, a manifest that is not plain JSON, or a configuration or exact-row norm the
-    reader refuses.
+    Raises ValueError for malformed maps, a manifest that is not plain JSON, or a configuration, exact-row norm, map
+    kind, width or applied fact the reader refuses.
     """
     out_dir = Path(out_dir)
     tensors, dtype = _release_tensors(maps, weight_dtype, group_size)
@@ -161,9 +167,13 @@ def write_release(
         problem = configuration_problem(written["configuration"], "protected_tokens" in written)
         if problem is not None:
             raise ValueError(problem)
-    problem = exact_norm_problem(written)
-    if problem is not None:
-        raise ValueError(problem)
+    for problem in (exact_norm_problem(written), applied_problem(written), maps_problem(written)):
+        if problem is not None:
+            raise ValueError(problem)
+    for layer, m in sorted(maps.items()):
+        problem = width_problem(written, int(layer), np.shape(m["codes"] if "codes" in m else m["weight"]))
+        if problem is not None:
+            raise ValueError(f"layer {layer} map {problem}")
     blob = encode(tensors, {META_FORMAT: FORMAT, META_FACTS: facts_json(written)})
     written["files"] = {MAPS_FILE: hashlib.sha256(blob).hexdigest()}
     written["files"].update({name: hashlib.sha256(data).hexdigest() for name, data in extra.items()})
