@@ -1,4 +1,4 @@
-"""Release folder `ridgefill-maps/1` (docs/format.md): bytes, round trips, the facts maps.safetensors records,
+"""Release folder `ridgefill-maps/2` (and `/1`, still read; docs/format.md): bytes, round trips, the facts maps.safetensors records,
 refusals by message, folders as `hf download` leaves them, export from a store (group size, atomic replace),
 model card. Every test builds what it needs in its own tmp_path: none reads another test's files."""
 
@@ -23,8 +23,9 @@ from ridgefill.formats import int8, release, safetensors
 from ridgefill.formats.release import CARD, FORMAT, MANIFEST, MAPS_FILE
 from conftest import quiet
 
-LAYERS = (2, 12, 13)  # "layer.12" sorts before "layer.2": name order is not numeric order
-D = 300  # ragged last group
+LAYERS = (9, 10, 11)  # "layer.10" sorts before "layer.9": name order is not numeric order
+D = 300  # the hidden size; a ragged last group
+KV_HEADS, HEAD_DIM = 2, 25  # a kv map is [2 * 2 * 25, 300] = [100, 300]
 
 
 def make_manifest() -> dict:
@@ -33,14 +34,17 @@ def make_manifest() -> dict:
             "name": "HuggingFaceTB/SmolLM2-135M-Instruct",
             "revision": "12fd25f",
             "architecture": "llama",
-            "num_layers": 30,
-            "hidden_size": 576,
+            "num_layers": 12,
+            "hidden_size": D,
+            "num_kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
             "fingerprint": "0123456789abcdef",
         },
-        "split": 12,
+        "split": 9,
         "tail_default": 512,
-        "layers": [{"index": i, "kind": "attention"} for i in LAYERS],
-        "fit": {"alpha": 1e-4, "lambda": 0.0123456, "rows": 98304, "documents": 211, "exact_norm": 812.5},
+        "layers": [{"index": i, "kind": "attention", "map": "input"} for i in LAYERS],
+        "fit": {"alpha": 1e-4, "lambda": 0.0123456, "rows": 98304, "documents": 211, "exact_norm": 812.5,
+                "skip_first_rows": 1},
         "heldout": {
             "fitted": {"k_cosine": 0.96512, "v_cosine": 0.80934, "input_cosine": 0.9321},
             "identity": {"k_cosine": 0.85701, "v_cosine": 0.57432, "input_cosine": 0.7788},
@@ -137,7 +141,7 @@ def test_tensor_file_is_what_safetensors_itself_writes(rel):
     assert data[8:8 + header_len] == text + b" " * (header_len - len(text))
     with safe_open(str(rel / MAPS_FILE), framework="pt") as f:
         assert f.metadata() == metadata
-        assert f.get_tensor("layer.12.scales").shape == (D, 3)
+        assert f.get_tensor("layer.10.scales").shape == (D, 3)
     assert safetensors.read_header(rel / MAPS_FILE)[1] == metadata
 
 
@@ -149,7 +153,7 @@ def test_manifest_contents(rel):
     assert m["projector"] == {"dtype": "int8", "group_size": 128, "files": [MAPS_FILE]}
     assert set(m["files"]) == {MAPS_FILE}  # README.md (and the manifest itself) never hashed
     assert m["files"][MAPS_FILE] == sha256_file(rel / MAPS_FILE)
-    assert m["split"] == 12 and m["fit"]["rows"] == 98304
+    assert m["split"] == 9 and m["fit"]["rows"] == 98304
     assert release.verify_release(rel) == m
     assert (rel / CARD).read_text() == "# card\n"
 
@@ -194,14 +198,14 @@ def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
 
 def test_malformed_maps_are_refused_before_writing(tmp_path):
     maps = quant_maps()
-    maps[2]["bias"] = maps[2]["bias"][:10]
+    maps[9]["bias"] = maps[9]["bias"][:10]
     with pytest.raises(ValueError, match="bias has shape"):
         write(tmp_path / "r", maps)
-    mixed = {**quant_maps(), 5: float_maps()[2]}
+    mixed = {**quant_maps(), 5: float_maps()[9]}
     with pytest.raises(ValueError, match="all the same"):
         write(tmp_path / "r", mixed)
     with pytest.raises(ValueError, match="do not match"):
-        write(tmp_path / "r", {2: quant_maps()[2]})  # manifest lists 2, 12, 13
+        write(tmp_path / "r", {9: quant_maps()[9]})  # manifest lists 9, 10, 11
     with pytest.raises(ValueError, match="weight_dtype"):
         write(tmp_path / "r", float_maps(), weight_dtype="f16")
     m = make_manifest()
@@ -246,15 +250,15 @@ def test_missing_manifest(rel):
 
 
 def test_invalid_json(rel):
-    (rel / MANIFEST).write_text('{"format": "ridgefill-maps/1",')
+    (rel / MANIFEST).write_text('{"format": "ridgefill-maps/2",')
     refused(rel, r"^ridgefill.json: invalid JSON \(.* line 1 column")
     (rel / MANIFEST).write_text("[1, 2]")
     refused(rel, "^ridgefill.json: invalid manifest")
 
 
 def test_wrong_format(rel):
-    edit_manifest(rel, lambda m: m.update(format="ridgefill-maps/2"))
-    refused(rel, r"^ridgefill.json: format is 'ridgefill-maps/2', expected 'ridgefill-maps/1'$")
+    edit_manifest(rel, lambda m: m.update(format="ridgefill-maps/3"))
+    refused(rel, r"^ridgefill.json: format is 'ridgefill-maps/3', expected 'ridgefill-maps/1' or 'ridgefill-maps/2'$")
     edit_manifest(rel, lambda m: m.pop("format"))
     refused(rel, "format is None")
 
@@ -358,7 +362,7 @@ def test_load_refuses_unexpected_and_missing_tensors(rel):
     _replace_maps(rel, _encode(st, _facts(rel)))
     # hash and facts hold, and still the folder does not verify: it verifies if and only if it loads
     for fn in (release.verify_release, release.load_release):
-        refused(rel, r"^maps.safetensors: tensor 'layer.2.scales' is missing", fn=fn)
+        refused(rel, r"^maps.safetensors: tensor 'layer.9.scales' is missing", fn=fn)
     st["extra"] = ("F32", np.zeros(3, np.float32))
     _replace_maps(rel, _encode(st, _facts(rel)))
     for fn in (release.verify_release, release.load_release):
@@ -367,7 +371,7 @@ def test_load_refuses_unexpected_and_missing_tensors(rel):
 
 def test_load_refuses_layers_that_do_not_match_the_tensors(rel):
     def more(m):
-        m["layers"].append({"index": 14, "kind": "attention"})
+        m["layers"].append({"index": 12, "kind": "attention", "map": "input"})
 
     st = {n: ("I8", a) for n, a in ()}  # the same tensors, with facts that list one more layer
     for layer, m in quant_maps().items():
@@ -377,7 +381,7 @@ def test_load_refuses_layers_that_do_not_match_the_tensors(rel):
     _replace_maps(rel, _encode(st, _facts(rel, more)))
     edit_manifest(rel, more)
     for fn in (release.verify_release, release.load_release):
-        refused(rel, r"^maps.safetensors: the tensors are of layers \[2, 12, 13\], but 'layers' lists \[2, 12, 13, 14\]",
+        refused(rel, r"^maps.safetensors: the tensors are of layers \[9, 10, 11\], but 'layers' lists \[9, 10, 11, 12\]",
                 fn=fn)
 
 
@@ -385,8 +389,8 @@ def test_load_refuses_layers_that_do_not_match_the_tensors(rel):
 
 # (field, edit, the refusal's wording after "ridgefill.json: "): every fact a runtime or eval relies on
 FACT_EDITS = [
-    ("split", lambda m: m.update(split=13), "'split' is 13 but maps.safetensors records 12"),
-    ("split-type", lambda m: m.update(split="12"), "'split' is \"12\" but maps.safetensors records 12"),
+    ("split", lambda m: m.update(split=10), "'split' is 10 but maps.safetensors records 9"),
+    ("split-type", lambda m: m.update(split="9"), "'split' is \"9\" but maps.safetensors records 9"),
     ("bool-for-number", lambda m: m.update(tail_default=True), "'tail_default' is true but maps.safetensors records 512"),
     ("tail_default", lambda m: m.update(tail_default=256), "'tail_default' is 256 but maps.safetensors records 512"),
     ("model.name", lambda m: m["model"].update(name="other/Model"),
@@ -395,11 +399,15 @@ FACT_EDITS = [
     ("model.architecture", lambda m: m["model"].update(architecture="qwen2"), "'model.architecture' is \"qwen2\""),
     ("model.num_layers", lambda m: m["model"].update(num_layers=31), "'model.num_layers' is 31"),
     ("model.hidden_size", lambda m: m["model"].update(hidden_size=577), "'model.hidden_size' is 577"),
+    ("model.num_kv_heads", lambda m: m["model"].update(num_kv_heads=4), "'model.num_kv_heads' is 4"),
+    ("model.head_dim", lambda m: m["model"].update(head_dim=50), "'model.head_dim' is 50"),
     ("model.fingerprint", lambda m: m["model"].update(fingerprint="f" * 16),
      f"'model.fingerprint' is \"{'f' * 16}\" but maps.safetensors records \"0123456789abcdef\""),
     ("layers.kind", lambda m: m["layers"][1].update(kind="sliding_attention"),
      "'layers[1].kind' is \"sliding_attention\" but maps.safetensors records \"attention\""),
-    ("layers.index", lambda m: m["layers"][0].update(index=3), "'layers[0].index' is 3 but maps.safetensors records 2"),
+    ("layers.index", lambda m: m["layers"][0].update(index=3), "'layers[0].index' is 3 but maps.safetensors records 9"),
+    ("layers.map", lambda m: m["layers"][2].update(map="kv"),
+     "'layers[2].map' is \"kv\" but maps.safetensors records \"input\""),
     ("layers.dropped", lambda m: m["layers"].pop(), "'layers' is [{"),
     ("projector.dtype", lambda m: m["projector"].update(dtype="bf16"), "'projector.dtype' is \"bf16\""),
     ("projector.group_size", lambda m: m["projector"].update(group_size=64),
@@ -503,9 +511,9 @@ def test_eval_loads_release_facts_only_through_verify(tmp_path):
     d = tmp_path / "rel"
     write(d)
     src = load_source(Store(tmp_path / "store"), str(d))
-    assert src.split == 12 and src.fingerprint == "0123456789abcdef"
-    edit_manifest(d, lambda m: m.update(split=11))
-    with pytest.raises(BadInput, match="^ridgefill.json: 'split' is 11 but maps.safetensors records 12"):
+    assert src.split == 9 and src.fingerprint == "0123456789abcdef"
+    edit_manifest(d, lambda m: m.update(split=10))
+    with pytest.raises(BadInput, match="^ridgefill.json: 'split' is 10 but maps.safetensors records 9"):
         load_source(Store(tmp_path / "store"), str(d))
 
 
@@ -517,7 +525,9 @@ def test_gguf_export_refuses_an_edited_release(tmp_path):
     rng = np.random.default_rng(0)
     maps = {l: {"weight": rng.standard_normal((64, 64)).astype(np.float32), "bias": np.zeros(64, np.float32)}
             for l in LAYERS}  # d_in = 64: a GGUF could be written from it
-    release.write_release(d, maps, make_manifest(), "# card\n")
+    manifest = make_manifest()
+    manifest["model"]["hidden_size"] = 64
+    release.write_release(d, maps, manifest, "# card\n")
     edit_manifest(d, lambda m: m["model"].update(fingerprint="f" * 16))
     with pytest.raises(BadInput, match="^ridgefill.json: 'model.fingerprint' is"):
         export_gguf(Store(tmp_path / "store"), str(d), tmp_path / "m.gguf", quiet())
@@ -722,7 +732,7 @@ def test_model_card(rel):
     manifest = release.verify_release(rel)
     text = card_mod.model_card(manifest)
     assert front_matter(text)["library_name"] == "ridgefill"  # the Hub metadata: tests/test_card.py
-    for s in ("Split layer: 12", "512 tokens", "Maps: 3 (layers 2–13)", "int8, groups of 128",
+    for s in ("Split layer: 9", "512 tokens", "Maps: 3 (layers 9–11)", "int8, groups of 128",
               "alpha 0.0001", "lambda 0.01235", "rows 98304", "documents 211",
               "| K cosine | 0.9651 | 0.8570 |", "| V cosine | 0.8093 | 0.5743 |",
               "| input cosine | 0.9321 | 0.7788 |", "ridgefill verify DIR", FORMAT):
@@ -778,8 +788,9 @@ def test_extra_tensor_files_are_tied_to_the_release(tmp_path):
 
 def test_numbers_in_the_facts_are_compared_by_value(rel):
     """20 and 20.0 are one JSON number (a JavaScript reader cannot tell them apart); a string or a boolean is not."""
-    edit_manifest(rel, lambda m: m.update(split=12.0, fit={**m["fit"], "alpha": 0.00010}))
-    assert release.verify_release(rel)["split"] == 12.0
+    edit_manifest(rel, lambda m: m.update(split=9.0, fit={**m["fit"], "alpha": 0.00010}))
+    assert release.verify_release(rel)["split"] == 9.0
+    assert release.read_release(rel).split == 9 and type(release.read_release(rel).split) is int
 
 
 @pytest.mark.parametrize("text, message", [
@@ -812,7 +823,8 @@ def test_the_tensor_files_format_is_checked(rel):
         st[f"layer.{layer}.bias"] = ("BF16", int8.f32_to_bf16_bits(m["bias"]))
     facts = _facts(rel)
     _replace_maps(rel, _encode(st, {**facts, "format": "ridgefill-maps/X"}))
-    refused(rel, r"^maps.safetensors: metadata 'format' is 'ridgefill-maps/X', expected 'ridgefill-maps/1'$")
+    refused(rel, r"^maps.safetensors: metadata 'format' is 'ridgefill-maps/X', expected 'ridgefill-maps/2' \(the "
+                 r"manifest's format\)$")
     _replace_maps(rel, _encode(st, facts))
     release.verify_release(rel)
 
@@ -928,3 +940,184 @@ def test_export_describes_the_model_from_the_model_never_from_unhashed_info(tmp_
     assert not (tmp_path / "rel2").exists()
     export(st, ids["quantize"], tmp_path / "rel2", quiet(), model=str(folder))  # --model: where it is
     assert release.verify_release(tmp_path / "rel2")["model"]["fingerprint"] == fp
+
+
+# ------------------------------------------------------------------------ map kinds, the release as applied
+
+KV = 2 * KV_HEADS * HEAD_DIM
+
+
+def kv_manifest(kinds=("linear_attention", "full_attention", "full_attention")) -> dict:
+    """make_manifest() with its layers' kinds, a kv map on every attention layer and an input map on the others."""
+    m = make_manifest()
+    m["layers"] = [{"index": l, "kind": k, "map": "input" if k == "linear_attention" else "kv"}
+                   for l, k in zip(LAYERS, kinds)]
+    return m
+
+
+def kv_maps(manifest: dict, seed: int = 0) -> dict:
+    """float32 maps of the widths the manifest's map kinds need: [KV, D] for kv, [D, D] for input."""
+    rng = np.random.default_rng(seed)
+    return {x["index"]: {"weight": (rng.standard_normal((KV if x["map"] == "kv" else D, D)) * 0.05).astype(np.float32),
+                         "bias": rng.standard_normal(KV if x["map"] == "kv" else D).astype(np.float32)}
+            for x in manifest["layers"]}
+
+
+@pytest.mark.parametrize("dtype", ["int8", "f32"])
+def test_a_release_of_kv_and_input_maps_reads_back_exactly(tmp_path, dtype):
+    """A hybrid's release: an input map on its Gated DeltaNet layer, kv maps [2 kv_heads head_dim, d] on the
+    attention layers; decoded bit for bit as written, with the facts a runtime applies it with."""
+    m = kv_manifest()
+    maps = kv_maps(m)
+    if dtype == "int8":
+        maps = {l: {"codes": c, "scale_bits": s, "bias": x["bias"]} for l, x in maps.items()
+                for c, s in [int8.quantize(x["weight"])]}
+    written = write(tmp_path / "r", maps, m, weight_dtype=None if dtype == "int8" else "f32")
+    assert written["format"] == FORMAT == "ridgefill-maps/2"
+    assert safetensors.read_header(tmp_path / "r" / MAPS_FILE)[1]["format"] == FORMAT
+    rel = release.read_release(tmp_path / "r")
+    assert dict(rel.map_kinds) == {9: "input", 10: "kv", 11: "kv"} and rel.kv_width == KV == 100
+    assert (rel.format, rel.split, rel.tail, rel.anchor, rel.exact_norm) == (FORMAT, 9, 512, 1, 812.5)
+    for l, x in maps.items():
+        want = x["weight"] if dtype == "f32" else int8.dequantize(x["codes"], x["scale_bits"])
+        assert np.array_equal(rel.maps[l]["weight"], want) and rel.maps[l]["weight"].shape == want.shape
+    with pytest.raises(TypeError):
+        rel.map_kinds[9] = "kv"  # read-only
+    with pytest.raises(AttributeError):
+        rel.split = 3
+
+
+# (what the manifest is changed to, the writer's and the reader's refusal after "ridgefill.json: ")
+MAP_RULES = [
+    ("map-missing", lambda m: m["layers"][1].pop("map"), "'layers[1].map' is missing, expected one of 'input', 'kv'"),
+    ("map-unknown", lambda m: m["layers"][2].update(map="keys"), "'layers[2].map' is \"keys\", expected one of"),
+    ("kv-on-linear", lambda m: m["layers"][0].update(map="kv"),
+     "'layers[0].map' is \"kv\" on a linear_attention layer (layer 9)"),
+    ("num-kv-heads", lambda m: m["model"].pop("num_kv_heads"), "'model.num_kv_heads' is missing, expected a positive"),
+    ("head-dim", lambda m: m["model"].update(head_dim=0), "'model.head_dim' is 0, expected a positive integer"),
+    ("split-too-big", lambda m: m.update(split=12), "'split' is 12, expected an integer from 0 to 11"),
+    ("tail-overflow", lambda m: m.update(tail_default=10**30), "'tail_default' is 1000000000000000000000000000000, "
+                                                               "expected an integer from 1 to 2147483647"),
+    ("tail-zero", lambda m: m.update(tail_default=0), "'tail_default' is 0, expected an integer from 1 to"),
+    ("skip-negative", lambda m: m["fit"].update(skip_first_rows=-1), "'fit.skip_first_rows' is -1, expected an "
+                                                                      "integer >= 0"),
+    ("skip-missing", lambda m: m["fit"].pop("skip_first_rows"), "'fit.skip_first_rows' is missing"),
+    ("layers-from-split", lambda m: m.update(split=8), "'layers' has the indices [9, 10, 11], expected 8..11 ascending"),
+    ("layers-to-the-last", lambda m: m["model"].update(num_layers=13),
+     "'layers' has the indices [9, 10, 11], expected 9..12 ascending"),
+]
+
+
+@pytest.mark.parametrize("edit, wording", [r[1:] for r in MAP_RULES], ids=[r[0] for r in MAP_RULES])
+def test_the_map_kinds_and_applied_facts_are_checked_by_writer_and_reader(tmp_path, edit, wording):
+    """Rules 11 and 12: the writer never writes such a release, and a folder made consistently by hand (facts and
+    manifest agree, every hash holds) is refused by the reader in one line naming the field."""
+    m = kv_manifest()
+    maps = kv_maps(m)
+    edit(m)
+    with pytest.raises(ValueError) as e:
+        write(tmp_path / "new", maps, m, weight_dtype="f32")
+    assert str(e.value).startswith(wording), str(e.value)
+    assert not (tmp_path / "new").exists()
+    d = tmp_path / "rel"
+    write(d, maps, kv_manifest(), weight_dtype="f32")
+    _refact(d, edit)
+    for fn in (release.verify_release, release.load_release):
+        refused(d, "^" + re.escape(f"ridgefill.json: {wording}"), fn=fn)
+
+
+def _refact(d: Path, edit, format: str | None = None) -> None:
+    """Edit a folder's facts in both places (manifest and maps.safetensors metadata) and reseal its hash."""
+    arrays, meta = safetensors.load(d / MAPS_FILE)
+    m = json.loads((d / MANIFEST).read_text())
+    edit(m)
+    meta = {**meta, "ridgefill.facts": release.facts_json(m), "format": format or meta["format"]}
+    (d / MAPS_FILE).write_bytes(safetensors.encode(arrays, meta))
+    m["files"][MAPS_FILE] = sha256_file(d / MAPS_FILE)
+    (d / MANIFEST).write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("kind, edit, tensor, want", [
+    ("kv", lambda m: m["model"].update(head_dim=20), "layer.10.weight", "[80, 300]"),
+    ("input", lambda m: m["layers"][1].update(map="input"), "layer.10.weight", "[300, 300]"),
+    ("d_in", lambda m: m["model"].update(hidden_size=200), "layer.9.weight", "[200, 200]"),
+])
+def test_a_map_of_the_wrong_width_is_refused_by_its_tensor(tmp_path, kind, edit, tensor, want):
+    d = tmp_path / "rel"
+    write(d, kv_maps(kv_manifest()), kv_manifest(), weight_dtype="f32")
+    _refact(d, edit)
+    msg = refused(d, f"^maps.safetensors: tensor '{re.escape(tensor)}' has shape ")
+    assert f"expected {want}" in msg
+    m = kv_manifest()
+    edit(m)
+    with pytest.raises(ValueError, match=re.escape(f"expected {want}")):
+        write(tmp_path / "new", kv_maps(kv_manifest()), m, weight_dtype="f32")
+
+
+def as_v1(d: Path, skip_first_rows: bool = True) -> None:
+    """Make a written /2 folder the /1 release it would have been: no map kinds, no KV shape, format /1 (in the
+    manifest, the facts and the metadata)."""
+    def strip(m):
+        m["format"] = release.FORMAT_V1
+        for x in m["layers"]:
+            x.pop("map")
+        m["model"].pop("num_kv_heads")
+        m["model"].pop("head_dim")
+        if not skip_first_rows:
+            m["fit"].pop("skip_first_rows")
+
+    _refact(d, strip, release.FORMAT_V1)
+
+
+def test_a_v1_release_still_reads_as_input_maps(rel):
+    """`ridgefill-maps/1`: every map an input map, no kv width, the rows the fit left out 1 when it does not say;
+    `map` in its layers is refused (it has no map kinds), and so is a split out of range."""
+    as_v1(rel, skip_first_rows=False)
+    r = release.read_release(rel)
+    assert (r.format, dict(r.map_kinds), r.kv_width, r.anchor) == (release.FORMAT_V1, dict.fromkeys(LAYERS, "input"),
+                                                                   None, release.DEFAULT_SKIP_FIRST_ROWS)
+    _refact(rel, lambda m: m["layers"][0].update(map="input"))
+    refused(rel, r"^ridgefill.json: 'layers\[0\].map' is in a ridgefill-maps/1 release, whose maps are all input maps")
+    _refact(rel, lambda m: (m["layers"][0].pop("map"), m.update(split=12)))
+    refused(rel, r"^ridgefill.json: 'split' is 12, expected an integer from 0 to 11 \(model.num_layers is 12\)$")
+
+
+def test_a_v1_release_is_not_held_to_layers_from_the_split(tmp_path):
+    """/1 releases never tied `layers` to split..num_layers-1, nor the widths to the model: they still verify (the
+    runtime's check_model refuses what its model cannot run)."""
+    d = tmp_path / "rel"
+    write(d)
+    as_v1(d)
+    _refact(d, lambda m: (m.update(split=2), m["model"].update(hidden_size=576)))
+    r = release.read_release(d)
+    assert r.split == 2 and sorted(r.maps) == list(LAYERS)
+    with pytest.raises(BadInput, match=r"^there: the release is for a model with hidden_size 576, but 'm' has 300$"):
+        r.check_model(fingerprint=None, num_layers=12, hidden_size=300, num_kv_heads=2, head_dim=25, name="m",
+                      where="there")
+    _refact(d, lambda m: m["model"].update(hidden_size=300))
+    with pytest.raises(BadInput, match=r"^there: the release has no maps for late layers \[2, 3, 4, 5, 6, 7, 8\] "
+                                       r"\(split 2, 12 layers\)$"):
+        release.read_release(d).check_model(fingerprint=None, num_layers=12, hidden_size=300, num_kv_heads=None,
+                                            head_dim=None, name="m", where="there")
+
+
+def test_check_model_refuses_another_model_in_one_line(tmp_path):
+    m = kv_manifest()
+    write(tmp_path / "r", kv_maps(m), m, weight_dtype="f32")
+    rel = release.read_release(tmp_path / "r")
+    fp = "0123456789abcdef"
+    ok = dict(fingerprint=fp, num_layers=12, hidden_size=D, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, name="tiny",
+              where="rel")
+    rel.check_model(**ok)
+    rel.check_model(**{**ok, "fingerprint": None})  # not known: not compared
+    for change, wording in [
+        ({"fingerprint": "f" * 64}, "rel: the maps were made for another model (fingerprint 0123456789ab) than 'tiny' "
+                                    "(ffffffffffff)"),
+        ({"num_layers": 13}, "rel: the release is for a model with num_layers 12, but 'tiny' has 13"),
+        ({"hidden_size": 256}, "rel: the release is for a model with hidden_size 300, but 'tiny' has 256"),
+        ({"num_kv_heads": 1}, "rel: the release is for a model with num_kv_heads 2, but 'tiny' has 1"),
+        ({"head_dim": 50}, "rel: the release is for a model with head_dim 25, but 'tiny' has 50"),
+    ]:
+        with pytest.raises(BadInput) as e:
+            rel.check_model(**{**ok, **change})
+        assert str(e.value) == wording and e.value.exit_code == 2
