@@ -31,9 +31,10 @@ D = 64  # the tiny models' width
 
 def small_manifest(**extra) -> dict:
     return {"model": {"name": "example/model-1", "revision": None, "architecture": "llama", "num_layers": 4,
-                      "hidden_size": D, "fingerprint": "ab" * 32},
-            "split": 2, "tail_default": 8, "layers": [{"index": l, "kind": "full_attention"} for l in (2, 3)],
-            "fit": {"exact_norm": 812.5}, **extra}
+                      "hidden_size": D, "num_kv_heads": 2, "head_dim": 16, "fingerprint": "ab" * 32},
+            "split": 2, "tail_default": 8,
+            "layers": [{"index": l, "kind": "full_attention", "map": "input"} for l in (2, 3)],
+            "fit": {"exact_norm": 812.5, "skip_first_rows": 1}, **extra}
 
 
 def small_maps(seed: int = 0) -> dict:
@@ -327,8 +328,10 @@ def tiny_release(lm, folder: Path, configuration=None, table=None) -> Path:
     maps = {l: {"weight": (torch.randn(D, D, generator=g) / D**0.5).numpy(), "bias": torch.randn(D, generator=g).numpy()}
             for l in range(2, ad.num_layers)}  # fmt: skip
     m = {"model": {"name": ref.name, "revision": ref.revision, "architecture": ref.model_type,
-                   "num_layers": ad.num_layers, "hidden_size": D, "fingerprint": ref.fingerprint},
-         "split": 2, "tail_default": 6, "layers": [{"index": l, "kind": ad.layer_kinds[l]} for l in maps],
+                   "num_layers": ad.num_layers, "hidden_size": D, "num_kv_heads": ad.num_kv_heads,
+                   "head_dim": ad.head_dim, "fingerprint": ref.fingerprint},
+         "split": 2, "tail_default": 6,
+         "layers": [{"index": l, "kind": ad.layer_kinds[l], "map": "input"} for l in maps],
          "fit": {"skip_first_rows": 1, "outlier_ratio": 20.0, "exact_norm": 1e4},
          **({"configuration": configuration} if configuration else {})}
     kw = {} if table is None else {"protected": np.asarray(table, dtype=np.int32), "protected_facts": {"types": 3}}
