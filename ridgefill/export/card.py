@@ -17,11 +17,12 @@ Metadata, following the Hub's model card conventions:
     tags                  ridgefill, kv-cache, prefill
 
 Manifest keys read (all optional except `model.name`): model.{name, revision, architecture, base_model, source,
-spec}, license, split, tail_default, layers, projector.{dtype, group_size}, format, configuration.{arm, sweep,
+spec}, license, split, tail_default, layers (and their `map` kinds), projector.{dtype, group_size}, format, configuration.{arm, sweep,
 row_share}, protected_tokens.types, fit.{alpha, lambda, rows, documents}, heldout.{fitted, identity}.{k_cosine,
 v_cosine, input_cosine, ...any other numbers}, heldout.{rows, float_score, int8_score}, eval (scalars, flattened).
 
-The card states the release's configuration (the plain fill when the manifest has none) and the one runtime call
+The card says what the maps predict: each late layer's input (`map` "input", every map of a `ridgefill-maps/1`
+release), or its keys and values directly (`map` "kv"), with how many of each. It states the release's configuration (the plain fill when the manifest has none) and the one runtime call
 that applies the release as made: `prefill(lm, ids, rel.arm, **rel.options())`, which its usage snippet runs.
 """
 
@@ -29,8 +30,8 @@ from __future__ import annotations
 
 import re
 
-from ridgefill.formats.release.names import (KSCALE_CONFIGURATION, PLAIN, PROTECTED_CONFIGURATION,
-                                             ROWS_CONFIGURATION)
+from ridgefill.formats.release.names import (INPUT_MAP, KSCALE_CONFIGURATION, KV_MAP, PLAIN,
+                                             PROTECTED_CONFIGURATION, ROWS_CONFIGURATION)
 
 LIBRARY = "ridgefill"
 TAGS = ("ridgefill", "kv-cache", "prefill")
@@ -206,6 +207,25 @@ def _usage(manifest: dict) -> list[str]:
     ]
 
 
+def _map_kinds(layers: list) -> dict:
+    """{layer: "input" | "kv"} of the manifest's layers (no `map`: a /1 release, every map an input map)."""
+    return {x.get("index"): x.get("map", INPUT_MAP) for x in layers if isinstance(x, dict)}
+
+
+def _kinds_text(kinds: dict) -> str:
+    """What the maps predict, for the card's Maps line."""
+    n_kv = sum(k == KV_MAP for k in kinds.values())
+    n_input = len(kinds) - n_kv
+    if not kinds:
+        return ""
+    if not n_kv:
+        return ", input maps (each predicts its layer's input)"
+    if not n_input:
+        return ", kv maps (each predicts its layer's keys, before RoPE and QK-norm, and values)"
+    return (f", {n_kv} kv map{'s' * (n_kv > 1)} (keys, before RoPE and QK-norm, and values) and {n_input} input "
+            f"map{'s' * (n_input > 1)} (the layer's input)")
+
+
 def model_card(manifest: dict) -> str:
     """Markdown model card for a release manifest (the one `release.write_release` writes)."""
     from huggingface_hub import ModelCard
@@ -217,20 +237,31 @@ def model_card(manifest: dict) -> str:
     proj = manifest.get("projector") or {}
     fit = manifest.get("fit") or {}
 
+    kinds = _map_kinds(layers)
     lines = [f"# RidgeFill maps for {name}", ""]
-    lines.append(
-        f"RidgeFill maps for `{name}`: closed-form ridge-regression maps `x_hat_l = W_l h_S + b_l` that predict "
-        "the input of each late layer `l` from the hidden state entering the split layer `S`. During a long "
-        "prefill, prefix rows run layers `0..S-1` exactly and the late layers only write their cache from the "
-        "predicted input; the last tail tokens run every layer exactly. Nothing was trained."
-    )
+    if KV_MAP not in kinds.values():
+        lines.append(
+            f"RidgeFill maps for `{name}`: closed-form ridge-regression maps `x_hat_l = W_l h_S + b_l` that predict "
+            "the input of each late layer `l` from the hidden state entering the split layer `S`. During a long "
+            "prefill, prefix rows run layers `0..S-1` exactly and the late layers only write their cache from the "
+            "predicted input; the last tail tokens run every layer exactly. Nothing was trained."
+        )
+    else:
+        lines.append(
+            f"RidgeFill maps for `{name}`: closed-form ridge-regression maps from the hidden state entering the split "
+            "layer `S` that predict, for each late attention layer `l`, its keys (before RoPE and QK-norm) and "
+            "values directly, `[k; v]_hat_l = M_l h_S + c_l` (kv maps), and for any other late layer its input, "
+            "`x_hat_l = W_l h_S + b_l` (input maps). During a long prefill, prefix rows run layers `0..S-1` exactly "
+            "and the late layers only write their cache from the predictions; the last tail tokens run every layer "
+            "exactly. Nothing was trained."
+        )
     lines.append("")
     lines += _model_lines(manifest)
     lines.append(f"- Split layer: {_num(split)}")
     lines.append(f"- Exact tail (default): {_num(tail)} tokens")
     idx = [x["index"] for x in layers if isinstance(x, dict) and "index" in x]
     span = f" (layers {min(idx)}–{max(idx)})" if idx else ""
-    lines.append(f"- Maps: {len(layers)}{span}")
+    lines.append(f"- Maps: {len(layers)}{span}{_kinds_text(kinds)}")
     dtype = proj.get("dtype", "?")
     detail = ""
     if dtype == "int8" and proj.get("group_size"):
