@@ -25,14 +25,21 @@ from clirun import cli
 from fakestore import D_IN, D_OUT, FP, LAYERS, calibration_mean, fake_chain, float_maps
 
 
-def manifest(d_out: int = D_OUT) -> dict:
+# The hand-made releases (ridgefill-maps/2): the fake store's three maps [96, 160] as the kv maps of layers 9..11 of
+# a 12-layer model of hidden size 160 with 2 KV heads of 24 dims ("blk.10" sorts before "blk.9": orders must be
+# numeric). The store chains keep the fake store's own layers (LAYERS).
+REL = (9, 10, 11)
+KV_HEADS, HEAD_DIM = 2, 24  # 2 * 2 * 24 = D_OUT
+
+
+def manifest(d_in: int = D_IN) -> dict:
     return {
-        "model": {"name": "fake/Model-1", "revision": None, "architecture": "llama", "num_layers": 14,
-                  "hidden_size": d_out, "fingerprint": FP},
-        "split": 2,
+        "model": {"name": "fake/Model-1", "revision": None, "architecture": "llama", "num_layers": 12,
+                  "hidden_size": d_in, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "fingerprint": FP},
+        "split": 9,
         "tail_default": 512,
         "license": "mit",
-        "layers": [{"index": l, "kind": "sliding_attention" if l == 12 else "attention"} for l in LAYERS],
+        "layers": [{"index": l, "kind": "sliding_attention" if l == 10 else "attention", "map": "kv"} for l in REL],
         "fit": {"alpha": 1e-4, "lambda": 0.0123456789, "rows": 98304, "documents": 2, "tokens": 98306,
                 "calibration_sha256": ["a" * 64, "c" * 64], "capture_id": "1" * 16, "solve_id": "2" * 16,
                 "skip_first_rows": 1, "chat": False, "chat_share": None, "exact_norm": 812.5},
@@ -49,9 +56,14 @@ def int8_maps(seed: int = 0, d_in: int = D_IN) -> dict[int, dict[str, np.ndarray
     return out
 
 
+def as_release_layers(maps: dict) -> dict:
+    """The fake store's maps {2, 12, 13} as the release's layers {9, 10, 11}."""
+    return {r: maps[l] for r, l in zip(REL, LAYERS)}
+
+
 def write_release(path: Path, kind: str = "int8", d_in: int = D_IN) -> Path:
-    maps = int8_maps(d_in=d_in) if kind == "int8" else float_maps(d_in=d_in)
-    release.write_release(path, maps, manifest(), "# card\n", weight_dtype=None if kind == "int8" else "f32")
+    maps = as_release_layers(int8_maps(d_in=d_in) if kind == "int8" else float_maps(d_in=d_in))
+    release.write_release(path, maps, manifest(d_in), "# card\n", weight_dtype=None if kind == "int8" else "f32")
     return path
 
 
@@ -123,7 +135,7 @@ def test_q8_0_tensors_match_brute_force_and_float_maps(tmp_path, kind):
     reader = GGUFReader(tmp_path / "m.gguf")
 
     names = [t.name for t in reader.tensors]
-    assert names == [f"blk.{l}.ridgefill.{k}" for l in LAYERS for k in ("weight", "bias")]
+    assert names == [f"blk.{l}.ridgefill.{k}" for l in REL for k in ("weight", "bias")]
     for t in reader.tensors:
         layer = int(t.name.split(".")[1])
         w, b = maps[layer]["weight"], maps[layer]["bias"]
@@ -157,7 +169,8 @@ def test_load_gguf_returns_the_manifest_facts_and_maps(tmp_path, int8_release):
     facts, got = G.load_gguf(tmp_path / "m.gguf")
     assert facts == no_nulls(manifest_)  # every fact of ridgefill.json, incl. files -> sha256 of maps.safetensors
     assert facts["files"] == {"maps.safetensors": sha256_file(int8_release / "maps.safetensors")}
-    assert sorted(got) == list(LAYERS)
+    assert facts["layers"] == manifest_["layers"] and {x["map"] for x in facts["layers"]} == {"kv"}
+    assert sorted(got) == list(REL)
     for layer, m in got.items():
         assert m["weight"].shape == (D_OUT, D_IN) and np.array_equal(m["bias"], maps[layer]["bias"])
         assert (np.abs(m["weight"] - maps[layer]["weight"]) <= q8_0_bound(maps[layer]["weight"])).all()
@@ -166,14 +179,14 @@ def test_load_gguf_returns_the_manifest_facts_and_maps(tmp_path, int8_release):
 def test_gguf_carries_state_offsets_and_the_protected_table(tmp_path, int8_release):
     manifest_, maps = release.load_release(int8_release)
     rng = np.random.default_rng(0)
-    offsets = {12: rng.standard_normal((4, 8, 8)).astype(np.float32), 13: rng.standard_normal((4, 8, 8)).astype(np.float32)}
+    offsets = {10: rng.standard_normal((4, 8, 8)).astype(np.float32), 11: rng.standard_normal((4, 8, 8)).astype(np.float32)}
     table = np.array([3, 17, 250], dtype=np.int32)
     tensors_, _ = G.encode_tensors(maps)
     G.write_gguf(tmp_path / "m.gguf", manifest_, tensors_ + G.extra_tensors(offsets, table))
     _, got = G.load_gguf(tmp_path / "m.gguf")
-    assert sorted(got) == list(LAYERS)  # the maps read as before
+    assert sorted(got) == list(REL)  # the maps read as before
     got_offsets, got_table = G.load_gguf_extras(tmp_path / "m.gguf")
-    assert sorted(got_offsets) == [12, 13] and all(np.array_equal(got_offsets[l], offsets[l]) for l in offsets)
+    assert sorted(got_offsets) == [10, 11] and all(np.array_equal(got_offsets[l], offsets[l]) for l in offsets)
     assert got_table.tolist() == table.tolist()
 
 
@@ -189,23 +202,26 @@ def test_metadata_keys_and_types(tmp_path, int8_release):
     want = {
         "general.architecture": ([T.STRING], "ridgefill"),
         "general.type": ([T.STRING], "adapter"),
-        "general.name": ([T.STRING], "fake/Model-1 ridgefill maps, split 2"),
+        "general.name": ([T.STRING], "fake/Model-1 ridgefill maps, split 9"),
         "general.base_model.count": ([T.UINT32], 1),
         "general.base_model.0.name": ([T.STRING], "fake/Model-1"),
         "general.file_type": ([T.UINT32], 7),
         "general.quantization_version": ([T.UINT32], 2),
         "general.license": ([T.STRING], "mit"),
-        "ridgefill.gguf.format": ([T.STRING], "ridgefill-maps-gguf/1"),
+        "ridgefill.gguf.format": ([T.STRING], "ridgefill-maps-gguf/2"),
         "ridgefill.gguf.source_artifact": ([T.STRING], "quantize/abc"),
         "ridgefill.gguf.release_artifact": ([T.STRING], "export/def"),
-        "ridgefill.format": ([T.STRING], "ridgefill-maps/1"),
+        "ridgefill.format": ([T.STRING], "ridgefill-maps/2"),
         "ridgefill.model.name": ([T.STRING], "fake/Model-1"),
         "ridgefill.model.fingerprint": ([T.STRING], FP),
-        "ridgefill.model.num_layers": ([T.INT64], 14),
-        "ridgefill.split": ([T.INT64], 2),
+        "ridgefill.model.num_layers": ([T.INT64], 12),
+        "ridgefill.model.num_kv_heads": ([T.INT64], 2),
+        "ridgefill.model.head_dim": ([T.INT64], 24),
+        "ridgefill.split": ([T.INT64], 9),
         "ridgefill.tail_default": ([T.INT64], 512),
-        "ridgefill.layers": ([T.ARRAY, T.INT64], list(LAYERS)),
+        "ridgefill.layers": ([T.ARRAY, T.INT64], list(REL)),
         "ridgefill.layer_kinds": ([T.ARRAY, T.STRING], ["attention", "sliding_attention", "attention"]),
+        "ridgefill.layer_maps": ([T.ARRAY, T.STRING], ["kv", "kv", "kv"]),
         "ridgefill.fit.alpha": ([T.FLOAT64], 1e-4),
         "ridgefill.fit.lambda": ([T.FLOAT64], 0.0123456789),
         "ridgefill.fit.rows": ([T.INT64], 98304),
@@ -248,6 +264,47 @@ def test_library_refusals(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"GGUF" + bytes(20))
     with pytest.raises(BadInput, match="not a readable GGUF file"):
         G.load_gguf(tmp_path / "x.gguf")
+
+
+def test_layer_maps_round_trip_and_a_v1_release_has_none():
+    """`layers` [{index, kind, map}] -> ridgefill.layers + layer_kinds + layer_maps, and back exactly; a /1 release's
+    layers have no `map`, and its GGUF no layer_maps; mixed shapes and a `layer_maps` fact are refused."""
+    m = manifest()
+    m["layers"] = [{"index": 9, "kind": "linear_attention", "map": "input"}, {"index": 10, "kind": "full_attention",
+                                                                             "map": "kv"}]
+    kv = G.manifest_metadata(m)
+    assert kv["ridgefill.layer_maps"] == ("array:str", ["input", "kv"])
+    assert kv["ridgefill.layer_kinds"] == ("array:str", ["linear_attention", "full_attention"])
+    assert G.metadata_manifest({k: v for k, (_, v) in kv.items()})["layers"] == m["layers"]
+    for x in m["layers"]:
+        x.pop("map")
+    kv = G.manifest_metadata(m)
+    assert "ridgefill.layer_maps" not in kv
+    assert G.metadata_manifest({k: v for k, (_, v) in kv.items()})["layers"] == m["layers"]
+    m["layers"][0]["map"] = "input"  # one with a map, one without
+    with pytest.raises(ValueError, match="must be a list of"):
+        G.manifest_metadata(m)
+    with pytest.raises(ValueError, match="reserved"):
+        G.manifest_metadata({**manifest(), "layer_maps": ["kv"]})
+
+
+def test_a_v1_layout_gguf_still_loads(tmp_path, int8_release, monkeypatch):
+    """A file written before layout 2 (`ridgefill-maps-gguf/1`, a /1 release's facts: no map kinds) loads; another
+    layout is refused."""
+    manifest_, maps = release.load_release(int8_release)
+    old = {**manifest_, "format": release.FORMAT_V1, "layers": [{"index": x["index"], "kind": x["kind"]}
+                                                                for x in manifest_["layers"]]}
+    tensors_ = G.encode_tensors(maps)[0]
+    for layout, ok in (("ridgefill-maps-gguf/1", True), ("ridgefill-maps-gguf/3", False)):
+        monkeypatch.setattr(G, "LAYOUT", layout)  # what the writer of that layout wrote
+        G.write_gguf(tmp_path / "old.gguf", old, tensors_)
+        monkeypatch.undo()
+        if ok:
+            facts, got = G.load_gguf(tmp_path / "old.gguf")
+            assert facts["layers"] == old["layers"] and sorted(got) == list(REL)
+        else:
+            with pytest.raises(BadInput, match="not a ridgefill maps GGUF"):
+                G.load_gguf(tmp_path / "old.gguf")
 
 
 def test_gguf_module_is_lazy():
@@ -403,7 +460,7 @@ def test_refusals_exit_2_with_one_line(chain, tmp_path):
     rel = write_release(tmp_path / "rel100", "f32", d_in=100)
     st = tmp_path / "st"
     msg = one_line_error(cli("export", rel, "--format", "gguf", "--out", tmp_path / "a.gguf", "--store", st))
-    assert msg.startswith("Error: layer 2: d_in = 100 is not a multiple of 32")
+    assert msg.startswith("Error: layer 9: d_in = 100 is not a multiple of 32")
     ids100 = fake_chain(st, d_in=100)
     for stage in ("quantize", "solve"):
         msg = one_line_error(cli("export", ids100[stage], "--format", "gguf", "--out", tmp_path / "a.gguf",

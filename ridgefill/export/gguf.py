@@ -37,8 +37,9 @@ from ridgefill.output import Output
 from ridgefill.runtime.rows import DEFAULT_TAIL
 from ridgefill.solve import artifact as solved
 
-FORMAT_VERSION = 3  # 2: from the store, Q8_0 of the float maps with the bias correction; release facts hashed;
-# 3: the protected-token table and terminal-state offsets ride along
+FORMAT_VERSION = 4  # 2: from the store, Q8_0 of the float maps with the bias correction; release facts hashed;
+# 3: the protected-token table and terminal-state offsets ride along; 4: layout ridgefill-maps-gguf/2, the layers' map
+# kinds (ridgefill.layer_maps) of a ridgefill-maps/2 release
 
 
 def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail: int = DEFAULT_TAIL,

@@ -1,4 +1,4 @@
-"""The ridgefill maps GGUF `ridgefill-maps-gguf/1`: the maps of a release as one GGUF file (Q8_0 weights, F32
+"""The ridgefill maps GGUF `ridgefill-maps-gguf/2`: the maps of a release as one GGUF file (Q8_0 weights, F32
 biases, the release's facts as metadata). This is the file format alone: encoding, writing and reading, with
 gguf-py (imported inside functions, so `import ridgefill` stays light). `ridgefill.export.gguf` is the stage that
 builds such a file from the store or from a release folder.
@@ -16,14 +16,17 @@ File layout (this module owns every name below):
       general.architecture = "ridgefill", general.type = "adapter", general.name,
       general.base_model.count / .0.name / .0.version, general.file_type = 7 (MOSTLY_Q8_0),
       general.quantization_version, general.license (if the manifest has one)
-      ridgefill.gguf.format = "ridgefill-maps-gguf/1"; ridgefill.gguf.source_artifact / .release_artifact
+      ridgefill.gguf.format = "ridgefill-maps-gguf/2"; ridgefill.gguf.source_artifact / .release_artifact
       (store ids, when made from the store); ridgefill.gguf.float_maps_artifact ("solve/<id>", when the
       weights were quantized from the store's float maps with the bias correction)
       ridgefill.<path> for every fact of the release manifest (ridgefill.json), flattened with dots:
       str -> STRING, bool -> BOOL, int -> INT64, float -> FLOAT64, list of one scalar type -> ARRAY;
-      null and [] are left out. Two exceptions: `layers` [{index, kind}] becomes ridgefill.layers (INT64
-      array) + ridgefill.layer_kinds (STRING array); `files` {name: sha256} becomes ridgefill.files +
-      ridgefill.files_sha256 (STRING arrays, sorted by name). `load_gguf` inverts this exactly.
+      null and [] are left out. Two exceptions: `layers` [{index, kind, map}] becomes ridgefill.layers (INT64
+      array) + ridgefill.layer_kinds (STRING array) + ridgefill.layer_maps (STRING array: "input" | "kv"; absent
+      for a `ridgefill-maps/1` release, whose layers have no `map`); `files` {name: sha256} becomes
+      ridgefill.files + ridgefill.files_sha256 (STRING arrays, sorted by name). `load_gguf` inverts this exactly.
+    A kv map's weight is [2 * num_kv_heads * head_dim, d_in] (keys, then values) and its bias as long; an input
+    map's [hidden_size, d_in]. `load_gguf` reads `ridgefill-maps-gguf/1` files too (layout 1: no layer_maps).
 
 Q8_0 (GGML): blocks of 32 consecutive input columns; in float32 d = absmax / 127, code = roundf(w * (1 / d))
 (half away from zero), stored as f16(d) and 32 int8 (gguf-py's encoder matches ggml-quants.c bit for bit). The
@@ -46,7 +49,8 @@ import numpy as np
 from ridgefill.errors import BadInput
 from ridgefill.formats.int8 import bias_correction
 
-LAYOUT = "ridgefill-maps-gguf/1"
+LAYOUT = "ridgefill-maps-gguf/2"  # 2: ridgefill.layer_maps (a release's map kinds)
+LAYOUTS = ("ridgefill-maps-gguf/1", LAYOUT)  # what load_gguf reads
 ARCH = "ridgefill"
 MAGIC = b"GGUF"
 QK8_0 = 32  # Q8_0 block: 32 weights share one f16 scale
@@ -54,10 +58,10 @@ PREFIX = f"{ARCH}."
 OWN = "ridgefill.gguf."  # keys about this file, not facts of the release manifest
 K_FORMAT, K_SOURCE, K_RELEASE = OWN + "format", OWN + "source_artifact", OWN + "release_artifact"
 K_FLOAT = OWN + "float_maps_artifact"
-K_LAYERS, K_KINDS = "ridgefill.layers", "ridgefill.layer_kinds"  # manifest `layers`
+K_LAYERS, K_KINDS, K_MAPS = "ridgefill.layers", "ridgefill.layer_kinds", "ridgefill.layer_maps"  # `layers`
 K_FILES, K_SHA = "ridgefill.files", "ridgefill.files_sha256"  # manifest `files`
-_SPECIAL = (K_LAYERS, K_KINDS, K_FILES, K_SHA)
-_RESERVED = {"gguf", "layer_kinds", "files_sha256"}  # top-level manifest keys that would collide with ours
+_SPECIAL = (K_LAYERS, K_KINDS, K_MAPS, K_FILES, K_SHA)
+_RESERVED = {"gguf", "layer_kinds", "layer_maps", "files_sha256"}  # top-level manifest keys that would collide
 _TENSOR_RE = re.compile(r"^blk\.(0|[1-9][0-9]*)\.ridgefill\.(weight|bias)$")
 _OFFSET_RE = re.compile(r"^blk\.(0|[1-9][0-9]*)\.ridgefill\.state_offset$")
 PROTECTED_TENSOR = "ridgefill.protected_token_ids"
@@ -84,14 +88,18 @@ def manifest_metadata(manifest: dict) -> dict[str, tuple[str, object]]:
         if key in _RESERVED:
             raise ValueError(f"manifest key {key!r} is reserved in GGUF metadata")
         if key == "layers":
-            if not isinstance(value, list) or not all(isinstance(x, dict) and set(x) == {"index", "kind"}
-                                                      for x in value):
-                raise ValueError("manifest 'layers' must be a list of {index, kind}")
+            shapes = {frozenset(x) if isinstance(x, dict) else None for x in value} if isinstance(value, list) else {}
+            if not isinstance(value, list) or len(shapes) > 1 or not shapes <= {frozenset({"index", "kind"}),
+                                                                                 frozenset({"index", "kind", "map"})}:
+                raise ValueError("manifest 'layers' must be a list of {index, kind} or of {index, kind, map}")
             if value:
                 out[K_LAYERS] = ("array:i64", [_scalar(f"layers[{i}].index", x["index"], "i64")
                                                for i, x in enumerate(value)])
                 out[K_KINDS] = ("array:str", [_scalar(f"layers[{i}].kind", x["kind"], "str")
                                               for i, x in enumerate(value)])
+                if "map" in value[0]:
+                    out[K_MAPS] = ("array:str", [_scalar(f"layers[{i}].map", x["map"], "str")
+                                                 for i, x in enumerate(value)])
         elif key == "files":
             if not isinstance(value, dict):
                 raise ValueError("manifest 'files' must be an object of file name -> sha256")
@@ -160,6 +168,9 @@ def metadata_manifest(kv: dict[str, object]) -> dict:
     if K_LAYERS in kv:
         pairs = zip(kv[K_LAYERS], kv.get(K_KINDS, []), strict=True)
         manifest["layers"] = [{"index": i, "kind": k} for i, k in pairs]
+        if K_MAPS in kv:
+            for x, m in zip(manifest["layers"], kv[K_MAPS], strict=True):
+                x["map"] = m
     if K_FILES in kv:
         manifest["files"] = dict(zip(kv[K_FILES], kv.get(K_SHA, []), strict=True))
     return manifest
@@ -294,7 +305,7 @@ def load_gguf(path: Path) -> tuple[dict, dict[int, dict[str, np.ndarray]]]:
     except (ValueError, KeyError, OSError) as e:
         raise BadInput(f"{path}: not a readable GGUF file ({e})") from None
     kv = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
-    if kv.get("general.architecture") != ARCH or kv.get(K_FORMAT) != LAYOUT:
+    if kv.get("general.architecture") != ARCH or kv.get(K_FORMAT) not in LAYOUTS:
         raise BadInput(f"{path}: not a ridgefill maps GGUF (architecture {kv.get('general.architecture')!r}, "
                        f"{K_FORMAT} {kv.get(K_FORMAT)!r})")
     parts: dict[int, dict[str, np.ndarray]] = {}
