@@ -64,7 +64,7 @@ def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE,
     from ridgefill.capture.stats import Moments
     from ridgefill.quantize.artifact import QUANT
     from ridgefill.quantize.run import quantize_map
-    from ridgefill.solve.artifact import MAPS, REPORT
+    from ridgefill.solve.artifact import MAPS, REPORT, kinds_metadata
 
     st = Store(root)
     folder, fp = fake_model(Path(root))
@@ -85,7 +85,8 @@ def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE,
               "fitted": {"mean": mean_scores}, "identity": {"mean": {"k_cosine": 0.7, "v_cosine": 0.5}}}
     with st.build("solve", {"stage": "solve", "capture": cap.id, "model": fp, "chat_share": None, "split": 2}) as b:
         safetensors.save(b.path / MAPS, {f"layer.{l}.{k}": v for l, m in fm.items() for k, v in m.items()},
-                         {"split": "2", **({"exact_norm": repr(exact_norm)} if exact_norm is not None else {})})
+                         {"split": "2", **({"exact_norm": repr(exact_norm)} if exact_norm is not None else {}),
+                          **kinds_metadata({l: "input" for l in LAYERS}, 2, D_OUT // 4)})
         (b.path / REPORT).write_text(json.dumps(report))
         sol = b.commit(info={"capture": cap.id, "model": model}, summary={"layers": list(LAYERS), "split": 2})
     arrays = {}

@@ -92,6 +92,63 @@ def test_solve_maps_and_choice_match_brute_force(chain, tiny_llama):
     assert rep["exact_norm"] == sol.manifest["summary"]["exact_norm"] == recorded
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+def test_key_value_maps_match_brute_force(tiny_chain, fixture):
+    """solve --maps kv: per late layer a [2 * kv_heads * head_dim, d] map of the split state onto the layer's keys
+    (before RoPE and QK-norm) and values, the ridge solution of the capture's key/value moments (a plain solve per
+    alpha); alpha chosen on the mean cosine of the keys it writes (through the key norm on QK-norm models) and values
+    against the true ones, from the raw weights in float64."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ridgefill.solve import solve
+    from ridgefill.solve.artifact import load_kv_shape, load_map_kinds
+
+    c = tiny_chain(ChainSpec(model=fixture, texts=tuple(TEXTS), chunk=48, held_out=2, held_out_rows=64,
+                             alphas=(1e-4, 0.01, 1.0), release=False))
+    sol, cached = solve(c.store, c.cap.id, quiet(), alphas=[1e-4, 0.01, 1.0], maps="kv")
+    assert not cached and sol.id != c.sol.id and sol.recipe["maps"] == "kv"
+    rep = json.loads(sol.file("report.json").read_text())
+    m = load_stats(c.cap, 2, target="kv")
+    held = load_heldout(c.cap)
+    model = AutoModelForCausalLM.from_pretrained(c.model, dtype=torch.float32)
+    L, cfg = model.config.num_hidden_layers, model.config
+    kv, hd = cfg.num_key_value_heads, cfg.head_dim
+    x = held["hidden.2"].astype(np.float64)
+
+    def key_norm(l, k):  # [R, heads, hd]: Qwen3's per-head RMSNorm, or nothing
+        norm = getattr(model.model.layers[l].self_attn, "k_norm", None)
+        if norm is None:
+            return k
+        g = norm.weight.detach().double().numpy()
+        return k / np.sqrt((k**2).mean(-1, keepdims=True) + norm.variance_epsilon) * g
+
+    scores = {}
+    for alpha in (1e-4, 0.01, 1.0):
+        w, b = direct_solve(m, alpha)  # [k, 2kv, d]
+        assert w.shape == (L - 2, 2 * kv * hd, cfg.hidden_size)
+        ks, vs = [], []
+        for i, l in enumerate(range(2, L)):
+            pred = x @ w[i].T + b[i]  # [R, 2kv]
+            kp, vp = key_norm(l, pred[:, : kv * hd].reshape(len(x), kv, hd)), pred[:, kv * hd :].reshape(len(x), kv, hd)
+            kt, vt = _kv_brute(model, l, held[f"hidden.{l}"].astype(np.float64))
+            ks.append(_cos(kp, key_norm(l, kt)))
+            vs.append(_cos(vp, vt))
+        scores[alpha] = (np.mean(ks) + np.mean(vs)) / 2
+    grid = {g["alpha"]: g["score"] for g in rep["grid"]}
+    for a in scores:
+        assert grid[a] == pytest.approx(scores[a], abs=2e-5)
+    assert rep["alpha"] == max(scores, key=scores.get)
+    arrays, _ = safetensors.load(sol.file("maps.safetensors"))
+    w, b = direct_solve(m, rep["alpha"])
+    for i, l in enumerate(range(2, L)):
+        np.testing.assert_allclose(arrays[f"layer.{l}.weight"], w[i], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(arrays[f"layer.{l}.bias"], b[i], rtol=1e-4, atol=1e-5)
+    assert load_map_kinds(sol) == {l: "kv" for l in range(2, L)} and load_kv_shape(sol) == (kv, hd)
+    assert rep["maps"] == {str(l): "kv" for l in range(2, L)}
+    assert load_map_kinds(c.sol) == {l: "input" for l in range(2, L)}  # the default: input maps
+
+
 def test_solve_cli_equals_the_library_and_is_cached(chain, tmp_path):
     """The CLI's solve of the capture (in a store of its own; on the CPU, as the chain's) is the library's: same id,
     summary, maps and protected-token table; a second run is a cache hit."""
@@ -123,6 +180,11 @@ def test_solve_refusals(chain, tmp_path, tiny_qwen3):
     r = cli("solve", chain["cap"].id, "--store", chain["store"], "--state-data", chain["data"])
     assert (r.returncode, r.stderr.strip()) == (2, "Error: --state-data: the terminal-state correction needs Gated "
                                                    "DeltaNet layers above split 2; this model has none")
+    r = cli("solve", chain["cap"].id, "--store", chain["store"], "--maps", "keys")
+    assert (r.returncode, r.stderr.strip()) == (2, "Error: --maps must be one of input, kv (got 'keys')")
+    r = cli("solve", chain["cap"].id, "--store", chain["store"], "--maps", "kv", "--metric", "input")
+    assert (r.returncode, r.stderr.strip()) == (2, "Error: --metric input scores predicted layer inputs, and key/value "
+                                                   "maps predict none: use --metric kv with --maps kv")
     assert len(list((chain["store"] / "solve").iterdir())) == 1  # nothing new written
 
 
@@ -139,8 +201,9 @@ def test_quantize_export_verify(chain):
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "maps.safetensors", "protected.safetensors",
                                                      "ridgefill.json"]
     man = json.loads((out / "ridgefill.json").read_text())
-    assert man["format"] == "ridgefill-maps/1" and man["split"] == 2 and man["projector"]["dtype"] == "int8"
-    assert [x["index"] for x in man["layers"]] == [2, 3]
+    assert man["format"] == "ridgefill-maps/2" and man["split"] == 2 and man["projector"]["dtype"] == "int8"
+    assert man["layers"] == [{"index": l, "kind": "full_attention", "map": "input"} for l in (2, 3)]
+    assert (man["model"]["num_kv_heads"], man["model"]["head_dim"]) == (2, man["model"]["hidden_size"] // 4)
     assert man["fit"]["exact_norm"] == chain["sol"].manifest["summary"]["exact_norm"] > 0  # the solve's, via quantize
     r = cli("verify", out)
     assert r.returncode == 0, r.stderr
@@ -154,6 +217,34 @@ def test_quantize_export_verify(chain):
     # re-export into the same folder: identical, nothing to do; a second export is a cache hit
     r = cli("export", q["id"], "--out", out, "--store", store, "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["cached"] is True
+
+
+def test_key_value_maps_quantize_export_verify(tiny_chain, tmp_path):
+    """A key/value solve through quantize and export: an int8 ridgefill-maps/2 release whose layers say "kv", whose
+    maps are [2 * kv_heads * head_dim, d] and decode to the float maps within int8's error; its held-out score after
+    quantization is scored as key/value maps."""
+    from ridgefill.formats.release import read_release
+    from ridgefill.solve import solve
+
+    c = tiny_chain(ChainSpec(texts=tuple(TEXTS), chunk=48, held_out=2, held_out_rows=64, alphas=(1e-4, 0.01, 1.0),
+                             release=False))
+    sol, _ = solve(c.store, c.cap.id, quiet(), alphas=[1e-4, 0.01, 1.0], maps="kv")
+    r = cli("quantize", sol.id, "--store", c.store.root, "--json")
+    assert r.returncode == 0, r.stderr
+    q = json.loads(r.stdout)
+    assert abs(q["summary"]["score_int8"] - q["summary"]["score_float"]) < 1e-2
+    assert q["summary"]["score_float"] == pytest.approx(sol.manifest["summary"]["score"], abs=1e-7)  # float32 maps
+    out = tmp_path / "release"
+    r = cli("export", q["id"], "--out", out, "--store", c.store.root)
+    assert r.returncode == 0, r.stderr
+    assert cli("verify", out).returncode == 0
+    rel = read_release(out)
+    assert [x["map"] for x in rel.manifest["layers"]] == ["kv", "kv"]
+    float_maps = safetensors.load(sol.file("maps.safetensors"))[0]
+    for l in (2, 3):
+        w = float_maps[f"layer.{l}.weight"]
+        assert rel.maps[l]["weight"].shape == w.shape == (2 * 2 * 16, 64)
+        assert np.abs(rel.maps[l]["weight"] - w).max() <= np.abs(w).max() / 127
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from ridgefill.capture.units import Unit, blocks as make_blocks, make_units
 from ridgefill.output import Output
 
 if TYPE_CHECKING:
-    from ridgefill.capture.run import CaptureConfig
+    from ridgefill.capture.config import CaptureConfig
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,9 @@ from typing import Annotated, Optional
 import typer
 
 from ridgefill.cli.common import done, output, placed, store
+from ridgefill.solve.config import SolveConfig
+
+D = SolveConfig()
 
 
 @placed
@@ -15,11 +18,12 @@ def solve(
     model: Annotated[Optional[str], typer.Option("--model", help="Model to score with (default: the captured one; must match it).")] = None,
     split: Annotated[Optional[int], typer.Option("--split", help="Which captured split to solve.")] = None,
     alpha: Annotated[Optional[list[float]], typer.Option("--alpha", help="Alpha grid (repeatable). Default 1e-5 ... 1.")] = None,
-    metric: Annotated[str, typer.Option("--metric", help="Held-out selection metric: kv (K/V cosine) or input (input cosine).")] = "kv",
-    chat_share: Annotated[Optional[float], typer.Option("--chat-share", help="Weight of chat-template rows when the capture has them.")] = None,
-    alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Give every late layer the alpha best for its own held-out score (default: one alpha shared by all).")] = False,
+    metric: Annotated[str, typer.Option("--metric", help="Held-out selection metric: kv (K/V cosine) or input (input cosine).")] = D.metric,
+    maps: Annotated[str, typer.Option("--maps", help="What the late attention layers' maps predict: input (the layer input) or kv (its keys and values: cheaper to apply; Gated DeltaNet layers keep input maps).")] = D.maps,
+    chat_share: Annotated[Optional[float], typer.Option("--chat-share", help="Weight of chat-template rows when the capture has them.")] = D.chat_share,
+    alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Give every late layer the alpha best for its own held-out score (default: one alpha shared by all).")] = D.alpha_per_layer,
     state_data: Annotated[Optional[list[str]], typer.Option("--state-data", help="Hybrids: text kept apart from the capture's (file, directory or .jsonl; repeatable) on which to measure the terminal-state correction of the filled Gated DeltaNet layers.")] = None,
-    state_chunk: Annotated[int, typer.Option("--state-chunk", help="Measure the states every this many tokens.")] = 2048,
+    state_chunk: Annotated[int, typer.Option("--state-chunk", help="Measure the states every this many tokens.")] = D.state_chunk,
     place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
 ) -> None:
     """Fit ridge maps for every late layer over the alpha grid; choose alpha on held-out rows."""
@@ -29,7 +33,7 @@ def solve(
     out = output()
     art, cached = run(store(), capture, out, model=model, split=split, alphas=alpha, metric=metric,
                       chat_share=chat_share, alpha_per_layer=alpha_per_layer, state_data=state_data,
-                      state_chunk=state_chunk, place=place)
+                      state_chunk=state_chunk, maps=maps, place=place)
     report = load_report(art)
     out.table(grid_table(report))
     for line in extension_lines(report) + per_layer_lines(report):

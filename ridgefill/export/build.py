@@ -31,8 +31,9 @@ from ridgefill.output import Output
 from ridgefill.runtime.rows import DEFAULT_TAIL
 from ridgefill.solve import artifact as solved
 
-FORMAT_VERSION = 4  # 2: maps.safetensors records the release facts; 3: and the sha256 of the other tensor files;
-# 4: `fit.exact_norm`, the solve's exact-row norm
+FORMAT_VERSION = 5  # 2: maps.safetensors records the release facts; 3: and the sha256 of the other tensor files;
+# 4: `fit.exact_norm`, the solve's exact-row norm; 5: ridgefill-maps/2, each layer's map kind (`layers[].map`) and
+# the model's KV heads and head_dim
 RELEASE_DIR = "release"
 
 
@@ -78,7 +79,8 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
             maps, group = _float_maps(src), {"weight_dtype": "f32"}
         model_ref = captured.captured_model(cap, store, model)  # a ModelRef: nothing is loaded
         manifest = _manifest(src, sol, cap, rep, captured.documents(cap), tail, model_ref,
-                             captured.captured_kinds(cap, store, model_ref), sorted(maps), exact_norm)
+                             captured.captured_kinds(cap, store, model_ref), sorted(maps), exact_norm,
+                             solved.load_map_kinds(sol), _kv_shape(sol))
         if conf is not None:
             manifest["configuration"] = conf
         extras = _extras(sol, rep)
@@ -153,10 +155,20 @@ def _float_maps(src: Artifact) -> dict:
     return {l: {"weight": w, "bias": b} for l, (w, b) in solved.load_maps(src).items()}
 
 
+def _kv_shape(sol: Artifact) -> tuple[int, int]:
+    """The model's (KV heads, head_dim), which a solve records since its format 6."""
+    shape = solved.load_kv_shape(sol)
+    if shape is None:
+        raise BadInput(f"solve {sol.id} was made before solve format 6 (it does not record its model's KV heads): "
+                       "solve its capture again")
+    return shape
+
+
 def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list, tail: int, model, kinds: list[str],
-              layers: list[int], exact_norm: float) -> dict:
+              layers: list[int], exact_norm: float, maps: dict[int, str], kv_shape: tuple[int, int]) -> dict:
     """The release's facts. `model` is the captured model's ModelRef (fingerprint-checked) and `kinds` its layer
-    kinds; the split is the solve recipe's; `layers` are the maps' own layers; `exact_norm` the solve's."""
+    kinds; the split is the solve recipe's; `layers` are the maps' own layers, `maps` what each predicts; `exact_norm`
+    the solve's; `kv_shape` the model's (KV heads, head_dim)."""
     split = sol.recipe["split"]
     calib = [d for d in docs if d["role"] == captured.CALIBRATION]
 
@@ -175,10 +187,11 @@ def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list
         **({"license": up["license"]} if "license" in up else {}),
         "model": {"name": model.name, "revision": model.revision, "architecture": model.model_type,
                   "num_layers": model.num_layers, "hidden_size": model.hidden_size,
-                  "fingerprint": model.fingerprint, **{k: up[k] for k in ("base_model", "source", "spec") if k in up}},
+                  "fingerprint": model.fingerprint, "num_kv_heads": kv_shape[0], "head_dim": kv_shape[1],
+                  **{k: up[k] for k in ("base_model", "source", "spec") if k in up}},
         "split": split,
         "tail_default": tail,
-        "layers": [{"index": l, "kind": kinds[l]} for l in layers],
+        "layers": [{"index": l, "kind": kinds[l], "map": maps[l]} for l in layers],
         "fit": {**_ridge_setting(rep), "rows": rep["rows"], "documents": len(calib),
                 "tokens": sum(d["tokens"] for d in calib),
                 "calibration_sha256": sorted(d["sha256"] for d in calib),

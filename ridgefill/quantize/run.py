@@ -81,11 +81,11 @@ def _scores(store: Store, cap: Artifact, sol: Artifact, maps: dict, qmaps: dict,
     lm = captured.open_model(cap, store, ref, place)
     out.info(f"scoring on {place.describe()}")
     split = sol.manifest["summary"]["split"]
-    scorer = Scorer(lm.adapter, captured.load_heldout(cap), split, ref.num_layers)
+    scorer = Scorer(lm.adapter, captured.load_heldout(cap), split, ref.num_layers, solved.load_map_kinds(sol))
     metric = sol.recipe["metric"]
     out = []
     for m in (maps, qmaps):
         layers = sorted(m)
-        s = scorer.score(np.stack([m[l][0] for l in layers]), np.stack([m[l][1] for l in layers]))
+        s = scorer.score([m[l][0] for l in layers], [m[l][1] for l in layers])
         out.append({"score": objective(s, metric), **s["mean"]})
     return out[0], out[1]

@@ -4,7 +4,9 @@ of its maps. Later stages read a solve only through this module.
     maps.safetensors        `layer.<l>.weight` float32 [d_out, d_in], `layer.<l>.bias` float32 [d_out] for every
                             late layer; metadata {split, alpha} (or {split, alpha_per_layer: "l:alpha,..."}) and
                             exact_norm (repr of a float: the exact-row norm, `runtime.rows.fit_exact_norm` of the
-                            capture's held-out rows at the split; since format 5)
+                            capture's held-out rows at the split; since format 5); map_kinds ("l:kind,...", kind
+                            input (d_out = d) or kv (d_out = 2 * num_kv_heads * head_dim)), num_kv_heads and
+                            head_dim (since format 6; before it every map is an input map)
     protected.safetensors   `token_ids` int32, ascending: the protected-token table (solve/protected.py);
                             metadata {share}
     state.safetensors       on a hybrid solved with --state-data: `layer.<l>.state_offset` float32 [value heads,
@@ -39,6 +41,27 @@ def write_maps(path, layers: list[int], w: np.ndarray, b: np.ndarray, meta: dict
         arrays[f"layer.{l}.weight"] = w[i].astype(np.float32)  # [d_out, d_in]
         arrays[f"layer.{l}.bias"] = b[i].astype(np.float32)  # [d_out]
     safetensors.save(path / MAPS, arrays, meta)
+
+
+def kinds_metadata(kinds: dict[int, str], num_kv_heads: int, head_dim: int) -> dict[str, str]:
+    """The maps' metadata that says what each predicts: {map_kinds: "l:kind,...", num_kv_heads, head_dim}."""
+    return {"map_kinds": ",".join(f"{l}:{k}" for l, k in sorted(kinds.items())), "num_kv_heads": str(num_kv_heads),
+            "head_dim": str(head_dim)}
+
+
+def load_map_kinds(art: Artifact) -> dict[int, str]:
+    """{layer: "input" | "kv"}: what each of a solve's maps predicts (a solve made before format 6: every map an input
+    map)."""
+    meta = safetensors.read_header(art.file(MAPS))[1]
+    if "map_kinds" not in meta:
+        return {l: "input" for l in load_maps(art)}
+    return {int(l): k for l, k in (x.split(":") for x in meta["map_kinds"].split(","))}
+
+
+def load_kv_shape(art: Artifact) -> tuple[int, int] | None:
+    """(KV heads, head_dim) of the solve's model, from its maps' metadata; None for a solve made before format 6."""
+    meta = safetensors.read_header(art.file(MAPS))[1]
+    return (int(meta["num_kv_heads"]), int(meta["head_dim"])) if "num_kv_heads" in meta else None
 
 
 def write_protected(path, table: np.ndarray, share: float) -> None:

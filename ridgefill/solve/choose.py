@@ -1,7 +1,7 @@
 """Choosing alpha on held-out rows: the shared search over the grid (ridge.search), and with --alpha-per-layer each
 late layer's own alpha (ridge.search_per_layer), giving the maps the solve writes.
 
-    fit = choose_maps(e, scorer, alphas, metric, per_layer=False)   # e: ridge.decompose of the capture's moments
+    fit = choose_maps(late, scorer, alphas, metric, per_layer=False)   # late: kinds.late_maps of the capture's moments
     fit.w, fit.b, fit.best, fit.grid, fit.fitted, fit.timings
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ridgefill.solve.ridge import lam, maps_at, maps_per_layer, search, search_per_layer
+from ridgefill.solve.ridge import lam, search, search_per_layer
 from ridgefill.solve.score import Scorer, layer_objective, objective
 
 
@@ -20,8 +20,8 @@ from ridgefill.solve.score import Scorer, layer_objective, objective
 class Fit:
     """The chosen maps and how they were chosen."""
 
-    w: np.ndarray  # [late layers, dy, dx]
-    b: np.ndarray  # [late layers, dy]
+    w: list[np.ndarray]  # per late layer: [dy, dx] (dy: d for an input map, 2 * kv_heads * head_dim for a key/value map)
+    b: list[np.ndarray]  # per late layer: [dy]
     grid: list[dict]  # the shared search's rows: {"alpha", "lambda", "score", mean scores...}
     best: dict  # the grid row chosen
     extended: list  # the steps the grid took past an open edge (ridge.search)
@@ -42,7 +42,7 @@ class GridScores:
 
     def __call__(self, a: float) -> dict:
         t = time.perf_counter()
-        w, b = maps_at(self.e, a)
+        w, b = self.e.at(a)
         self.maps_s += time.perf_counter() - t
         t = time.perf_counter()
         s = self.scorer.score(w, b)
@@ -61,9 +61,9 @@ class LayerScores:
 
     def __call__(self, i: int, a: float) -> float:
         self.calls += 1
-        w, b = maps_per_layer(self.e, [a], [i])  # [1, dy, dx], [1, dy]
+        w, b = self.e.one(i, a)  # [dy, dx], [dy]
         x = self.scorer.x
-        return layer_objective(self.scorer.layer_scores(self.scorer.layers[i], x @ w[0].T + b[0]), self.metric)
+        return layer_objective(self.scorer.layer_scores(self.scorer.layers[i], x @ w.T + b), self.metric)
 
 
 def choose_maps(e, scorer: Scorer, alphas: list[float], metric: str, per_layer: bool) -> Fit:
@@ -80,7 +80,7 @@ def choose_maps(e, scorer: Scorer, alphas: list[float], metric: str, per_layer: 
         section = {**section, "score": objective(fitted, metric)}
         timings["per_layer_s"] = time.perf_counter() - t  # choosing the alphas, their maps and scoring those
     else:
-        w, b = maps_at(e, best["alpha"])
+        w, b = e.at(best["alpha"])
         fitted = scorer.score(w, b)
     return Fit(w=w, b=b, grid=grid, best=best, extended=extended, fitted=fitted, per_layer=section, timings=timings)
 
@@ -95,7 +95,7 @@ def fit_per_layer(e, scorer: Scorer, alphas: list[float], scored: dict, best: di
     own = {a: [layer_objective(s["layers"][str(l)], metric) for l in layers] for a, s in scored.items()}
     score_layer = LayerScores(e, scorer, metric)
     chosen = search_per_layer(alphas, own, score_layer)
-    w, b = maps_per_layer(e, [c["alpha"] for c in chosen])
+    w, b = e.per_layer([c["alpha"] for c in chosen])
     section = {
         "alpha": {str(l): c["alpha"] for l, c in zip(layers, chosen)},
         "lambda": {str(l): lam(c["alpha"], e) for l, c in zip(layers, chosen)},

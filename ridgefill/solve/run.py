@@ -19,14 +19,16 @@ from ridgefill.errors import BadInput
 from ridgefill.output import Output
 from ridgefill.runtime.rows import fit_exact_norm
 from ridgefill.solve import artifact
+from ridgefill.solve.config import INPUT_MAPS, KV_MAPS, MAP_CHOICES, METRIC_CHOICES, SolveConfig
 from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose
 
 if TYPE_CHECKING:
     from ridgefill.solve.choose import Fit
 
-FORMAT_VERSION = 5  # 2: the grid is extended past an open edge (ridge.search); 3: the protected-token table;
-# 4: added tokens flagged special are special (never protected); 5: the exact-row norm (`exact_norm`)
-METRIC_CHOICES = ("kv", "input")
+FORMAT_VERSION = 6  # 2: the grid is extended past an open edge (ridge.search); 3: the protected-token table;
+# 4: added tokens flagged special are special (never protected); 5: the exact-row norm (`exact_norm`); 6: the map kind
+# (`maps`: input or key/value maps; the maps' metadata records each layer's and the model's KV heads and head_dim)
+D = SolveConfig()
 
 
 def _state_documents(cap: Artifact, kinds: list[str], split: int, paths: list[str], chunk: int) -> list:
@@ -55,13 +57,14 @@ def solve(
     out: Output,
     model: str | None = None,
     split: int | None = None,
-    alphas: list[float] | None = None,
-    metric: str = "kv",
-    chat_share: float | None = None,
-    alpha_per_layer: bool = False,
+    alphas: list[float] | None = D.alphas,
+    metric: str = D.metric,
+    chat_share: float | None = D.chat_share,
+    alpha_per_layer: bool = D.alpha_per_layer,
     *,
     state_data: list[str] | None = None,
-    state_chunk: int = 2048,
+    state_chunk: int = D.state_chunk,
+    maps: str = D.maps,
     place=None,
 ) -> tuple[Artifact, bool]:
     """Run (or find cached) the solve. `place` (a ridgefill.models.device.Where; default `where()`) is where the
@@ -74,14 +77,15 @@ def solve(
     from ridgefill.models.device import where
 
     place = place or where()
-    alphas = _check_grid(alphas, metric)
+    alphas = _check_grid(alphas, metric, maps)
     cap = store.get(capture_ref, stage="capture")
     ref = captured.captured_model(cap, store, model)
     split = captured.pick_split(cap, split)
     state_docs = None
     if state_data:
         state_docs = _state_documents(cap, captured.captured_kinds(cap, store, ref), split, state_data, state_chunk)
-    recipe = _recipe(cap, ref, split, alphas, metric, chat_share, place, alpha_per_layer, state_docs, state_chunk)
+    recipe = _recipe(cap, ref, split, alphas, metric, chat_share, place, alpha_per_layer, state_docs, state_chunk,
+                     maps)
     captured.warn_if_mixed(cap, place, out)
     hit = store.cached("solve", recipe)
     if hit is not None:
@@ -92,21 +96,24 @@ def solve(
     from ridgefill.solve.score import Scorer
 
     m = captured.load_stats(cap, split, chat_share)
+    kinds = _map_kinds(cap, split, ref.num_layers, maps)
+    kv = captured.load_stats(cap, split, chat_share, target=KV_MAPS) if maps == KV_MAPS else None
     held = captured.load_heldout(cap)
     exact_norm = fit_exact_norm(held[f"hidden.{split}"])  # the fill runs prefix rows above it exactly
     t = time.perf_counter()
-    e = decompose(m)
+    late = _late_maps(decompose(m), split, ref.num_layers, kinds, kv, captured.kv_layers(cap, split))
     eig_s = time.perf_counter() - t
     lm = captured.open_model(cap, store, ref, place)
     out.info(f"scoring on {place.describe()}")
-    scorer = Scorer(lm.adapter, held, split, ref.num_layers)
-    fit = choose_maps(e, scorer, alphas, metric, alpha_per_layer)
+    scorer = Scorer(lm.adapter, held, split, ref.num_layers, kinds)
+    fit = choose_maps(late, scorer, alphas, metric, alpha_per_layer)
     identity = scorer.score(None, None)
     protected = _protected(cap, lm)
     state = None
     if state_docs:
         state = _state_correction(lm, state_docs, scorer.layers, fit, split, state_chunk, exact_norm, out)
-    solved = Solved(split=split, metric=metric, layers=scorer.layers, fit=fit, identity=identity, exact_norm=exact_norm,
+    solved = Solved(split=split, metric=metric, layers=scorer.layers, kinds=kinds, kv_shape=(lm.adapter.num_kv_heads,
+                    lm.adapter.head_dim), fit=fit, identity=identity, exact_norm=exact_norm,
                     rows=int(m.n), held_out_rows=int(scorer.x.shape[0]), eig_s=eig_s, protected=protected, state=state)
     return _write(store, recipe, cap, lm, solved), False
 
@@ -136,6 +143,8 @@ class Solved:
     split: int
     metric: str
     layers: list[int]  # the late layers, in the maps' order
+    kinds: dict[int, str]  # per late layer: what its map predicts (INPUT_MAPS or KV_MAPS)
+    kv_shape: tuple[int, int]  # the model's (KV heads, head_dim): a key/value map's rows are 2 * their product
     fit: Fit
     identity: dict  # the held-out scores of the identity fill (x_hat = h_S)
     exact_norm: float
@@ -146,24 +155,44 @@ class Solved:
     state: StateCorrection | None
 
 
-def _check_grid(alphas: list[float] | None, metric: str) -> list[float]:
+def _check_grid(alphas: list[float] | None, metric: str, maps: str) -> list[float]:
     """The alpha grid (sorted, distinct; the default when none is given), or BadInput; BadInput for an unknown
-    metric."""
+    metric or map kind, and for the input metric with key/value maps (which predict no input)."""
     alphas = sorted(set(alphas or DEFAULT_ALPHAS))
     for a in alphas:
         if not a > 0 or not np.isfinite(a):
             raise BadInput(f"alpha must be > 0 (got {a:g})")
     if metric not in METRIC_CHOICES:
         raise BadInput(f"--metric must be one of {', '.join(METRIC_CHOICES)} (got '{metric}')")
+    if maps not in MAP_CHOICES:
+        raise BadInput(f"--maps must be one of {', '.join(MAP_CHOICES)} (got '{maps}')")
+    if maps == KV_MAPS and metric != "kv":
+        raise BadInput("--metric input scores predicted layer inputs, and key/value maps predict none: use --metric kv "
+                       "with --maps kv")
     return alphas
 
 
+def _map_kinds(cap: Artifact, split: int, num_layers: int, maps: str) -> dict[int, str]:
+    """Each late layer's map kind: `maps` for the attention layers whose keys and values the capture holds, input
+    maps for the rest (Gated DeltaNet layers, which have no keys)."""
+    attention = set(captured.kv_layers(cap, split)) if maps == KV_MAPS else set()
+    return {l: KV_MAPS if l in attention else INPUT_MAPS for l in range(split, num_layers)}
+
+
+def _late_maps(e, split: int, num_layers: int, kinds: dict[int, str], kv, kv_layers: list[int]):
+    """kinds.late_maps over the late layers split..L-1."""
+    from ridgefill.solve.kinds import late_maps
+
+    layers = list(range(split, num_layers))
+    return late_maps(e, layers, [kinds[l] for l in layers], kv, kv_layers)
+
+
 def _recipe(cap: Artifact, ref, split: int, alphas: list[float], metric: str, chat_share: float | None, place,
-            alpha_per_layer: bool, state_docs: list | None, state_chunk: int) -> dict:
-    """What the solve's id covers: alpha_per_layer and the state data only when given, so the ids of solves
-    without them are unchanged."""
+            alpha_per_layer: bool, state_docs: list | None, state_chunk: int, maps: str) -> dict:
+    """What the solve's id covers: alpha_per_layer and the state data only when given."""
     recipe = {"stage": "solve", "version": FORMAT_VERSION, "capture": cap.id, "model": ref.fingerprint,
-              "split": split, "alphas": alphas, "metric": metric, "chat_share": chat_share, **place.recipe()}
+              "split": split, "alphas": alphas, "metric": metric, "maps": maps, "chat_share": chat_share,
+              **place.recipe()}
     if alpha_per_layer:
         recipe["alpha_per_layer"] = True
     if state_docs is not None:
@@ -217,6 +246,7 @@ def _report(solved: Solved) -> dict:
     if fit.per_layer is not None:
         report["per_layer"] = fit.per_layer  # "alpha", "lambda" and "grid" above stay the shared search's
         report["timings"]["per_layer_s"] = fit.timings["per_layer_s"]
+    report["maps"] = {str(l): k for l, k in solved.kinds.items()}
     return report
 
 
@@ -228,7 +258,8 @@ def _write(store: Store, recipe: dict, cap: Artifact, lm, solved: Solved) -> Art
         meta = ({"alpha_per_layer": ",".join(f"{l}:{per_layer['alpha'][str(l)]!r}" for l in layers)}
                 if per_layer else {"alpha": repr(fit.best["alpha"])})
         artifact.write_maps(build.path, layers, fit.w, fit.b,
-                            {"split": str(solved.split), **meta, "exact_norm": repr(solved.exact_norm)})
+                            {"split": str(solved.split), **meta, "exact_norm": repr(solved.exact_norm),
+                             **artifact.kinds_metadata(solved.kinds, *solved.kv_shape)})
         if solved.protected is not None:
             artifact.write_protected(build.path, solved.protected.table, solved.protected.facts["share"])
         if solved.state is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ridgefill.capture.stats import INPUT, KV
+
 METRICS = ("k_cosine", "v_cosine", "input_cosine", "rel_se", "explained_var")
 
 
@@ -24,15 +26,24 @@ def _cos(a, b):
 
 
 class Scorer:
-    """Caches the true keys/values of the held-out rows so that many fills can be scored cheaply."""
+    """Caches the true keys/values of the held-out rows so that many fills can be scored cheaply.
 
-    def __init__(self, adapter, held: dict[str, np.ndarray], split: int, num_layers: int):
+    `kinds` {layer: INPUT | KV} says what each late layer's map predicts (default: its input, for every layer). A
+    key/value map's prediction [R, 2 * kv_heads * head_dim] is split into keys and values, the keys go through the
+    layer's key norm (QK-norm models), and both are scored as an input map's are; its `input_cosine`, `rel_se` and
+    `explained_var` are measured on what it predicts, the keys before the norm and the values."""
+
+    def __init__(self, adapter, held: dict[str, np.ndarray], split: int, num_layers: int,
+                 kinds: dict[int, str] | None = None):
         self.adapter = adapter
         self.split = split
         self.layers = list(range(split, num_layers))
+        self.kinds = {l: (kinds or {}).get(l, INPUT) for l in self.layers}
         self.x = held[f"hidden.{split}"].astype(np.float64)  # [R, d]
         self.y = {l: held[f"hidden.{l}"].astype(np.float64) for l in self.layers}  # [R, d] each
         self.true_kv = {l: self._kv(l, self.y[l]) for l in self.layers}
+        # what a key/value map predicts, from the true input: keys before the key norm, then values [R, 2kv]
+        self.target = {l: self._kv_raw(l, self.y[l]) for l in self.layers if self.kinds[l] == KV}
 
     def _kv(self, l: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         import torch
@@ -40,9 +51,32 @@ class Scorer:
         k, v = self.adapter.kv(l, torch.from_numpy(x.astype(np.float32)))  # on the layer's device, model dtype
         return k.cpu().double().numpy(), v.cpu().double().numpy()  # [R, kv_heads, head_dim], float64 on the host
 
-    def layer_scores(self, l: int, y_hat: np.ndarray) -> dict[str, float]:
-        y = self.y[l]
-        k, v = self._kv(l, y_hat)
+    def _kv_raw(self, l: int, x: np.ndarray) -> np.ndarray:
+        import torch
+
+        k, v = self.adapter.kv_raw(l, torch.from_numpy(x.astype(np.float32)))
+        return np.concatenate([k.cpu().double().numpy().reshape(len(x), -1), v.cpu().double().numpy().reshape(len(x), -1)], 1)
+
+    def _kv_of_prediction(self, l: int, kv_hat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A key/value map's prediction [R, 2kv] -> what the layer writes: keys through its key norm, and values,
+        each [R, kv_heads, head_dim] float64; computed in the model's dtype as a runtime does."""
+        import torch
+
+        ad = self.adapter
+        heads = (len(kv_hat), ad.num_kv_heads, ad.head_dim)
+        both = torch.from_numpy(kv_hat.astype(np.float32)).to(ad.dtype)
+        k = ad.k_post(l, both[:, : kv_hat.shape[1] // 2].reshape(heads))
+        return k.cpu().double().numpy(), both[:, kv_hat.shape[1] // 2 :].reshape(heads).double().numpy()
+
+    def layer_scores(self, l: int, y_hat: np.ndarray, kind: str | None = None) -> dict[str, float]:
+        """Layer l's figures for a prediction y_hat of its map's kind (or of `kind`: the identity fill predicts
+        inputs whatever the maps are)."""
+        if (kind or self.kinds[l]) == KV:
+            y = self.target[l]
+            k, v = self._kv_of_prediction(l, y_hat)
+        else:
+            y = self.y[l]
+            k, v = self._kv(l, y_hat)
         kt, vt = self.true_kv[l]
         err = ((y_hat - y) ** 2).sum()
         return {
@@ -53,12 +87,12 @@ class Scorer:
             "explained_var": float(1.0 - err / ((y - y.mean(0)) ** 2).sum()),
         }
 
-    def score(self, w: np.ndarray | None, b: np.ndarray | None) -> dict:
-        """w [k, dy, dx], b [k, dy]; None for the identity fill (x_hat = h_S)."""
+    def score(self, w, b) -> dict:
+        """w [k, dy, dx] or a list of k maps [dy_l, dx] (key/value maps are narrower), b likewise; None for the
+        identity fill (x_hat = h_S, into every layer's input)."""
         per = {}
         for i, l in enumerate(self.layers):
-            y_hat = self.x if w is None else self.x @ w[i].T + b[i]
-            per[l] = self.layer_scores(l, y_hat)
+            per[l] = self.layer_scores(l, self.x, INPUT) if w is None else self.layer_scores(l, self.x @ w[i].T + b[i])
         mean = {m: float(np.mean([p[m] for p in per.values()])) for m in METRICS}
         return {"mean": mean, "layers": {str(l): p for l, p in per.items()}}
 

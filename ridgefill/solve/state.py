@@ -22,8 +22,6 @@ import numpy as np
 
 from ridgefill.errors import BadInput
 
-DEFAULT_CHUNK = 2048
-
 
 def measure_offsets(lm, maps: dict, split: int, documents: list, chunk: int, row_norm: float | None,
                     out=None) -> tuple[dict, dict]:
