@@ -81,8 +81,9 @@ def tiny_release(folder) -> None:
     codes, bits = int8.quantize((rng.standard_normal((32, 32)) * 0.05).astype(np.float32))
     maps = {3: {"codes": codes, "scale_bits": bits, "bias": np.zeros(32, np.float32)}}
     manifest = {"model": {"name": "tiny", "architecture": "llama", "num_layers": 4, "hidden_size": 32,
-                          "fingerprint": "0" * 64}, "split": 3, "tail_default": 8,
-                "layers": [{"index": 3, "kind": "attention"}], "fit": {"exact_norm": 812.5}}
+                          "num_kv_heads": 2, "head_dim": 8, "fingerprint": "0" * 64}, "split": 3, "tail_default": 8,
+                "layers": [{"index": 3, "kind": "attention", "map": "input"}],
+                "fit": {"exact_norm": 812.5, "skip_first_rows": 1}}
     release.write_release(folder, maps, manifest, "# card\n")
 
 

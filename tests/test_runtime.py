@@ -567,16 +567,17 @@ def test_refusals(lm_of):
 
 
 def write_tiny_release(lm, folder, maps, split, tail, layers=None, fit=None):
-    """A `ridgefill-maps/1` folder (f32 weights) holding `maps` {l: (W, b)} for the loaded model `lm`, through the
+    """A `ridgefill-maps/2` folder (f32 input maps) holding `maps` {l: (W, b)} for the loaded model `lm`, through the
     release writer itself; `layers` (default: the maps' keys) and `fit` go into the manifest."""
     from ridgefill.formats.release import write_release
 
     ref, ad = lm.ref, lm.adapter
     manifest = {"model": {"name": ref.name, "revision": ref.revision, "architecture": ref.model_type,
-                          "num_layers": ad.num_layers, "hidden_size": ad.hidden_size, "fingerprint": ref.fingerprint},
+                          "num_layers": ad.num_layers, "hidden_size": ad.hidden_size, "num_kv_heads": ad.num_kv_heads,
+                          "head_dim": ad.head_dim, "fingerprint": ref.fingerprint},
                 "split": split, "tail_default": tail,
-                "layers": [{"index": l, "kind": ad.layer_kinds[l]} for l in sorted(layers or maps)],
-                "fit": fit if fit is not None else {"exact_norm": 1e6}}  # no row is above it
+                "layers": [{"index": l, "kind": ad.layer_kinds[l], "map": "input"} for l in sorted(layers or maps)],
+                "fit": fit if fit is not None else {"exact_norm": 1e6, "skip_first_rows": 1}}  # no row is above it
     arrays = {l: {"weight": np.asarray(W, np.float32), "bias": np.asarray(b, np.float32)} for l, (W, b) in maps.items()}
     return write_release(folder, arrays, manifest, "tiny release\n", weight_dtype="f32")
 
@@ -623,9 +624,8 @@ def test_a_release_prescribes_the_rows_its_fit_left_out(lm_of, tmp_path):
         src = load_source(None, str(tmp_path / "rel"))
         assert (src.anchor, src.exact_norm) == (anchor, fit["exact_norm"])
         shutil.rmtree(tmp_path / "rel")
-    write_tiny_release(lm, tmp_path / "rel", maps, 1, 5, fit={"skip_first_rows": "1", "exact_norm": 10.0})
-    with pytest.raises(BadInput, match=re.escape("'fit.skip_first_rows' is '1', not a number of rows")):
-        load_release_maps(lm, tmp_path / "rel")
+    with pytest.raises(ValueError, match=re.escape("'fit.skip_first_rows' is \"1\", expected an integer >= 0")):
+        write_tiny_release(lm, tmp_path / "rel", maps, 1, 5, fit={"skip_first_rows": "1", "exact_norm": 10.0})
 
 
 def test_load_release_maps_refusals(lm_of, tmp_path):
@@ -636,16 +636,14 @@ def test_load_release_maps_refusals(lm_of, tmp_path):
     with pytest.raises(BadInput, match=r"the maps were made for another model \(fingerprint [0-9a-f]{12}\)"):
         load_release_maps(llama, tmp_path / "other")
     maps = random_maps(llama, 1)
-    write_tiny_release(llama, tmp_path / "short", {l: maps[l] for l in (2, 3)}, 1, 5)  # split 1, no layer 1
-    with pytest.raises(BadInput, match=r"no maps for late layers \[1\] \(split 1, 4 layers\)"):
-        load_release_maps(llama, tmp_path / "short")
-    write_tiny_release(llama, tmp_path / "deep", maps, 6, 5)
-    with pytest.raises(BadInput, match="'split' is 6, not a valid value for a 4-layer model"):
-        load_release_maps(llama, tmp_path / "deep")
+    # a ridgefill-maps/2 release covers split..L-1 with maps of the model's widths: such folders are never written
+    with pytest.raises(ValueError, match=re.escape("'layers' has the indices [2, 3], expected 1..3 ascending")):
+        write_tiny_release(llama, tmp_path / "short", {l: maps[l] for l in (2, 3)}, 1, 5)  # split 1, no layer 1
+    with pytest.raises(ValueError, match=re.escape("'split' is 6, expected an integer from 0 to 3")):
+        write_tiny_release(llama, tmp_path / "deep", maps, 6, 5)
     small = {l: (W[:32, :32], b[:32]) for l, (W, b) in maps.items()}
-    write_tiny_release(llama, tmp_path / "small", small, 1, 5)
-    with pytest.raises(BadInput, match=r"layer 1 map is \(32, 32\), expected \(64, 64\) for this model"):
-        load_release_maps(llama, tmp_path / "small")
+    with pytest.raises(ValueError, match=re.escape("layer 1 map has shape [32, 32], expected [64, 64]")):
+        write_tiny_release(llama, tmp_path / "small", small, 1, 5)
     write_tiny_release(llama, tmp_path / "bad", maps, 1, 5)
     blob = (tmp_path / "bad" / "maps.safetensors").read_bytes()
     (tmp_path / "bad" / "maps.safetensors").write_bytes(blob[:-4] + bytes(4))  # a byte changed on disk
