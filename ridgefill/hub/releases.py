@@ -1,4 +1,4 @@
-"""Publish a release folder (`ridgefill-maps/1`, docs/format.md) on the Hugging Face Hub, and fetch one back.
+"""Publish a release folder (`ridgefill-maps/2`, docs/format.md) on the Hugging Face Hub, and fetch one back.
 
 `push(folder, repo_id)` verifies the folder with `ridgefill.formats.release.verify_release` (files, hashes and the facts
 maps.safetensors records) before anything leaves the machine,
