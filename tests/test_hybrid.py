@@ -123,7 +123,8 @@ def test_release_and_eval(chain, lm_of):
     rel = chain["release"]
     man = json.loads((rel / "ridgefill.json").read_text())
     assert man["model"]["architecture"] == chain["arch"]
-    assert man["layers"] == [{"index": 2, "kind": "linear_attention"}, {"index": 3, "kind": "full_attention"}]
+    assert man["layers"] == [{"index": 2, "kind": "linear_attention", "map": "input"},
+                             {"index": 3, "kind": "full_attention", "map": "input"}]
     assert cli("verify", rel).returncode == 0
     assert sorted(p.name for p in rel.iterdir()) == ["README.md", "corrections.safetensors", "maps.safetensors",
                                                      "protected.safetensors", "ridgefill.json"]

@@ -617,8 +617,8 @@ def test_a_release_prescribes_the_rows_its_fit_left_out(lm_of, tmp_path):
         write_tiny_release(lm, tmp_path / "rel", maps, 1, 5, fit=fit)
         rel = load_release_maps(lm, tmp_path / "rel")
         assert (rel.anchor, rel.exact_norm) == (anchor, fit["exact_norm"])
-        assert rel.options() == {"split": 1, "tail": 5, "maps": rel.maps, "anchor": anchor,
-                                 "exact_norm": fit["exact_norm"]}
+        assert rel.options() == {"split": 1, "tail": 5, "maps": rel.maps, "map_kinds": {1: "input", 2: "input", 3: "input"},
+                                 "anchor": anchor, "exact_norm": fit["exact_norm"]}
         res = prefill(lm, ids, "ridgefill", **rel.options())
         assert set(res.exact_rows) == rows
         src = load_source(None, str(tmp_path / "rel"))

@@ -72,7 +72,7 @@ from ridgefill.errors import BadInput
 from ridgefill.models.kinds import FULL, LINEAR, SLIDING
 from ridgefill.runtime import corrections as fixes
 from ridgefill.runtime.cache import SlotCache, cache_copy
-from ridgefill.runtime.fill import fill, late_layers, late_slots
+from ridgefill.runtime.fill import INPUT_MAP, KV_MAP, Fill, fill, late_layers, late_slots
 from ridgefill.runtime.layers import Layers
 from ridgefill.runtime.maps import maps_on_devices
 from ridgefill.runtime.rows import (ANCHOR_ROWS, PROBE_ROWS, ROW_SHARE, attention_received, is_norm, most_attended,
@@ -133,7 +133,8 @@ class FillOptions:
 
     split: int
     tail: int
-    maps: dict | None = None  # {layer: (W [d, d], b [d])} for the late layers: the "ridgefill" arms
+    maps: dict | None = None  # {layer: (W [d_out, d], b [d_out])} for the late layers: the "ridgefill" arms
+    map_kinds: dict | None = None  # {layer: "input" | "kv"}: what each map predicts (None, or a layer not in it: input)
     exact_rows: Any = None  # prefix positions that run every layer
     row_share: float = ROW_SHARE
     probe: Any = None
@@ -149,11 +150,19 @@ class FillOptions:
 @dataclass(frozen=True)
 class _Plan:
     """A prefill's checked options: its exact rows so far (asked for, the anchor and the protected tokens'),
-    corrections, logits rows."""
+    corrections, logits rows, map kinds."""
 
     rows: list[int]
     fix: fixes.Fix
     keep: int
+    map_kinds: dict
+
+    def fill(self, arm: str, o: FillOptions, maps, select=None, *, tail: int | None = None, keep: int | None = None,
+             rows: list[int] | None = None) -> Fill:
+        """The `Fill` these options make for `arm` (with the maps in place)."""
+        return Fill(arm=arm, split=o.split, tail=o.tail if tail is None else tail, rows=self.rows if rows is None else rows,
+                    keep=self.keep if keep is None else keep, maps=maps, map_kinds=self.map_kinds, fix=self.fix,
+                    exact_norm=o.exact_norm, select=select)
 
 
 def _protected_rows(ids: torch.Tensor, protected, prefix: int) -> list[int]:
@@ -191,6 +200,7 @@ def _plan(lm, ids: torch.Tensor, arm: str, o: FillOptions) -> _Plan:
         missing = [l for l in range(o.split, L) if l not in o.maps]
         if missing:
             raise BadInput(f"maps lack late layers {missing} (split {o.split}, {L} layers)")
+    map_kinds = _map_kinds(lm.adapter, o, arm)  # what each map predicts, checked against its shape
     rows = sorted({int(r) for r in (o.exact_rows if o.exact_rows is not None else [])})
     prefix = n - o.tail
     if rows and not (0 <= rows[0] and rows[-1] < prefix):
@@ -209,7 +219,28 @@ def _plan(lm, ids: torch.Tensor, arm: str, o: FillOptions) -> _Plan:
         rows = sorted(set(rows) | set(range(min(o.anchor, prefix))))
         if o.protected is not None:
             rows = sorted(set(rows) | set(_protected_rows(ids, o.protected, prefix)))
-    return _Plan(rows, fix, keep)
+    return _Plan(rows, fix, keep, map_kinds)
+
+
+def _map_kinds(ad, o: FillOptions, arm: str) -> dict:
+    """{layer: kind} of the late layers' maps, checked against the maps' shapes; BadInput names the first problem: an
+    unknown kind, a key/value map on a Gated DeltaNet layer, or a map whose width is not its kind's (d_out d for an
+    input map, 2 * kv_heads * head_dim for a key/value map; d_in d)."""
+    kinds = {int(l): k for l, k in (o.map_kinds or {}).items()}
+    if not arm.startswith("ridgefill"):
+        return kinds
+    d = ad.hidden_size
+    for l in range(o.split, ad.num_layers):
+        kind = kinds.get(l, INPUT_MAP)
+        if kind not in (INPUT_MAP, KV_MAP):
+            raise BadInput(f"map_kinds: layer {l} is {kind!r}, expected '{INPUT_MAP}' or '{KV_MAP}'")
+        if kind == KV_MAP and ad.is_linear(l):
+            raise BadInput(f"map_kinds: layer {l} is a Gated DeltaNet layer, which needs an input map (it has no keys)")
+        W, b = o.maps[l]
+        rows = d if kind == INPUT_MAP else ad.kv_width
+        if tuple(W.shape) != (rows, d) or tuple(b.shape) != (rows,):
+            raise BadInput(f"layer {l}'s {kind} map is {tuple(W.shape)}, expected ({rows}, {d}) for this model")
+    return kinds
 
 
 def _select(arm: str, o: FillOptions, n: int) -> tuple[int, list[int]] | None:
@@ -245,8 +276,7 @@ def prefill(lm, input_ids: torch.Tensor, arm: str, **options) -> PrefillResult:
             logits = out.logits[0, -plan.keep:].float()
             cache = getattr(out, "cache", None)  # 5.x name; `past_key_values` is a deprecated alias
         else:
-            logits, cache, rows = fill(lm, ids, arm, o.split, o.tail, maps, rows, select, plan.keep, o.exact_norm,
-                                       plan.fix)
+            logits, cache, rows = fill(lm, ids, plan.fill(arm, o, maps, select))
     _sync()  # a GPU runs asynchronously: the clock stops when its work is done
     seconds = time.perf_counter() - start
     return PrefillResult(logits=logits, cache=cache, seconds=seconds, arm=arm, split=o.split, tail=o.tail,
@@ -278,7 +308,7 @@ def prefix_prefill(lm, input_ids: torch.Tensor, arm: str, **options) -> PrefillR
             cache = lm.model(input_ids=prefix[None], use_cache=True, logits_to_keep=1).cache
             rows = []
         else:  # tail 0: the late layers' query rows are the exact rows alone
-            _, cache, rows = fill(lm, prefix, arm, o.split, 0, maps, plan.rows, None, 1, o.exact_norm, plan.fix)
+            _, cache, rows = fill(lm, prefix, plan.fill(arm, o, maps, tail=0, keep=1))
     _sync()
     return PrefillResult(logits=torch.zeros(0), cache=cache, seconds=time.perf_counter() - start, arm=arm,
                          split=o.split, tail=o.tail, num_rows=n, exact_rows=rows)
@@ -351,7 +381,7 @@ def prefill_from(lm, run: ExactRun, arm: str, **options) -> PrefillResult:
         rope = layers.rope(h[None], torch.arange(n, device=ad.device))
         # The early layers' cache, copied; the late Gated DeltaNet layers write their states into it as they run.
         cache = cache_copy(run.cache, split, lm.model.config)
-        logits, late = late_layers(lm, layers, h, rope, arm, split, tail, maps, rows, plan.keep, cache, plan.fix)
+        logits, late = late_layers(lm, layers, h, rope, plan.fill(arm, o, maps, rows=rows), cache)
         if arm == "nofill":
             early = []
             for l in range(split):

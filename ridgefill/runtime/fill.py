@@ -2,10 +2,18 @@
 split state (api.py says what each arm does, and how the layers are called).
 
 `fill` runs a whole fill arm from the token ids; `late_layers` runs the late layers from a split state, which is
-all `prefill_from` needs on top of an exact run.
+all `prefill_from` needs on top of an exact run. Both take one `Fill`: the arm and everything it fills with.
+
+What a filled row writes in late attention layer l depends on its map's kind (docs/method.md#keyvalue-maps): an
+input map predicts the layer's input, x_hat = W_l h_S + b_l, which goes through the layer's input norm, k_proj (and
+k_norm) and v_proj; a key/value map predicts the keys before RoPE and QK-norm and the values directly, [k; v]_hat =
+M_l h_S + c_l, and only the key norm (QK-norm models) is left. RoPE then rotates the keys at their positions either
+way. A Gated DeltaNet layer's map always predicts its input.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -15,14 +23,33 @@ from ridgefill.runtime.layers import SLIDING, Layers, final_logits
 from ridgefill.runtime.rows import attention_received, most_attended, with_norm_rows
 
 
-def fill(lm, ids, arm, split, tail, maps, rows, select, keep, exact_norm, fix):
-    """A fill arm's prefill of ids [N] on the input device: (last `keep` rows' logits, cache, exact rows).
+INPUT_MAP, KV_MAP = "input", "kv"  # what a late layer's map predicts (a release's `layers[].map`)
 
-    `rows`: the exact rows asked for (with the anchor); `select`: "+rows"'s (count, probe rows) or None;
-    `exact_norm`: prefix rows whose split state's norm exceeds it run exactly too (None: none); `fix`: the
-    corrections (`corrections.Fix`)."""
+
+@dataclass(frozen=True)
+class Fill:
+    """One fill arm's settings, checked (api._plan): what `fill` and `late_layers` run."""
+
+    arm: str  # "ridgefill", "identity", "nofill" or "ridgefill+rows" (api.ARMS)
+    split: int  # S: layers 0..S-1 run every row
+    tail: int  # T: the last T rows run every layer
+    rows: list[int]  # prefix rows that run every layer too (anchor, asked for, protected; more are added on the way)
+    keep: int  # the last rows whose logits are returned
+    maps: dict | None = None  # {layer: (W float32 [d_out, d], b float32 [d_out])} on each late layer's device
+    map_kinds: dict = field(default_factory=dict)  # {layer: INPUT_MAP | KV_MAP}; a layer not in it: INPUT_MAP
+    fix: fixes.Fix = field(default_factory=fixes.Fix)  # the corrections
+    exact_norm: float | None = None  # prefix rows whose split state's norm exceeds it run exactly (None: none)
+    select: tuple | None = None  # "+rows"'s (count, probe rows)
+
+    def map_kind(self, l: int) -> str:
+        return self.map_kinds.get(l, INPUT_MAP)
+
+
+def fill(lm, ids, f: Fill):
+    """A fill arm's prefill of ids [N] on the input device: (last `f.keep` rows' logits, cache, exact rows)."""
     from transformers import DynamicCache
 
+    split, tail, select, rows = f.split, f.tail, f.select, f.rows
     model, ad = lm.model, lm.adapter
     layers = Layers(lm)
     cache = DynamicCache(config=model.config)  # Gated DeltaNet layers update their states here as they run
@@ -53,9 +80,9 @@ def fill(lm, ids, arm, split, tail, maps, rows, select, keep, exact_norm, fix):
             received += attention_received(ad, l, layer_in[0, probe], probe, keys, layers.window).to(device)
     if select:  # "+rows": the most-attended prefix rows become exact rows
         rows = sorted(set(rows) | set(most_attended(received, prefix, select[0])))
-    rows = with_norm_rows(rows, hidden[0], prefix, exact_norm)
-    logits, late = late_layers(lm, layers, hidden[0], rope, arm, split, tail, maps, rows, keep, cache, fix)
-    if arm == "nofill":
+    rows = with_norm_rows(rows, hidden[0], prefix, f.exact_norm)
+    logits, late = late_layers(lm, layers, hidden[0], rope, replace(f, rows=rows), cache)
+    if f.arm == "nofill":
         slots = [None if e is None else {"keys": e[0][0], "values": e[1][0],
                                          "positions": all_pos.expand(ad.num_kv_heads, n)} for e in early]
         return logits, SlotCache(lm, slots + late_slots(ad, late, all_pos), n, states=cache), rows
@@ -79,12 +106,12 @@ def late_slots(ad, late, all_pos) -> list[dict]:
             for e in late]  # fmt: skip
 
 
-def late_layers(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep, states, fix=None):
-    """Late layers from the split state h_split [N, d]: the query rows (exact rows + tail) run every layer; the
-    filled rows only write keys/values (attention) or their state updates (Gated DeltaNet, into `states`, a
-    transformers cache). `fix`: the corrections (`corrections.Fix`). Returns the last `keep` rows' logits and, per late
-    layer, (keys, values, valid slots), or None for a Gated DeltaNet layer."""
-    fix = fix or fixes.Fix()
+def late_layers(lm, layers, h_split, rope, f: Fill, states):
+    """Late layers from the split state h_split [N, d]: the query rows (f.rows + tail) run every layer; the filled
+    rows only write keys/values (attention) or their state updates (Gated DeltaNet, into `states`, a transformers
+    cache). Returns the last `f.keep` rows' logits and, per late layer, (keys, values, valid slots), or None for a
+    Gated DeltaNet layer."""
+    arm, split, tail, maps, rows, fix = f.arm, f.split, f.tail, f.maps, f.rows, f.fix
     kv_fix = [c for c in fix.which if c in fixes.KV_CORRECTIONS]
     ad = lm.adapter
     device, dtype = ad.device, ad.dtype
@@ -121,13 +148,12 @@ def late_layers(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep, s
         if kind == SLIDING and layers.window:
             pos = fill_pos_sliding  # the other rows are outside every query's window
         if pos.numel():
-            x = _predicted(arm, maps, l, x_split, pos, dev)
-            k, v = ad.kv(l, x)  # [F, kv_heads, head_dim], before RoPE, on the layer's device
+            k, v = _filled_kv(ad, f, l, x_split, pos, dev)  # [F, kv_heads, head_dim], before RoPE, on the layer's device
             if kv_fix:  # measured on the first tail rows: from their true input (hq) and from the map's prediction
                 m = min(fix.rows, tail)
                 r = len(rows)
                 k_true, v_true = ad.kv(l, hq[0, r : r + m])
-                k_pred, v_pred = ad.kv(l, _predicted(arm, maps, l, x_split, all_pos[prefix : prefix + m], dev))
+                k_pred, v_pred = _filled_kv(ad, f, l, x_split, all_pos[prefix : prefix + m], dev)
                 k, v = fixes.apply_kv(fixes.kv_params(kv_fix, k_true, v_true, k_pred, v_pred), k, v)
             cos, sin = rope[kind]
             at = pos.to(cos.device)
@@ -138,7 +164,22 @@ def late_layers(lm, layers, h_split, rope, arm, split, tail, maps, rows, keep, s
             kv_valid[pos] = True
         hq = layers.run(l, hq, q_pos, q_rope, keys, values, kv_valid)
         late.append((keys, values, kv_valid))
-    return final_logits(lm, hq[0, -keep:]), late
+    return final_logits(lm, hq[0, -f.keep:]), late
+
+
+def _filled_kv(ad, f: Fill, l, x_split, pos, dev):
+    """What attention layer l writes for the filled rows at `pos`, before RoPE: (k, v) [F, kv_heads, head_dim] in the
+    model's dtype on `dev`. An input map's prediction (or, "identity", h_S) goes through the layer's own norm and
+    projections; a key/value map's is the keys (then the key norm) and values themselves."""
+    if not (f.arm.startswith("ridgefill") and f.map_kind(l) == KV_MAP):
+        return ad.kv(l, _predicted(f.arm, f.maps, l, x_split, pos, dev))
+    W, b = f.maps[l]  # [2 * kv_heads * head_dim, d], [2 * kv_heads * head_dim], float32 on the layer's device
+    x = x_split[pos.to(x_split.device)].to(dev)  # [F, d] float32
+    both = (x @ torch.as_tensor(W, dtype=torch.float32, device=dev).T
+            + torch.as_tensor(b, dtype=torch.float32, device=dev)).to(ad.dtype)  # [F, 2kv]
+    heads = (both.shape[0], ad.num_kv_heads, ad.head_dim)
+    half = both.shape[1] // 2
+    return ad.k_post(l, both[:, :half].reshape(heads)), both[:, half:].reshape(heads)
 
 
 def _predicted(arm, maps, l, x_split, pos, dev):

@@ -2,7 +2,8 @@
 
     from ridgefill.runtime import load_release_maps
     rel = load_release_maps(lm, "release/smollm2-135m")   # verified; refuses maps made for another model
-    rel.maps    # {layer: (W float32 [d, d], b float32 [d])} on each late layer's device
+    rel.maps    # {layer: (W float32 [d_out, d], b float32 [d_out])} on each late layer's device
+    rel.map_kinds   # {layer: "input" (d_out = d) | "kv" (keys before RoPE and QK-norm, then values)}
     rel.split, rel.tail, rel.manifest
     prefill(lm, ids, rel.arm, **rel.options())   # the release as made: its split, tail, maps and configuration
     rel.state_offsets   # a hybrid's terminal-state offsets {layer: [value heads, key dim, value dim]}, or None
@@ -23,7 +24,7 @@ A release's `configuration` (docs/format.md) says how it is applied, and `rel.ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,14 +32,14 @@ import torch
 from ridgefill.errors import BadInput
 from ridgefill.formats.release.names import (KSCALE_CONFIGURATION, PLAIN, PROTECTED_CONFIGURATION,
                                              ROWS_CONFIGURATION)
-from ridgefill.runtime.rows import ANCHOR_ROWS, ROW_SHARE, fit_rows
+from ridgefill.runtime.rows import ANCHOR_ROWS, ROW_SHARE
 
 
 @dataclass(frozen=True)
 class ReleaseMaps:
     """A verified release, ready for `prefill(lm, ids, rel.arm, **rel.options())`."""
 
-    maps: dict  # {layer: (W float32 [d, d], b float32 [d])} for layers split..L-1, on each layer's device
+    maps: dict  # {layer: (W float32 [d_out, d], b float32 [d_out])} for layers split..L-1, on each layer's device
     split: int  # the first layer the fill skips for prefix rows
     tail: int  # the release's default tail (`tail_default`): prompt rows that run every layer
     manifest: dict  # the verified `ridgefill.json`
@@ -50,6 +51,7 @@ class ReleaseMaps:
     row_share: float = ROW_SHARE  # `configuration.row_share` of a ridgefill+rows release
     protected: torch.Tensor | None = None  # the protected-token table (int64 token ids, ascending), or None
     sweep: str | None = None  # `configuration.sweep`: the sweep that recommended the configuration, or None
+    map_kinds: dict = field(default_factory=dict)  # {layer: "input" | "kv"}: what each map predicts (`layers[].map`)
 
     @property
     def arm(self) -> str:
@@ -65,8 +67,8 @@ class ReleaseMaps:
         ridgefill+protected. Any of them may be overridden:
         `prefill(..., **rel.options(), tail=256)` is an error, `prefill(..., **{**rel.options(), "tail": 256})` is
         not."""
-        opts = {"split": self.split, "tail": self.tail, "maps": self.maps, "anchor": self.anchor,
-                "exact_norm": self.exact_norm}
+        opts = {"split": self.split, "tail": self.tail, "maps": self.maps, "map_kinds": self.map_kinds,
+                "anchor": self.anchor, "exact_norm": self.exact_norm}
         if self.configuration == ROWS_CONFIGURATION:
             opts["row_share"] = self.row_share
         elif self.configuration == KSCALE_CONFIGURATION:
@@ -93,34 +95,21 @@ def maps_on_devices(lm, maps: dict, layers) -> dict:
 def load_release_maps(lm, folder) -> ReleaseMaps:
     """Verify and load the release in `folder` for the loaded model `lm` (a `ridgefill.models.LoadedModel`).
 
-    BadInput (one line) when the folder does not verify (a configuration the format refuses included), when it was
-    made for another model (the manifest's model fingerprint differs from `lm.ref.fingerprint`), or when its maps
-    do not cover the late layers split..L-1 with d x d weights, when its terminal-state offsets do not match the
-    model's layers, or when its configuration's correction has no layers above the split on this model."""
-    from ridgefill.formats.release import MANIFEST, read_release
+    BadInput (one line) when the folder does not verify (a configuration the format refuses, an impossible split or
+    tail included), when it was made for another model (another fingerprint, layer count, width or KV shape than
+    `lm`'s: `Release.check_model`), when its terminal-state offsets do not match the model's layers, or when its
+    configuration's correction has no layers above the split on this model. Every fact comes from the reader's
+    `Release`, checked there once."""
+    from ridgefill.formats.release import read_release
     from ridgefill.runtime.corrections import check_corrections, check_state_offsets
 
     folder = Path(folder)
     rel = read_release(folder)
-    manifest, maps = rel.manifest, rel.maps
     ref, ad = lm.ref, lm.adapter
-    theirs = (manifest.get("model") or {}).get("fingerprint")
-    if theirs != ref.fingerprint:
-        raise BadInput(f"{folder}: the maps were made for another model (fingerprint {str(theirs)[:12]}) than "
-                       f"'{ref.spec}' ({ref.fingerprint[:12]})")  # fmt: skip
-    split, tail = manifest.get("split"), manifest.get("tail_default")
-    L, d = ad.num_layers, ad.hidden_size
-    for key, v, top in (("split", split, L), ("tail_default", tail, None)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "split" else 1) or (top and v > top):
-            raise BadInput(f"{folder / MANIFEST}: '{key}' is {v!r}, not a valid value for a {L}-layer model")
-    missing = [l for l in range(split, L) if l not in maps]
-    if missing:
-        raise BadInput(f"{folder}: the release has no maps for late layers {missing} (split {split}, {L} layers)")
-    for l in range(split, L):
-        w, b = maps[l]["weight"], maps[l]["bias"]
-        if w.shape != (d, d) or b.shape != (d,):
-            raise BadInput(f"{folder}: layer {l} map is {tuple(w.shape)}, expected ({d}, {d}) for this model")
-    late = {l: (maps[l]["weight"], maps[l]["bias"]) for l in range(split, L)}
+    rel.check_model(fingerprint=ref.fingerprint, num_layers=ad.num_layers, hidden_size=ad.hidden_size,
+                    num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, name=ref.spec, where=str(folder))
+    split, L = rel.split, ad.num_layers
+    late = {l: (rel.maps[l]["weight"], rel.maps[l]["bias"]) for l in range(split, L)}
     offsets = rel.state_offsets
     if offsets is not None:
         try:
@@ -128,8 +117,6 @@ def load_release_maps(lm, folder) -> ReleaseMaps:
         except BadInput as e:
             raise BadInput(f"{folder}: {e}") from None
         offsets = {l: torch.as_tensor(o).to(ad.layer_device(l)) for l, o in offsets.items()}
-    fit = manifest.get("fit") or {}
-    rows = fit_rows(fit.get("skip_first_rows", ANCHOR_ROWS), fit.get("exact_norm"), str(folder / MANIFEST))
     conf = rel.configuration
     if conf["arm"] == KSCALE_CONFIGURATION:
         try:
@@ -137,6 +124,7 @@ def load_release_maps(lm, folder) -> ReleaseMaps:
         except BadInput as e:
             raise BadInput(f"{folder}: configuration {KSCALE_CONFIGURATION}: {e}") from None
     table = None if rel.protected is None else torch.as_tensor(rel.protected.astype("int64"))
-    return ReleaseMaps(maps_on_devices(lm, late, range(split, L)), split, tail, manifest, folder, offsets, **rows,
-                       configuration=conf["arm"], row_share=conf.get("row_share", ROW_SHARE), protected=table,
-                       sweep=conf["sweep"])
+    return ReleaseMaps(maps_on_devices(lm, late, range(split, L)), split, rel.tail, rel.manifest, folder, offsets,
+                       anchor=rel.anchor, exact_norm=rel.exact_norm, configuration=conf["arm"],
+                       row_share=conf.get("row_share", ROW_SHARE), protected=table, sweep=conf["sweep"],
+                       map_kinds=dict(rel.map_kinds))

@@ -1,0 +1,105 @@
+"""Key/value maps in the reference runtime: a late attention layer's map predicts its keys (before RoPE and QK-norm)
+and values directly; Gated DeltaNet layers keep input maps. Checked against the exact prefill with maps that
+interpolate the prompt's own rows (least squares, fewer rows than d + 1: exact), against the keys written by hand, and
+by the refusals of a map whose kind or width is wrong."""
+
+import numpy as np
+import pytest
+import torch
+
+from ridgefill.errors import BadInput
+from ridgefill.runtime import exact_run, prefill
+from test_runtime import ALL, decode_logits, hidden_states, tokens
+
+
+def kv_targets(lm, hs, l, rows):
+    """Layer l's keys before its key norm and its values, side by side, from its true input at `rows`: [R, 2kv]."""
+    k, v = lm.adapter.kv_raw(l, hs[l][0, rows])
+    return torch.cat([k.reshape(len(rows), -1), v.reshape(len(rows), -1)], 1).double().numpy()
+
+
+def fit_kv_maps(lm, hs, split, rows):
+    """Least-squares maps from h_split onto each late layer's target (numpy lstsq, min-norm when under-determined):
+    keys and values for attention layers, the input for Gated DeltaNet layers. ({layer: (W, b)}, {layer: kind})."""
+    ad = lm.adapter
+    x = hs[split][0, rows].double().numpy()
+    xa = np.concatenate([x, np.ones((x.shape[0], 1))], axis=1)
+    maps, kinds = {}, {}
+    for l in range(split, ad.num_layers):
+        kinds[l] = "input" if ad.is_linear(l) else "kv"
+        y = hs[l][0, rows].double().numpy() if ad.is_linear(l) else kv_targets(lm, hs, l, rows)
+        coef = np.linalg.lstsq(xa, y, rcond=None)[0]  # [d + 1, d_out]
+        maps[l] = (torch.tensor(coef[:-1].T, dtype=torch.float32), torch.tensor(coef[-1], dtype=torch.float32))
+    return maps, kinds
+
+
+@pytest.mark.parametrize("arch", ALL)
+def test_interpolating_kv_maps_reproduce_exact(arch, lm_of):
+    """Key/value maps that fit the prompt's own prefix rows exactly make the fill write the true keys (through the
+    key norm and RoPE at their positions) and values: its logits and its cache's next steps are exact's."""
+    lm = lm_of(arch)
+    ids, S, T, n = tokens(20, seed=5), 1, 6, 20
+    hs = hidden_states(lm, ids)
+    maps, kinds = fit_kv_maps(lm, hs, S, list(range(n - T)))
+    assert any(k == "kv" for k in kinds.values())
+    ex = prefill(lm, ids, "exact", split=S, tail=T)
+    rf = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, map_kinds=kinds)
+    err = (rf.logits - ex.logits).abs().max()
+    assert err < 1e-3, err
+    idn = prefill(lm, ids, "identity", split=S, tail=T)
+    assert (idn.logits - ex.logits).abs().max() > 100 * err
+    nxt = tokens(3, seed=6)
+    torch.testing.assert_close(decode_logits(lm, rf.cache, nxt), decode_logits(lm, ex.cache, nxt), atol=1e-3,
+                               rtol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_filled_keys_and_values_are_the_maps_output(arch, lm_of):
+    """With random key/value maps, each filled row of a late layer holds k = RoPE(k_norm(M h_S + c)[:kv]) and
+    v = (M h_S + c)[kv:], computed here from the split state in float64 with the model's own norm and rotary tables."""
+    lm = lm_of(arch)
+    ad = lm.adapter
+    ids, S, T, n = tokens(24, seed=7), 2, 5, 24
+    g = torch.Generator().manual_seed(3)
+    d, w = ad.hidden_size, ad.kv_width
+    maps = {l: (torch.randn(w, d, generator=g) / d**0.5, torch.randn(w, generator=g)) for l in range(S, ad.num_layers)}
+    kinds = {l: "kv" for l in maps}
+    res = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, map_kinds=kinds, anchor=1)
+    h = exact_run(lm, ids, splits=[S]).states[S].double()  # [N, d]: the early layers run every row exactly
+    filled = [p for p in range(n - T) if p not in res.exact_rows]
+    cos, sin = ad.rotary(filled)
+    for l in maps:
+        W, b = maps[l]
+        pred = h[filled] @ W.double().T + b.double()  # [F, 2kv]
+        k = pred[:, : w // 2].reshape(len(filled), ad.num_kv_heads, ad.head_dim)
+        norm = ad.k_norm(l)
+        if norm is not None:  # RMS over head_dim with the layer's own weight
+            k = k / torch.sqrt(k.square().mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight.double()
+        k = ad.apply_rope(k, cos.double(), sin.double())
+        v = pred[:, w // 2 :].reshape(len(filled), ad.num_kv_heads, ad.head_dim)
+        got = res.cache.layers[l]
+        torch.testing.assert_close(got.keys[0][:, filled].transpose(0, 1).double(), k, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(got.values[0][:, filled].transpose(0, 1).double(), v, atol=2e-4, rtol=2e-4)
+
+
+def test_kv_map_refusals(lm_of):
+    """A map whose width is not its kind's, an unknown kind, or a key/value map on a Gated DeltaNet layer is refused
+    by its layer, before anything runs."""
+    lm = lm_of("llama")
+    ad = lm.adapter
+    d, w, S = ad.hidden_size, ad.kv_width, 2
+    assert w == d  # the tiny models' 2 KV heads of d / 4: the widths alone cannot tell the kinds apart
+    ids = tokens(12)
+    half = {l: (torch.zeros(w // 2, d), torch.zeros(w // 2)) for l in range(S, ad.num_layers)}
+    with pytest.raises(BadInput, match=rf"^layer 2's kv map is \({w // 2}, {d}\), expected \({w}, {d}\) for this model$"):
+        prefill(lm, ids, "ridgefill", split=S, tail=4, maps=half, map_kinds={l: "kv" for l in half})
+    with pytest.raises(BadInput, match=rf"^layer 2's input map is \({w // 2}, {d}\), expected \({d}, {d}\) for this model$"):
+        prefill(lm, ids, "ridgefill", split=S, tail=4, maps=half)
+    full = {l: (torch.zeros(w, d), torch.zeros(w)) for l in range(S, ad.num_layers)}
+    with pytest.raises(BadInput, match=r"^map_kinds: layer 3 is 'keys', expected 'input' or 'kv'$"):
+        prefill(lm, ids, "ridgefill", split=S, tail=4, maps=full, map_kinds={2: "kv", 3: "keys"})
+    hybrid = lm_of("qwen3_next")
+    had = hybrid.adapter
+    maps = {l: (torch.zeros(had.kv_width, had.hidden_size), torch.zeros(had.kv_width)) for l in range(2, had.num_layers)}
+    with pytest.raises(BadInput, match=r"^map_kinds: layer 2 is a Gated DeltaNet layer, which needs an input map"):
+        prefill(hybrid, ids, "ridgefill", split=2, tail=4, maps=maps, map_kinds={l: "kv" for l in maps})
