@@ -14,23 +14,26 @@ from ridgefill.artifacts import Store
 from ridgefill.formats import safetensors
 from ridgefill.formats import int8
 
-LAYERS = (2, 12, 13)  # "layer.12" / "blk.12" sort before "layer.2": orders must be numeric
-D_OUT, D_IN = 96, 160  # not square (orientation); d_in = 5 Q8_0 blocks, and a ragged int8 group (128 + 32)
+SPLIT, LAYERS = 9, (9, 10, 11)  # "layer.10" / "blk.10" sort before "layer.9": orders must be numeric
+# Key/value maps (not square: orientation): 2 KV heads of 24 -> d_out 96; d_in, the hidden size, = 5 Q8_0 blocks and a
+# ragged int8 group (128 + 32)
+KV_HEADS, HEAD_DIM = 2, 24
+D_OUT, D_IN = 2 * KV_HEADS * HEAD_DIM, 160
 EXACT_NORM = 812.5  # the solve's exact-row norm: a release's `fit.exact_norm`
 FP = "e" * 64  # what hand-made manifests use; fake_chain's model has its own fingerprint (`fake_model`)
 MODEL_NAME = "Model-1"
-CONFIG = {"model_type": "llama", "num_hidden_layers": 14, "hidden_size": D_OUT, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
+CONFIG = {"model_type": "llama", "num_hidden_layers": 12, "hidden_size": D_IN, "num_attention_heads": 4,
+          "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "intermediate_size": 128, "vocab_size": 256}
 
 
-def fake_model(root: Path) -> tuple[Path, str]:
-    """A model folder beside the store `root` holding config.json (14 llama layers) and a stand-in weights file
-    (export reads no weight): (folder, fingerprint)."""
+def fake_model(root: Path, hidden: int = D_IN) -> tuple[Path, str]:
+    """A model folder beside the store `root` holding config.json (12 llama layers of `hidden`; another width than
+    D_IN gets a folder of its own) and a stand-in weights file (export reads no weight): (folder, fingerprint)."""
     from ridgefill.models.fingerprint import dir_fingerprint
 
-    folder = Path(f"{root}-model") / MODEL_NAME
+    folder = Path(f"{root}-model" + ("" if hidden == D_IN else f"-{hidden}")) / MODEL_NAME
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(CONFIG))
+    (folder / "config.json").write_text(json.dumps({**CONFIG, "hidden_size": hidden}))
     safetensors.save(folder / "model.safetensors", {"unused": np.zeros(1, np.float32)})
     return folder, dir_fingerprint(folder)
 
@@ -57,9 +60,9 @@ def calibration_mean(d_in: int = D_IN) -> np.ndarray:
 
 def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE,
                exact_norm: float | None = EXACT_NORM) -> dict[str, str]:
-    """A capture (documents and split-2 statistics), a solve (float maps with `exact_norm`, or none: a solve from
-    before format 5; report) and a quantize artifact (int8 maps at `group`, bias-corrected along the calibration
-    mean as `quantize` does); returns their ids."""
+    """A capture (documents and split-9 statistics), a solve (float key/value maps of a `d_in`-wide model with
+    `exact_norm`, or none: a solve from before format 5; report) and a quantize artifact (int8 maps at `group`,
+    bias-corrected along the calibration mean as `quantize` does); returns their ids."""
     from ridgefill.capture.artifact import DOCS, STATS
     from ridgefill.capture.stats import Moments
     from ridgefill.quantize.artifact import QUANT
@@ -67,8 +70,8 @@ def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE,
     from ridgefill.solve.artifact import MAPS, REPORT, kinds_metadata
 
     st = Store(root)
-    folder, fp = fake_model(Path(root))
-    model = {"name": MODEL_NAME, "revision": None, "model_type": "llama", "num_layers": 14, "hidden_size": D_OUT,
+    folder, fp = fake_model(Path(root), d_in)
+    model = {"name": MODEL_NAME, "revision": None, "model_type": "llama", "num_layers": 12, "hidden_size": d_in,
              "fingerprint": fp}
     docs = [{"name": "a", "role": "calibration", "sha256": "a" * 64, "tokens": 60},
             {"name": "b", "role": "held_out", "sha256": "b" * 64, "tokens": 40}]
@@ -77,18 +80,19 @@ def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE,
     moments.n, moments.mean_x[:] = 59, mean
     with st.build("capture", {"stage": "capture", "model": fp, "skip_first": 1, "chat": False, "d_in": d_in}) as b:
         (b.path / DOCS).write_text(json.dumps(docs))
-        safetensors.save(b.path / STATS, moments.to_arrays("raw.split2"), {"splits": "2", "variants": "raw"})
+        safetensors.save(b.path / STATS, moments.to_arrays(f"raw.split{SPLIT}"),
+                         {"splits": str(SPLIT), "variants": "raw"})
         cap = b.commit(info={"model": model, "model_spec": str(folder)})
     fm = float_maps(d_in=d_in)
     mean_scores = {"k_cosine": 0.9, "v_cosine": 0.8}
-    report = {"split": 2, "alpha": 1e-3, "lambda": 0.5, "rows": 59, "metric": "kv", "held_out_rows": 40,
+    report = {"split": SPLIT, "alpha": 1e-3, "lambda": 0.5, "rows": 59, "metric": "kv", "held_out_rows": 40,
               "fitted": {"mean": mean_scores}, "identity": {"mean": {"k_cosine": 0.7, "v_cosine": 0.5}}}
-    with st.build("solve", {"stage": "solve", "capture": cap.id, "model": fp, "chat_share": None, "split": 2}) as b:
+    with st.build("solve", {"stage": "solve", "capture": cap.id, "model": fp, "chat_share": None, "split": SPLIT}) as b:
         safetensors.save(b.path / MAPS, {f"layer.{l}.{k}": v for l, m in fm.items() for k, v in m.items()},
-                         {"split": "2", **({"exact_norm": repr(exact_norm)} if exact_norm is not None else {}),
-                          **kinds_metadata({l: "input" for l in LAYERS}, 2, D_OUT // 4)})
+                         {"split": str(SPLIT), **({"exact_norm": repr(exact_norm)} if exact_norm is not None else {}),
+                          **kinds_metadata({l: "kv" for l in LAYERS}, KV_HEADS, HEAD_DIM)})
         (b.path / REPORT).write_text(json.dumps(report))
-        sol = b.commit(info={"capture": cap.id, "model": model}, summary={"layers": list(LAYERS), "split": 2})
+        sol = b.commit(info={"capture": cap.id, "model": model}, summary={"layers": list(LAYERS), "split": SPLIT})
     arrays = {}
     for l, m in fm.items():
         codes, bits, bias_bits = quantize_map(m["weight"], m["bias"], mean, group)
@@ -98,5 +102,5 @@ def fake_chain(root: Path, d_in: int = D_IN, group: int = int8.GROUP_SIZE,
     with st.build("quantize", {"stage": "quantize", "solve": sol.id, "group_size": group}) as b:
         safetensors.save(b.path / QUANT, arrays, {"group_size": str(group)})
         q = b.commit(info={"solve": sol.id, "capture": cap.id, "model": model},
-                     summary={"score_int8": 0.79, "score_float": 0.8, "split": 2})
+                     summary={"score_int8": 0.79, "score_float": 0.8, "split": SPLIT})
     return {"capture": cap.id, "solve": sol.id, "quantize": q.id}

@@ -228,10 +228,10 @@ def test_default_recipe_id_is_unchanged_and_the_flag_changes_it(solved):
     from ridgefill.solve.run import solve
 
     cap, shared, per = solved["cap"], solved["shared"], solved["per"]
-    # the default recipe holds no per-layer key (nor --state-data's `state`): only the format version (5 since
-    # solve records the exact-row norm) tells it from what solve wrote before per-layer alphas existed
-    before = {"stage": "solve", "version": 5, "capture": cap.id, "model": cap.recipe["model"], "split": SPLIT,
-              "alphas": sorted(DEFAULT_ALPHAS), "metric": "kv", "chat_share": None}
+    # the default recipe holds no per-layer key (nor --state-data's `state`): only the format version (6 since
+    # solve records the map kind, `maps`) tells it from what solve wrote before per-layer alphas existed
+    before = {"stage": "solve", "version": 6, "capture": cap.id, "model": cap.recipe["model"], "split": SPLIT,
+              "alphas": sorted(DEFAULT_ALPHAS), "metric": "kv", "maps": "input", "chat_share": None}
     assert shared.recipe == before and shared.id == recipe_id(before)
     assert per.recipe == {**before, "alpha_per_layer": True} and per.id == recipe_id(per.recipe) != shared.id
     # both are cache hits, under their own ids; alpha_per_layer=False is the default

