@@ -149,3 +149,22 @@ def test_cache_path_refuses_with_ridgefill_errors(cache_dir):
     with pytest.raises(RidgefillError, match="outside"):
         loads.cache_path(cache_dir, "../elsewhere.safetensors")
     assert loads.cache_path(cache_dir, "doc/cache.safetensors") == (cache_dir / "doc" / "cache.safetensors").resolve()
+
+
+@pytest.mark.parametrize("total, world", [(2, 1), (2, 2), (8, 4), (2, 4)])
+def test_rank_map_rows_give_each_rank_its_heads_keys_and_values(total, world):
+    """Cut to each rank's rows, a key/value map predicts exactly that rank's slice of the whole map's keys and values
+    (per head, brute force over a map whose rows are numbered), and the ranks together hold every row."""
+    import numpy as np
+
+    head_dim = 3
+    width = 2 * total * head_dim
+    whole = np.arange(width)  # row r predicts: keys of head r // head_dim, or values of head (r - width/2) // head_dim
+    seen = set()
+    for rank in range(world):
+        heads = loads.rank_heads(total, rank, world)
+        rows = loads.rank_map_rows(heads, width, head_dim)
+        keys = [h * head_dim + j for h in range(heads.start, heads.stop) for j in range(head_dim)]
+        assert list(whole[rows]) == keys + [width // 2 + r for r in keys]
+        seen |= set(rows)
+    assert seen == set(range(width))

@@ -36,8 +36,9 @@ from ridgefill.capture.units import SKIP_FIRST
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
 
-FORMAT_VERSION = 3  # 2: whole documents through the KV cache (was: independent windows), blocks, float32 products;
-# 3: rows whose split state is an outlier by norm are not fitted
+FORMAT_VERSION = 4  # 2: whole documents through the KV cache (was: independent windows), blocks, float32 products;
+# 3: rows whose split state is an outlier by norm are not fitted; 4: the late attention layers' keys and values are
+# fitted too (key/value maps: stats.safetensors' `<variant>.split<S>.kv.*`)
 
 
 def capture(

@@ -124,16 +124,21 @@ def served_fingerprint_problem(folder: Path, release_manifest: dict, *,
 
 def served_config_problem(config: dict, release_manifest: dict) -> str | None:
     """None when a served model's config.json (`config`, parsed) has the release's architecture (`model_type`),
-    layer count and hidden size (a vision-language config's from its `text_config`); else one line naming the
+    layer count, hidden size and (a ridgefill-maps/2 release) KV heads and head size (a vision-language config's from
+    its `text_config`); else one line naming the
     first that differs. Cheap (no file is read), but it cannot tell two models of one shape apart:
     `served_fingerprint_problem` does."""
     model = release_manifest.get("model") if isinstance(release_manifest, dict) else None
     if not isinstance(model, dict):
         return "the release manifest has no 'model' object: not a ridgefill release"
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    kv_heads = text.get("num_key_value_heads") or text.get("num_attention_heads")
+    head_dim = text.get("head_dim") or (text.get("hidden_size") or 0) // max(text.get("num_attention_heads") or 1, 1)
     for what, have, want in (("architecture", config.get("model_type"), model.get("architecture")),
                              ("layer count", text.get("num_hidden_layers"), model.get("num_layers")),
-                             ("hidden size", text.get("hidden_size"), model.get("hidden_size"))):
+                             ("hidden size", text.get("hidden_size"), model.get("hidden_size")),
+                             ("KV head count", kv_heads, model.get("num_kv_heads", kv_heads)),  # /2 releases record
+                             ("head size", head_dim, model.get("head_dim", head_dim))):  # them; /1 ones do not
         if have != want:
             return f"the release was made for {_label(model)}, whose {what} is {want!r}; the served model's is {have!r}"
     return None

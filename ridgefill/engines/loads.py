@@ -145,3 +145,12 @@ def rank_heads(total: int, rank: int, world: int) -> slice:
         raise ValueError(f"{world} ranks do not replicate {total} KV heads evenly")
     first = rank * total // world
     return slice(first, first + 1)
+
+
+def rank_map_rows(heads: slice, width: int, head_dim: int) -> list[int]:
+    """The rows of a key/value map [width = 2 * KV heads * head_dim, d] (keys of every KV head, then their values)
+    that a tensor-parallel rank holding KV heads `heads` (`rank_heads`) keeps: those heads' keys, then the same
+    heads' values, the layout of the rank's own key and value rows."""
+    half = width // 2
+    keys = list(range(heads.start * head_dim, heads.stop * head_dim))
+    return keys + [half + r for r in keys]

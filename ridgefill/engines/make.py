@@ -108,14 +108,12 @@ def make_prefix(store, model: str, release: Path, prompt: Path, out: Path, *, ar
     if arm != "exact" and conf in (ROWS_CONFIGURATION, KSCALE_CONFIGURATION):
         raise BadInput(f"{release} is configured {conf}, which a prefix cannot apply (it needs the tail, which the "
                        "engine computes); --arm exact serves its prefix exactly")
-    theirs = (verified.manifest.get("model") or {}).get("fingerprint")
-    ref = resolve_model(model, store_root=store.root, expect=theirs)
-    if theirs != ref.fingerprint:
-        raise BadInput(f"{release}: the maps were made for another model (fingerprint {str(theirs)[:12]}) than "
-                       f"'{model}' ({ref.fingerprint[:12]})")  # fmt: skip
+    ref = resolve_model(model, store_root=store.root, expect=verified.manifest["model"]["fingerprint"])
+    verified.check_model(fingerprint=ref.fingerprint, num_layers=ref.num_layers, hidden_size=ref.hidden_size,
+                         num_kv_heads=None, head_dim=None, name=model, where=str(release))
     place = place or where()
     lm = load_model(ref, store_root=store.root, **place.load_args())
-    rel = load_release_maps(lm, release)
+    rel = load_release_maps(lm, release, verified)  # checked against the loaded model's KV shape too; not read again
     opts = {**rel.options(), **({"tail": tail} if tail is not None else {})}
     ids = lm.tokenizer(text)["input_ids"]
     check_context(lm, len(ids), "the prompt has")

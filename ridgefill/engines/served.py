@@ -20,10 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from ridgefill.errors import BadInput
-from ridgefill.formats.release import MANIFEST, MAPS_FILE, read_release
+from ridgefill.formats.release import MAPS_FILE, read_release
 from ridgefill.formats.release.names import PLAIN, PROTECTED_CONFIGURATION
 from ridgefill.models.kinds import FULL
-from ridgefill.runtime.rows import ANCHOR_ROWS, fit_rows
 
 ENV = "RIDGEFILL_RELEASE"
 CACHE_ENV = "RIDGEFILL_CACHE"
@@ -44,7 +43,8 @@ class Fill:
     exact_norm: float  # `fit.exact_norm`: a prefix row whose split state's norm exceeds it runs exactly
     configuration: str
     protected: np.ndarray | None  # int64 token ids whose rows run exactly (ridgefill+protected), or None
-    maps: dict[int, tuple[np.ndarray, np.ndarray]]  # {layer: (W float32 [d, d], b float32 [d])}
+    maps: dict[int, tuple[np.ndarray, np.ndarray]]  # {layer: (W float32 [d_out, d], b float32 [d_out])}
+    map_kinds: dict[int, str]  # {layer: "input" (d_out = d) | "kv" (keys before RoPE and QK-norm, then values)}
 
     @property
     def model(self) -> dict:
@@ -60,9 +60,10 @@ class Fill:
         rule = f"split state above norm {self.exact_norm:.4g}"
         if self.protected is not None:
             rule += f", {len(self.protected)} protected tokens"
+        kinds = sorted(set(self.map_kinds.values()))
         return (f"release {self.folder} (maps {self.sha256[:12]}, {self.model['name']}): split {self.split} of {L}, "
-                f"tail {self.tail}, layers {self.split}..{L - 1} filled from {self.projector} maps; exact rows: the "
-                f"first {self.anchor}, the tail, {rule}")  # fmt: skip
+                f"tail {self.tail}, layers {self.split}..{L - 1} filled from {self.projector} {'/'.join(kinds)} maps; "
+                f"exact rows: the first {self.anchor}, the tail, {rule}")  # fmt: skip
 
 
 def setting() -> str | None:
@@ -93,7 +94,8 @@ def locate(value: str) -> Path:
 
 def load(folder: Path) -> Fill:
     """Read and verify the release in `folder` and check that an engine can apply it row by row: full attention
-    above the split, a configuration decided per row (the plain fill or ridgefill+protected), d x d maps."""
+    above the split, a configuration decided per row (the plain fill or ridgefill+protected). Every fact is the
+    reader's (`Release`: split, tail, anchor, exact-row norm, map kinds, widths), checked there once."""
     rel = read_release(folder)
     m = rel.manifest
     where = f"{ENV}={folder}"
@@ -104,18 +106,11 @@ def load(folder: Path) -> Fill:
     if conf not in CAUSAL:
         raise BadInput(f"{where}: configuration {conf} needs the whole prompt's tail before any row is filled (a "
                        f"serving engine fills a prompt chunk by chunk); export the release as {PLAIN}")
-    fit = m.get("fit") or {}
-    rows = fit_rows(fit.get("skip_first_rows", ANCHOR_ROWS), fit.get("exact_norm"), f"{folder / MANIFEST}")
-    d = m["model"]["hidden_size"]
-    maps = {}
-    for l, t in sorted(rel.maps.items()):
-        if t["weight"].shape != (d, d) or t["bias"].shape != (d,):
-            raise BadInput(f"{where}: layer {l} map is {tuple(t['weight'].shape)}, expected ({d}, {d})")
-        maps[l] = (t["weight"], t["bias"])
+    maps = {l: (t["weight"], t["bias"]) for l, t in sorted(rel.maps.items())}  # widths checked by the reader
     protected = None if conf != PROTECTED_CONFIGURATION else rel.protected.astype(np.int64)
-    return Fill(folder=Path(folder), manifest=m, sha256=m["files"][MAPS_FILE], split=m["split"],
-                tail=m["tail_default"], anchor=rows["anchor"], exact_norm=rows["exact_norm"], configuration=conf,
-                protected=protected, maps=maps)  # fmt: skip
+    return Fill(folder=Path(folder), manifest=m, sha256=m["files"][MAPS_FILE], split=rel.split, tail=rel.tail,
+                anchor=rel.anchor, exact_norm=rel.exact_norm, configuration=conf, protected=protected, maps=maps,
+                map_kinds=dict(rel.map_kinds))  # fmt: skip
 
 
 def from_environment() -> Fill | None:

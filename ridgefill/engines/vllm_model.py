@@ -9,9 +9,11 @@ Per step (the plan is `ridgefill.engines.plan`'s, made where vLLM builds the att
 2. otherwise layers 0..S-1 run every scheduled token; the split state h_S is vLLM's two residual summands added;
    the prefix rows whose split state's norm is above the release's exact-row norm (or, in a ridgefill+protected
    release, whose token is protected) join the exact rows: this is the step's one host synchronization;
-3. in each late layer l the filled rows' input is predicted, `W_l h_S + b_l` (the release's map, one GEMM), and
-   only their keys and values are computed (the layer's input norm, a copy of its key/value projection rows, key
-   norm, rotary embedding) and written to their cache slots through the backend's own `do_kv_cache_update`;
+3. in each late layer l the filled rows' keys and values are computed and written to their cache slots through the
+   backend's own `do_kv_cache_update`: with a key/value map, `[k; v] = M_l h_S + c_l` (one GEMM of width 2 x the
+   KV heads' size), then the key norm (Qwen3) and the rotary embedding; with an input map, the input `W_l h_S + b_l`
+   (one d x d GEMM), then the layer's input norm, a copy of its key/value projection rows, key norm and rotary
+   embedding;
 4. the exact rows run the whole late layer, attending through the late layers' attention metadata, built for
    those rows by the backend's own metadata builder from vLLM's common attention metadata (each run of
    consecutive exact rows of a request a sequence of its own), swapped into the forward context for the late
@@ -19,9 +21,9 @@ Per step (the plan is `ridgefill.engines.plan`'s, made where vLLM builds the att
 5. the final norm runs on the exact rows; filled rows' outputs are zero (no logits are read from them: vLLM
    samples each request's last scheduled row, which is a tail or decode row, or discards a partial prefill's).
 
-The maps and the key/value projection copies are vLLM linear layers created with the model, so vLLM's memory
-profiling counts them and each platform's own GEMM kernels run them (the CPU backend's oneDNN packing included).
-The int8 codes are decoded once at load and held in the model's dtype.
+The maps and the key/value projection copies (input maps only) are vLLM linear layers created with the model, so
+vLLM's memory profiling counts them and each platform's own GEMM kernels run them (the CPU backend's oneDNN packing
+included). The int8 codes are decoded once at load and held in the model's dtype.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ridgefill.engines import plan, served
+from ridgefill.engines import loads, plan, served
 from ridgefill.runtime.rows import norm_rows
 from vllm.config import CompilationMode
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear
 from vllm.model_executor.models.llama import LlamaForCausalLM
@@ -105,15 +108,25 @@ class EngineFill(nn.Module):
         self.late = list(range(release.split, L))
         self.tail, self.anchor, self.exact_norm = release.tail, release.anchor, release.exact_norm
         first = layers[self.split].self_attn
-        self.maps = nn.ModuleList(ReplicatedLinear(d, d, bias=True, quant_config=None, prefix=f"ridgefill.maps.{l}")
-                                  for l in self.late)  # fmt: skip
-        # The key/value rows of each late layer's qkv projection, as a projection of their own: the filled rows
-        # compute no query. Copied from the loaded weights (load), before vLLM repacks them for its kernels.
+        # What each late layer's map predicts: its input (d wide), or its keys and values. A key/value map is cut to
+        # this tensor-parallel rank's KV heads (vLLM's sharding, `loads.rank_heads`): each rank holds and multiplies
+        # only the rows of the keys and values it caches, with no communication.
+        self.kv_maps = [release.map_kinds.get(l) == "kv" for l in self.late]
+        self.heads = loads.rank_heads(first.total_num_kv_heads, get_tensor_model_parallel_rank(),
+                                      get_tensor_model_parallel_world_size())
+        local = 2 * (self.heads.stop - self.heads.start) * first.head_dim
+        self.maps = nn.ModuleList(
+            ReplicatedLinear(d, local if kv else d, bias=True, quant_config=None, prefix=f"ridgefill.maps.{l}")
+            for l, kv in zip(self.late, self.kv_maps))  # fmt: skip
+        # For an input map, the key/value rows of the layer's qkv projection, as a projection of their own: the
+        # filled rows compute no query. Copied from the loaded weights (load), before vLLM repacks them for its
+        # kernels. A key/value map needs none (None in its place).
         self.kv = nn.ModuleList(
+            nn.Identity() if kv else
             QKVParallelLinear(d, first.head_dim, 0, first.total_num_kv_heads,
                               bias=layers[l].self_attn.qkv_proj.bias is not None, quant_config=None,
                               prefix=f"ridgefill.kv.{l}")
-            for l in self.late)  # fmt: skip
+            for l, kv in zip(self.late, self.kv_maps))  # fmt: skip
         if release.protected is not None:
             self.register_buffer("protected", torch.as_tensor(release.protected), persistent=False)
         else:
@@ -136,8 +149,13 @@ class EngineFill(nn.Module):
         layers = causal_lm.model.layers
         for i, l in enumerate(self.late):
             W, b = self.release.maps[l]
-            self.maps[i].weight.data.copy_(torch.from_numpy(W))
-            self.maps[i].bias.data.copy_(torch.from_numpy(b))
+            if self.kv_maps[i]:
+                rows = loads.rank_map_rows(self.heads, W.shape[0], layers[l].self_attn.head_dim)
+                W, b = W[rows], b[rows]
+            self.maps[i].weight.data.copy_(torch.from_numpy(np.ascontiguousarray(W)))
+            self.maps[i].bias.data.copy_(torch.from_numpy(np.ascontiguousarray(b)))
+            if self.kv_maps[i]:
+                continue
             sa = layers[l].self_attn
             rows = slice(sa.q_size, sa.q_size + 2 * sa.kv_size)
             self.kv[i].weight.data.copy_(sa.qkv_proj.weight.data[rows])
@@ -208,10 +226,13 @@ class EngineFill(nn.Module):
         return h, residual
 
     def _write_filled(self, i, layer, x_split, pos, slots) -> None:
-        """Late layer `layer`'s keys and values for the filled rows, from their predicted input, into their slots."""
+        """Late layer `layer`'s keys and values for the filled rows, from the map's prediction, into their slots."""
         sa = layer.self_attn
-        x = self.maps[i](x_split)[0]  # [F, d]: W_l h_S + b_l
-        kv = self.kv[i](layer.input_layernorm(x))[0]  # [F, 2 * kv_size]
+        if self.kv_maps[i]:
+            kv = self.maps[i](x_split)[0]  # [F, 2 * kv_size]: keys before the key norm and RoPE, then values
+        else:
+            x = self.maps[i](x_split)[0]  # [F, d]: W_l h_S + b_l
+            kv = self.kv[i](layer.input_layernorm(x))[0]  # [F, 2 * kv_size]
         k, v = kv.split([sa.kv_size, sa.kv_size], dim=-1)
         if hasattr(sa, "k_norm"):  # Qwen3: RMSNorm per head before the rotary embedding
             k = sa.k_norm(k.reshape(k.shape[0], -1, sa.head_dim)).reshape(k.shape)

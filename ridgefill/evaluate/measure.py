@@ -53,7 +53,7 @@ class _Rows:
 def fill_args(src: MapsSource, arm: Arm, tail: int) -> dict:
     """prefill / prefill_from options of a fill arm ("+rows" with the source's row share)."""
     args = {"split": src.split, "tail": tail, "maps": src.maps if arm.base == "ridgefill" else None,
-            "anchor": src.anchor, "exact_norm": src.exact_norm}
+            "map_kinds": src.map_kinds, "anchor": src.anchor, "exact_norm": src.exact_norm}
     if arm.selector == "rows" and arm.control is None:
         args["row_share"] = src.row_share
     if arm.corrections:

@@ -5,7 +5,7 @@ which eval measures beside its default arms and gates by default, and the row sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ridgefill.artifacts import Store, recipe_id
@@ -15,7 +15,7 @@ from ridgefill.runtime.rows import ANCHOR_ROWS, ROW_SHARE, fit_rows
 
 @dataclass(frozen=True)
 class MapsSource:
-    maps: dict  # {layer: (W float32 [d, d], b float32 [d])}
+    maps: dict  # {layer: (W float32 [d_out, d], b float32 [d_out])}
     split: int
     fingerprint: str  # the model the maps were fitted on
     ident: str  # content identity for the recipe
@@ -27,6 +27,7 @@ class MapsSource:
     exact_norm: float | None = None  # prefix rows above this split-state norm run exactly (`fit.exact_norm`)
     configuration: str = "ridgefill"  # the arm the release is applied with (`configuration.arm`; artifacts: plain)
     row_share: float = ROW_SHARE  # the share of rows "+rows" runs exactly (a ridgefill+rows release's own)
+    map_kinds: dict = field(default_factory=dict)  # {layer: "input" | "kv"}: what each map predicts
 
 
 def configuration_of(source: str) -> str:
@@ -47,21 +48,20 @@ def load_source(store: Store, source: str) -> MapsSource:
 
     p = Path(source)
     if (p / release.MANIFEST).is_file():
-        rel = release.read_release(p)
+        rel = release.read_release(p)  # every fact below checked there, once
         manifest, conf = rel.manifest, rel.configuration
-        return MapsSource({l: (m["weight"], m["bias"]) for l, m in rel.maps.items()}, int(manifest["split"]),
+        return MapsSource({l: (m["weight"], m["bias"]) for l, m in rel.maps.items()}, rel.split,
                           manifest["model"]["fingerprint"], "release:" + recipe_id(manifest["files"]),
-                          frozenset(manifest.get("fit", {}).get("calibration_sha256", [])), p, rel.state_offsets,
-                          None if rel.protected is None else frozenset(rel.protected),
-                          **fit_rows((manifest.get("fit") or {}).get("skip_first_rows", ANCHOR_ROWS),
-                                     (manifest.get("fit") or {}).get("exact_norm"), str(p)),
-                          configuration=conf["arm"], row_share=conf.get("row_share", ROW_SHARE))
+                          frozenset(manifest["fit"].get("calibration_sha256", [])), p, rel.state_offsets,
+                          None if rel.protected is None else frozenset(rel.protected), anchor=rel.anchor,
+                          exact_norm=rel.exact_norm, configuration=conf["arm"],
+                          row_share=conf.get("row_share", ROW_SHARE), map_kinds=dict(rel.map_kinds))
     art = store.get(source)
     if art.stage not in ("solve", "quantize"):
         raise BadInput(f"artifact {art.id} is a {art.stage} artifact; eval takes a release folder, solve or quantize artifact")
     from ridgefill.capture.artifact import calibration_hashes
     from ridgefill.quantize.artifact import float_maps
-    from ridgefill.solve.artifact import load_exact_norm, load_extras
+    from ridgefill.solve.artifact import load_exact_norm, load_extras, load_map_kinds
 
     maps = float_maps(art)  # int8 decoded with the artifact's own group size
     cap = store.upstream(art, "capture")
@@ -71,4 +71,5 @@ def load_source(store: Store, source: str) -> MapsSource:
     # the split and the model from the recipes, which the ids cover (never from an artifact's `info`)
     return MapsSource(maps, int(sol.recipe["split"]), sol.recipe["model"], f"{art.stage}:{art.id}", calib, None, offsets,
                       None if table is None else frozenset(table),
-                      **fit_rows(cap.recipe["skip_first"], load_exact_norm(sol), f"solve {sol.id}"))
+                      **fit_rows(cap.recipe["skip_first"], load_exact_norm(sol), f"solve {sol.id}"),
+                      map_kinds=load_map_kinds(sol))
