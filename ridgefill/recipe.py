@@ -10,7 +10,7 @@
     [capture]                               # CaptureConfig fields; data defaults to ["builtin:default"]; device,
                                             # dtype, device_map, max_memory to capture elsewhere than the rest
     data = ["builtin:default"]
-    [solve]                                 # alphas, metric, split, chat_share, alpha_per_layer, and on a hybrid
+    [solve]                                 # maps, alphas, metric, split, chat_share, alpha_per_layer, and on a hybrid
                                             # state_data (paths, as capture's data) and state_chunk
     split = "auto"                          # optional: run `ridgefill sweep` and release its recommended split
     [sweep]                                 # with split = "auto": SweepConfig fields (splits, length, needles,
@@ -43,8 +43,9 @@ from ridgefill.output import Output
 SECTIONS = {"capture", "solve", "quantize", "export", "eval", "push", "sweep"}
 PLACE_KEYS = ("device", "dtype", "device_map", "max_memory")  # optional top-level keys: where the model runs
 PLACE_KINDS = {"device": "string", "dtype": "string", "device_map": "string", "max_memory": "table | list of string"}
-SOLVE_KINDS = {"alphas": "list of number", "metric": "string", "split": 'integer | "auto"', "chat_share": "number",
-               "alpha_per_layer": "boolean", "state_data": "string | list of string", "state_chunk": "integer"}
+SOLVE_KINDS = {"alphas": "list of number", "metric": "string", "maps": "string", "split": 'integer | "auto"',
+               "chat_share": "number", "alpha_per_layer": "boolean", "state_data": "string | list of string",
+               "state_chunk": "integer"}
 PUSH_KEYS = {"repo", "revision", "private", "commit_message"}
 PUSH_KINDS = {"repo": "string", "revision": "string", "private": "boolean", "commit_message": "string"}
 
@@ -180,6 +181,11 @@ def load_recipe(path: Path) -> Recipe:
         if not paths:
             raise BadInput("recipe [solve]: state_data must be a path or a list of paths, got an empty array")
         sol["state_data"] = [str(rel(x)) for x in paths]
+    if "maps" in sol:
+        from ridgefill.solve.config import MAP_CHOICES
+
+        if sol["maps"] not in MAP_CHOICES:
+            raise BadInput(f"recipe [solve]: maps must be one of {', '.join(MAP_CHOICES)}, got {sol['maps']!r}")
     sweep = None
     if sol.get("split") == "auto":
         from ridgefill.sweep import RECIPE_KEYS, SweepConfig, check_config, renamed

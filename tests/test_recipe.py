@@ -163,6 +163,8 @@ def test_a_solve_split_alone_is_what_the_capture_makes(tmp_path, tiny_llama):
     ('[solve]\nalpha_per_layer = "no"', "recipe [solve]: alpha_per_layer must be a boolean, got string 'no'"),
     ('[solve]\nsplit = "deep"', "recipe [solve]: split must be an integer or \"auto\", got string 'deep'"),
     ("[solve]\nalphas = 0.1", "recipe [solve]: alphas must be an array of numbers, got number 0.1"),
+    ('[solve]\nmaps = 2', "recipe [solve]: maps must be a string, got integer 2"),
+    ('[solve]\nmaps = "keys"', "recipe [solve]: maps must be one of input, kv, got 'keys'"),
     ("capture = 3", "recipe [capture] must be a table, got integer 3"),
     ("max_memory = 5", "recipe [top level]: max_memory must be a table or an array of strings, got integer 5"),
     ('[push]\nrepo = "a/b"\nprivate = "yes"', "recipe [push]: private must be a boolean, got string 'yes'"),
