@@ -100,8 +100,8 @@ def defaults_as_written(function) -> dict[str, str]:
 
 
 def test_option_defaults_are_their_configs():
-    """Each `capture` / `eval` / `sweep` option that names a setting defaults to the setting's value in CaptureConfig
-    / EvalConfig / SweepConfig, written as `D.<setting>` (D: the command's config instance), not as a literal (one
+    """Each `capture` / `eval` / `sweep` / `solve` option that names a setting defaults to the setting's value in
+    CaptureConfig / EvalConfig / SweepConfig / SolveConfig, written as `D.<setting>` (D: the command's config instance), not as a literal (one
     place per default; a literal in the command would drift from the config the recipe and the benches use). A list
     option defaults to None and falls back on the config's tuple in the command's body. capture's two defaults that
     are no setting, the data and the checkpoint interval, are capture/config.py's constants, in the command and in
@@ -113,11 +113,14 @@ def test_option_defaults_are_their_configs():
     from ridgefill.capture.config import CHECKPOINT_EVERY, CaptureConfig
     from ridgefill.cli.capture import capture
     from ridgefill.cli.eval import eval_
+    from ridgefill.cli.solve import solve
     from ridgefill.cli.sweep import sweep
     from ridgefill.evaluate.config import EvalConfig
+    from ridgefill.solve.config import SolveConfig
     from ridgefill.sweep.config import SweepConfig
 
-    for command, config in ((capture, CaptureConfig()), (eval_, EvalConfig()), (sweep, SweepConfig())):
+    for command, config in ((capture, CaptureConfig()), (eval_, EvalConfig()), (sweep, SweepConfig()),
+                            (solve, SolveConfig())):
         params, written = inspect.signature(inspect.unwrap(command)).parameters, defaults_as_written(command)
         named = [f.name for f in dataclasses.fields(config) if f.name in params]
         assert named, command

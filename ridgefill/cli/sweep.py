@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from ridgefill.cli.common import ModelArg, done, output, placed, store
+from ridgefill.solve.config import SolveConfig
 from ridgefill.sweep.config import DEFAULT_SPLITS, FLAGS, SweepConfig, renamed
 
 D = SweepConfig()
@@ -29,6 +30,7 @@ def sweep(
     max_key_dnll: Annotated[float, typer.Option("--max-key-dnll", help="Budget: key-token ΔNLL in nats.")] = D.max_key_dnll,
     quantize: Annotated[bool, typer.Option("--quantize/--float", help="Measure the int8 maps a release ships, or the float maps.")] = D.quantize,
     alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Solve each layer at its own best alpha.")] = D.alpha_per_layer,
+    maps: Annotated[str, typer.Option("--maps", help="What the maps measured predict: input, or kv (keys and values; Gated DeltaNet layers keep input maps). A sweep of each kind on one capture compares them split by split.")] = SolveConfig().maps,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Measure every split and arm on every needle prompt (no bisection, no early stop); for checking the adaptive search.")] = D.exhaustive,
     configurations: Annotated[bool, typer.Option("--configurations/--no-configurations", help="Also measure +rows, +kscale and +protected, each beside its equal-cost control, at the splits just shallower than the maps' edge.")] = D.configurations,
     repeats: Annotated[int, typer.Option("--repeats", help="Timing rounds (at least 3): the measured speed-up is their median, with \\[min, max].")] = D.repeats,
@@ -50,7 +52,8 @@ def sweep(
                       documents=documents, scored=scored, max_needle_drop=max_needle_drop, max_key_dnll=max_key_dnll,
                       quantize=quantize, alpha_per_layer=alpha_per_layer, seed=seed, exhaustive=exhaustive,
                       configurations=configurations, repeats=repeats)
-    art, cached = run(store(), model, cfg, out, data=data, capture_ref=capture_ref, place=place)
+    art, cached = run(store(), model, cfg, out, data=data, capture_ref=capture_ref, solve_args={"maps": maps},
+                      place=place)
     result = load_result(art)
     out.table(table(result))
     out.info(f"what the maps earn: {result['advantage']['line']}")

@@ -267,7 +267,9 @@ class FillMixin:
 
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        release = served.from_environment()
+        from ridgefill.engines.vllm_plugin import current_fill
+
+        release = current_fill()  # read and verified once per process, by the plugin
         self.ridgefill = EngineFill(self, vllm_config, release)
         self._ridgefill_source = (vllm_config.model_config.model, vllm_config.model_config.revision,
                                   vllm_config.load_config.download_dir)  # fmt: skip

@@ -71,6 +71,12 @@ def register() -> None:
     _patch_block_hashes(fill)
 
 
+def current_fill() -> served.Fill:
+    """The release this process serves: the one `register` read and verified (every vLLM process runs the plugin
+    before its model is built), so the model reads no second copy; read here only where `register` did not run."""
+    return _STATE.get("fill") or served.from_environment()
+
+
 def _one_line(previous):
     """An excepthook that prints a `Refused` as its one line (the rest as before)."""
 
