@@ -103,3 +103,34 @@ def test_kv_map_refusals(lm_of):
     maps = {l: (torch.zeros(had.kv_width, had.hidden_size), torch.zeros(had.kv_width)) for l in range(2, had.num_layers)}
     with pytest.raises(BadInput, match=r"^map_kinds: layer 2 is a Gated DeltaNet layer, which needs an input map"):
         prefill(hybrid, ids, "ridgefill", split=2, tail=4, maps=maps, map_kinds={l: "kv" for l in maps})
+
+
+def test_a_hybrid_key_value_release(tiny_chain, tmp_path, lm_of):
+    """solve --maps kv on a hybrid: the attention layer gets a key/value map, the Gated DeltaNet layer keeps its input
+    map; the release records both kinds, verifies, and the runtime applies it as its options say."""
+    from ridgefill.formats.release import read_release
+    from ridgefill.runtime import load_release_maps
+    from ridgefill.solve import solve
+    from ridgefill.solve.artifact import load_map_kinds
+    from clirun import cli
+    from conftest import ChainSpec, quiet
+
+    c = tiny_chain(ChainSpec(model="tiny_qwen3_next", release=False))
+    sol, _ = solve(c.store, c.cap.id, quiet(), alphas=[1e-3, 1e-1], maps="kv")
+    assert load_map_kinds(sol) == {2: "input", 3: "kv"}  # tiny qwen3_next: layers 0 and 2 are Gated DeltaNet
+    out = tmp_path / "rel"
+    r = cli("export", sol.id, "--out", out, "--store", c.store.root)
+    assert r.returncode == 0, r.stderr
+    rel = read_release(out)
+    assert [(x["kind"], x["map"]) for x in rel.manifest["layers"]] == [("linear_attention", "input"),
+                                                                       ("full_attention", "kv")]
+    lm = lm_of("qwen3_next")
+    applied = load_release_maps(lm, out)
+    assert applied.map_kinds == {2: "input", 3: "kv"}
+    ids = tokens(24, seed=9)
+    res = prefill(lm, ids, applied.arm, **{**applied.options(), "tail": 6})
+    assert torch.isfinite(res.logits).all() and res.exact_rows[:1] == [0]
+    # the same fill with the maps' kinds spelled out
+    same = prefill(lm, ids, "ridgefill", split=2, tail=6, maps=applied.maps, map_kinds={3: "kv"},
+                   exact_norm=applied.exact_norm)
+    torch.testing.assert_close(res.logits, same.logits, rtol=0, atol=0)
