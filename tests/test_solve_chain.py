@@ -47,6 +47,20 @@ def _cos(a, b):
     return ((a * b).sum(-1) / np.sqrt((a * a).sum(-1) * (b * b).sum(-1))).mean()
 
 
+def check_choice_and_maps(sol, rep, m, scores: dict, layers) -> None:
+    """The solve's grid scores are the brute-force `scores` {alpha: score}, its alpha their best, and its maps the
+    plain ridge solve of the moments `m` at that alpha."""
+    grid = {g["alpha"]: g["score"] for g in rep["grid"]}
+    for a in scores:
+        assert grid[a] == pytest.approx(scores[a], abs=2e-5)
+    assert rep["alpha"] == max(scores, key=scores.get)
+    arrays, _ = safetensors.load(sol.file("maps.safetensors"))
+    w, b = direct_solve(m, rep["alpha"])
+    for i, l in enumerate(layers):
+        np.testing.assert_allclose(arrays[f"layer.{l}.weight"], w[i], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(arrays[f"layer.{l}.bias"], b[i], rtol=1e-4, atol=1e-5)
+
+
 def test_solve_maps_and_choice_match_brute_force(chain, tiny_llama):
     import torch
     from transformers import AutoModelForCausalLM
@@ -70,15 +84,7 @@ def test_solve_maps_and_choice_match_brute_force(chain, tiny_llama):
             ks.append(_cos(kp, kt))
             vs.append(_cos(vp, vt))
         scores[alpha] = (np.mean(ks) + np.mean(vs)) / 2
-    grid = {g["alpha"]: g["score"] for g in rep["grid"]}
-    for a in scores:
-        assert grid[a] == pytest.approx(scores[a], abs=2e-5)
-    assert rep["alpha"] == max(scores, key=scores.get)
-    arrays, _ = safetensors.load(sol.file("maps.safetensors"))
-    w, b = direct_solve(m, rep["alpha"])
-    for i, l in enumerate(range(2, L)):
-        np.testing.assert_allclose(arrays[f"layer.{l}.weight"], w[i], rtol=1e-4, atol=1e-6)
-        np.testing.assert_allclose(arrays[f"layer.{l}.bias"], b[i], rtol=1e-4, atol=1e-5)
+    check_choice_and_maps(sol, rep, m, scores, range(2, L))
     # the identity fill scores layer S (whose input is h_S itself) perfectly
     assert rep["identity"]["layers"]["2"]["k_cosine"] == pytest.approx(1.0, abs=1e-6)
     # the exact-row norm: 20 x the median L2 norm of the held-out rows at the split (64 rows: the mean of the two
@@ -135,15 +141,7 @@ def test_key_value_maps_match_brute_force(tiny_chain, fixture):
             ks.append(_cos(kp, key_norm(l, kt)))
             vs.append(_cos(vp, vt))
         scores[alpha] = (np.mean(ks) + np.mean(vs)) / 2
-    grid = {g["alpha"]: g["score"] for g in rep["grid"]}
-    for a in scores:
-        assert grid[a] == pytest.approx(scores[a], abs=2e-5)
-    assert rep["alpha"] == max(scores, key=scores.get)
-    arrays, _ = safetensors.load(sol.file("maps.safetensors"))
-    w, b = direct_solve(m, rep["alpha"])
-    for i, l in enumerate(range(2, L)):
-        np.testing.assert_allclose(arrays[f"layer.{l}.weight"], w[i], rtol=1e-4, atol=1e-6)
-        np.testing.assert_allclose(arrays[f"layer.{l}.bias"], b[i], rtol=1e-4, atol=1e-5)
+    check_choice_and_maps(sol, rep, m, scores, range(2, L))
     assert load_map_kinds(sol) == {l: "kv" for l in range(2, L)} and load_kv_shape(sol) == (kv, hd)
     assert rep["maps"] == {str(l): "kv" for l in range(2, L)}
     assert load_map_kinds(c.sol) == {l: "input" for l in range(2, L)}  # the default: input maps
