@@ -91,16 +91,18 @@ def test_kv_map_refusals(lm_of):
     assert w == d  # the tiny models' 2 KV heads of d / 4: the widths alone cannot tell the kinds apart
     ids = tokens(12)
     half = {l: (torch.zeros(w // 2, d), torch.zeros(w // 2)) for l in range(S, ad.num_layers)}
-    with pytest.raises(BadInput, match=rf"^layer 2's kv map is \({w // 2}, {d}\), expected \({w}, {d}\) for this model$"):
+    says = r"^layer 2's {} map is \({}, {}\), expected \({}, {}\) for this model$"
+    with pytest.raises(BadInput, match=says.format("kv", w // 2, d, w, d)):
         prefill(lm, ids, "ridgefill", split=S, tail=4, maps=half, map_kinds={l: "kv" for l in half})
-    with pytest.raises(BadInput, match=rf"^layer 2's input map is \({w // 2}, {d}\), expected \({d}, {d}\) for this model$"):
+    with pytest.raises(BadInput, match=says.format("input", w // 2, d, d, d)):
         prefill(lm, ids, "ridgefill", split=S, tail=4, maps=half)
     full = {l: (torch.zeros(w, d), torch.zeros(w)) for l in range(S, ad.num_layers)}
     with pytest.raises(BadInput, match=r"^map_kinds: layer 3 is 'keys', expected 'input' or 'kv'$"):
         prefill(lm, ids, "ridgefill", split=S, tail=4, maps=full, map_kinds={2: "kv", 3: "keys"})
     hybrid = lm_of("qwen3_next")
     had = hybrid.adapter
-    maps = {l: (torch.zeros(had.kv_width, had.hidden_size), torch.zeros(had.kv_width)) for l in range(2, had.num_layers)}
+    maps = {l: (torch.zeros(had.kv_width, had.hidden_size), torch.zeros(had.kv_width))
+            for l in range(2, had.num_layers)}
     with pytest.raises(BadInput, match=r"^map_kinds: layer 2 is a Gated DeltaNet layer, which needs an input map"):
         prefill(hybrid, ids, "ridgefill", split=2, tail=4, maps=maps, map_kinds={l: "kv" for l in maps})
 

@@ -160,9 +160,9 @@ class _Plan:
     def fill(self, arm: str, o: FillOptions, maps, select=None, *, tail: int | None = None, keep: int | None = None,
              rows: list[int] | None = None) -> Fill:
         """The `Fill` these options make for `arm` (with the maps in place)."""
-        return Fill(arm=arm, split=o.split, tail=o.tail if tail is None else tail, rows=self.rows if rows is None else rows,
-                    keep=self.keep if keep is None else keep, maps=maps, map_kinds=self.map_kinds, fix=self.fix,
-                    exact_norm=o.exact_norm, select=select)
+        return Fill(arm=arm, split=o.split, tail=o.tail if tail is None else tail,
+                    rows=self.rows if rows is None else rows, keep=self.keep if keep is None else keep, maps=maps,
+                    map_kinds=self.map_kinds, fix=self.fix, exact_norm=o.exact_norm, select=select)
 
 
 def _protected_rows(ids: torch.Tensor, protected, prefix: int) -> list[int]:

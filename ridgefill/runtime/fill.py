@@ -148,7 +148,7 @@ def late_layers(lm, layers, h_split, rope, f: Fill, states):
         if kind == SLIDING and layers.window:
             pos = fill_pos_sliding  # the other rows are outside every query's window
         if pos.numel():
-            k, v = _filled_kv(ad, f, l, x_split, pos, dev)  # [F, kv_heads, head_dim], before RoPE, on the layer's device
+            k, v = _filled_kv(ad, f, l, x_split, pos, dev)  # [F, kv_heads, head_dim], before RoPE, on the layer's dev
             if kv_fix:  # measured on the first tail rows: from their true input (hq) and from the map's prediction
                 m = min(fix.rows, tail)
                 r = len(rows)

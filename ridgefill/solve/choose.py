@@ -20,7 +20,7 @@ from ridgefill.solve.score import Scorer, layer_objective, objective
 class Fit:
     """The chosen maps and how they were chosen."""
 
-    w: list[np.ndarray]  # per late layer: [dy, dx] (dy: d for an input map, 2 * kv_heads * head_dim for a key/value map)
+    w: list[np.ndarray]  # per late layer: [dy, dx] (dy: d for an input map, 2 * kv_heads * head_dim for a kv map)
     b: list[np.ndarray]  # per late layer: [dy]
     grid: list[dict]  # the shared search's rows: {"alpha", "lambda", "score", mean scores...}
     best: dict  # the grid row chosen

@@ -55,7 +55,8 @@ class Scorer:
         import torch
 
         k, v = self.adapter.kv_raw(l, torch.from_numpy(x.astype(np.float32)))
-        return np.concatenate([k.cpu().double().numpy().reshape(len(x), -1), v.cpu().double().numpy().reshape(len(x), -1)], 1)
+        flat = lambda t: t.cpu().double().numpy().reshape(len(x), -1)  # noqa: E731  [R, kv_heads * head_dim]
+        return np.concatenate([flat(k), flat(v)], 1)
 
     def _kv_of_prediction(self, l: int, kv_hat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A key/value map's prediction [R, 2kv] -> what the layer writes: keys through its key norm, and values,
