@@ -136,3 +136,37 @@ def test_a_hybrid_key_value_release(tiny_chain, tmp_path, lm_of):
     same = prefill(lm, ids, "ridgefill", split=2, tail=6, maps=applied.maps, map_kinds={3: "kv"},
                    exact_norm=applied.exact_norm)
     torch.testing.assert_close(res.logits, same.logits, rtol=0, atol=0)
+
+
+def test_a_format_1_release_is_still_applied(lm_of, tmp_path):
+    """A `ridgefill-maps/1` folder, byte for byte as the writer wrote it before key/value maps (the conformance
+    corpus's `write_v1`), still verifies and loads in the runtime, eval's source and an engine's fill: every map an
+    input map, the anchor 1 it did not record, and the same prefill as its maps passed by hand."""
+    from ridgefill.engines import served
+    from ridgefill.evaluate.source import load_source
+    from ridgefill.formats.release import read_release
+    from ridgefill.runtime import load_release_maps
+    from test_conformance import conformance
+    from test_runtime import random_maps
+
+    lm = lm_of("llama")
+    ref, ad = lm.ref, lm.adapter
+    maps = random_maps(lm, 2, seed=11)
+    manifest = {"model": {"name": ref.name, "revision": None, "architecture": ref.model_type,
+                          "num_layers": ad.num_layers, "hidden_size": ad.hidden_size, "fingerprint": ref.fingerprint},
+                "split": 2, "tail_default": 5, "layers": [{"index": l, "kind": "full_attention"} for l in maps],
+                "fit": {"exact_norm": 1e6}}
+    folder = tmp_path / "old"
+    conformance.write_v1(folder, {l: {"weight": W.numpy(), "bias": b.numpy()} for l, (W, b) in maps.items()},
+                         manifest, "f32")
+    rel = read_release(folder)
+    assert (rel.format, dict(rel.map_kinds), rel.anchor) == ("ridgefill-maps/1", {2: "input", 3: "input"}, 1)
+    applied = load_release_maps(lm, folder)
+    assert applied.map_kinds == {2: "input", 3: "input"}
+    ids = tokens(16, seed=12)
+    got = prefill(lm, ids, applied.arm, **applied.options())
+    want = prefill(lm, ids, "ridgefill", split=2, tail=5, maps=maps)
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+    assert load_source(None, str(folder)).map_kinds == {2: "input", 3: "input"}
+    fill = served.load(folder)
+    assert (fill.split, fill.tail, fill.anchor, fill.map_kinds) == (2, 5, 1, {2: "input", 3: "input"})
