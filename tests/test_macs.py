@@ -177,6 +177,43 @@ def test_counts_equal_the_runtime_work(arch, lm_of, monkeypatch):
             assert result_macs(shape, res, logits_rows=keep, probe=probe) == want
 
 
+@pytest.mark.parametrize("arch", MAIN)
+def test_key_value_maps_count_equal_the_runtime_work(arch, lm_of, monkeypatch):
+    """With key/value maps (on every late attention layer; a Gated DeltaNet layer keeps its input map) a filled row
+    costs the map's d x 2 kv_heads x head_dim and no k_proj/v_proj: the count equals the runtime's work, counted by
+    brute force, and its maps part is d x 2kv / (d x d) of the input maps' on the attention layers."""
+    lm = lm_of(arch)
+    ad, shape = lm.adapter, model_shape(lm.adapter)
+    n, tail, split = 30, 6, 1
+    g = torch.Generator().manual_seed(5)
+    d, w = ad.hidden_size, ad.kv_width
+    kinds = {l: "input" if ad.is_linear(l) else "kv" for l in range(split, ad.num_layers)}
+    maps = {l: (torch.randn(w if k == "kv" else d, d, generator=g) / d**0.5, torch.randn(w if k == "kv" else d,
+                                                                                      generator=g))
+            for l, k in kinds.items()}  # fmt: skip
+    res, truth = counted(lm, monkeypatch, tokens(n, seed=3), "ridgefill", split=split, tail=tail, maps=maps,
+                         map_kinds=kinds, logits_rows=1)
+    want = prefill_macs(shape, n, tail, split, "ridgefill", exact_rows=res.exact_rows, map_kinds=kinds)
+    assert want == truth
+    assert result_macs(shape, res, map_kinds=kinds) == want
+    plain = prefill_macs(shape, n, tail, split, "ridgefill", exact_rows=res.exact_rows)
+    attention = [l for l, k in kinds.items() if k == "kv"]
+    assert plain["layers"] - want["layers"] == sum(plain_written(shape, res, l) * shape.kv(l) for l in attention)
+
+
+def plain_written(shape, res, l) -> int:
+    """How many filled rows late layer l writes in `res` (a sliding layer: those some query sees)."""
+    from ridgefill.evaluate.macs import _seen
+
+    import numpy as np
+
+    prefix = res.num_rows - res.tail
+    queries = np.concatenate([np.asarray(res.exact_rows, dtype=np.int64), np.arange(prefix, res.num_rows)])
+    filled = np.setdiff1d(np.arange(prefix), res.exact_rows)
+    window = shape.window_of(l)
+    return len(_seen(filled, queries, window, res.num_rows) if window else filled)
+
+
 def test_sliding_layers_count_only_the_rows_they_write(lm_of, monkeypatch):
     """Gemma (window 8): a long prompt slides, and a mid-prefix exact row makes a sliding layer write the filled rows
     just before it; the brute-force count sees the same number of k/v projections and maps."""

@@ -171,20 +171,18 @@ def _filled_kv(ad, f: Fill, l, x_split, pos, dev):
     """What attention layer l writes for the filled rows at `pos`, before RoPE: (k, v) [F, kv_heads, head_dim] in the
     model's dtype on `dev`. An input map's prediction (or, "identity", h_S) goes through the layer's own norm and
     projections; a key/value map's is the keys (then the key norm) and values themselves."""
+    predicted = _predicted(f.arm, f.maps, l, x_split, pos, dev)  # [F, d] or, a key/value map's, [F, 2kv] float32
     if not (f.arm.startswith("ridgefill") and f.map_kind(l) == KV_MAP):
-        return ad.kv(l, _predicted(f.arm, f.maps, l, x_split, pos, dev))
-    W, b = f.maps[l]  # [2 * kv_heads * head_dim, d], [2 * kv_heads * head_dim], float32 on the layer's device
-    x = x_split[pos.to(x_split.device)].to(dev)  # [F, d] float32
-    both = (x @ torch.as_tensor(W, dtype=torch.float32, device=dev).T
-            + torch.as_tensor(b, dtype=torch.float32, device=dev)).to(ad.dtype)  # [F, 2kv]
+        return ad.kv(l, predicted)
+    both = predicted.to(ad.dtype)  # keys before the key norm and RoPE, then values
     heads = (both.shape[0], ad.num_kv_heads, ad.head_dim)
     half = both.shape[1] // 2
     return ad.k_post(l, both[:, :half].reshape(heads)), both[:, half:].reshape(heads)
 
 
 def _predicted(arm, maps, l, x_split, pos, dev):
-    """The filled rows' input to late layer l: W_l h_S + b_l ("ridgefill"), or h_S ("identity"), for the rows at
-    `pos` of x_split [N, d] float32: [F, d] float32 on `dev`."""
+    """The map's prediction for the filled rows at `pos` of x_split [N, d] float32, W_l h_S + b_l ("ridgefill": the
+    layer's input [F, d], or a key/value map's keys and values [F, 2kv]), or h_S ("identity"): float32 on `dev`."""
     x = x_split[pos.to(x_split.device)].to(dev)
     if arm.startswith("ridgefill"):
         W, b = maps[l]

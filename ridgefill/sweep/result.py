@@ -108,7 +108,8 @@ def macs(setup: Setup, split: int, arm: str, extra: float) -> dict:
     shape = model_shape(setup.lm.adapter)
     base = "ridgefill+rows" if arm == "ridgefill+rows" else "ridgefill"
     return {"exact": prefill_macs(shape, cfg.length, cfg.tail, split, "exact")["total"],
-            "arm": prefill_macs(shape, cfg.length, cfg.tail, split, base, exact_rows=1 + round(extra))["total"]}
+            "arm": prefill_macs(shape, cfg.length, cfg.tail, split, base, exact_rows=1 + round(extra),
+                                map_kinds=setup.sources[split].map_kinds)["total"]}
 
 
 def _kv(scores: dict) -> dict:
