@@ -92,8 +92,9 @@ def maps_on_devices(lm, maps: dict, layers) -> dict:
     return out
 
 
-def load_release_maps(lm, folder) -> ReleaseMaps:
-    """Verify and load the release in `folder` for the loaded model `lm` (a `ridgefill.models.LoadedModel`).
+def load_release_maps(lm, folder, release=None) -> ReleaseMaps:
+    """Verify and load the release in `folder` for the loaded model `lm` (a `ridgefill.models.LoadedModel`); a caller
+    that has read it already (`formats.release.read_release(folder)`) passes it as `release`, and it is not read again.
 
     BadInput (one line) when the folder does not verify (a configuration the format refuses, an impossible split or
     tail included), when it was made for another model (another fingerprint, layer count, width or KV shape than
@@ -104,7 +105,7 @@ def load_release_maps(lm, folder) -> ReleaseMaps:
     from ridgefill.runtime.corrections import check_corrections, check_state_offsets
 
     folder = Path(folder)
-    rel = read_release(folder)
+    rel = read_release(folder) if release is None else release
     ref, ad = lm.ref, lm.adapter
     rel.check_model(fingerprint=ref.fingerprint, num_layers=ad.num_layers, hidden_size=ad.hidden_size,
                     num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, name=ref.spec, where=str(folder))
