@@ -189,6 +189,11 @@ def test_served_release_refusals(chain, tmp_path, monkeypatch):
         served.check_model(fill, config | {"model_type": "gemma3_text"})
     with pytest.raises(BadInput, match="layer"):
         served.check_model(fill, config | {"num_hidden_layers": 6})
+    served.check_model(fill, config | {"num_attention_heads": 4, "num_key_value_heads": 2})  # its KV shape: 2 of 16
+    with pytest.raises(BadInput, match="whose KV head count is 2; the served model's is 4$"):
+        served.check_model(fill, config | {"num_attention_heads": 4, "num_key_value_heads": 4})
+    with pytest.raises(BadInput, match="whose head size is 16; the served model's is 32$"):
+        served.check_model(fill, config | {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32})
     with pytest.raises(BadInput, match="fingerprint"):
         served.check_model(fill, config, chain.model.parent)  # a folder that is not the model
 

@@ -132,13 +132,15 @@ def served_config_problem(config: dict, release_manifest: dict) -> str | None:
     if not isinstance(model, dict):
         return "the release manifest has no 'model' object: not a ridgefill release"
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    kv_heads = text.get("num_key_value_heads") or text.get("num_attention_heads")
-    head_dim = text.get("head_dim") or (text.get("hidden_size") or 0) // max(text.get("num_attention_heads") or 1, 1)
-    for what, have, want in (("architecture", config.get("model_type"), model.get("architecture")),
-                             ("layer count", text.get("num_hidden_layers"), model.get("num_layers")),
-                             ("hidden size", text.get("hidden_size"), model.get("hidden_size")),
-                             ("KV head count", kv_heads, model.get("num_kv_heads", kv_heads)),  # /2 releases record
-                             ("head size", head_dim, model.get("head_dim", head_dim))):  # them; /1 ones do not
+    checks = [("architecture", config.get("model_type"), model.get("architecture")),
+              ("layer count", text.get("num_hidden_layers"), model.get("num_layers")),
+              ("hidden size", text.get("hidden_size"), model.get("hidden_size"))]
+    heads = text.get("num_attention_heads")
+    if heads and "num_kv_heads" in model:  # a /2 release records the KV shape its key/value maps are for
+        head_dim = text.get("head_dim") or (text.get("hidden_size") or 0) // heads
+        checks += [("KV head count", text.get("num_key_value_heads") or heads, model.get("num_kv_heads")),
+                   ("head size", head_dim, model.get("head_dim"))]
+    for what, have, want in checks:
         if have != want:
             return f"the release was made for {_label(model)}, whose {what} is {want!r}; the served model's is {have!r}"
     return None
