@@ -20,7 +20,7 @@ is sent work at any moment; their requests alternate.
   (`ignore_eos`); once each has streamed 8 tokens, a new --arriving-token request arrives. Measured: the new
   request's time to first token, the decoding users' tokens per second between its arrival and its first token,
   and their longest stall (the largest gap between two of a user's tokens in that window), stock vs fill, median
-  over --repeat interleaved rounds.
+  over --repeat interleaved rounds. `--users 0` skips it (time to first token only).
 
 Value: share_N and speed-up per length; the multi-user figures are in the details (and the README's table).
 """
@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import REPO, Bench, Parser, env_threads, positive  # noqa: E402
+from harness import REPO, Bench, Parser, count, env_threads, positive  # noqa: E402
 
 MODEL = "builtin:smollm2-135m"
 VLLM = REPO / ".engines" / "vllm"
@@ -54,7 +54,7 @@ def arguments():
     ap.add_argument("release", type=Path, nargs="?", default=REPO / "release" / "smollm2-135m")
     ap.add_argument("--lengths", type=positive, nargs="+", default=[2048, 4096, 8000])
     ap.add_argument("--repeat", type=positive, default=3)
-    ap.add_argument("--users", type=positive, default=3)
+    ap.add_argument("--users", type=count, default=3, help="decoding users of the multi-user figure (0: skip it)")
     ap.add_argument("--user-prompt", type=positive, default=1024)
     ap.add_argument("--arriving", type=positive, default=4096)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -85,7 +85,8 @@ class Server:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # else the CPU backend wants 92 % of the memory free
         if release is not None:
             env["RIDGEFILL_RELEASE"] = str(release)
-        longest = max([*args.lengths, args.arriving, args.user_prompt + USER_TOKENS]) + 16
+        multi = [args.arriving, args.user_prompt + USER_TOKENS] if args.users else []
+        longest = max([*args.lengths, *multi]) + 16
         cmd = [VLLM / "bin" / "python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--port", str(self.port), "--dtype", args.dtype, "--max-model-len", str(longest), "--seed", "0"]
         self.name, self.model, self.log = name, str(model), log
@@ -223,8 +224,9 @@ def main() -> None:
             raise SystemExit(f"vllm_fill: ridgefill engine model failed: {r.stderr}")
         tok = AutoTokenizer.from_pretrained(folder)
         rounds = args.repeat + 1  # round 0 warms up
-        count = rounds * (len(args.lengths) + 1 + args.users)
-        pool = iter(prose_prompts(tok, max([*args.lengths, args.arriving, args.user_prompt]), min(count, 79)))
+        needed = rounds * (len(args.lengths) + (1 + args.users if args.users else 0))
+        longest = max([*args.lengths, *([args.arriving, args.user_prompt] if args.users else [])])
+        pool = iter(prose_prompts(tok, longest, min(needed, 79)))
         servers = {"stock": Server("stock", folder, None, args, bench.scratch / "stock.log"),
                    "fill": Server("fill", folder, args.release, args, bench.scratch / "fill.log")}
         try:
@@ -253,7 +255,7 @@ def main() -> None:
                     print(f"round {rnd} N={n}: " + ", ".join(f"{k} {ttft[n][k][-1]:.2f} s" for k in order
                                                            if rnd), file=sys.stderr)  # fmt: skip
             users = {k: [] for k in servers}
-            for rnd in range(rounds):
+            for rnd in range(rounds if args.users else 0):
                 order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
                 group = [next(pool)[: args.user_prompt] for _ in range(args.users)]
                 arriving = next(pool)[: args.arriving]
@@ -277,7 +279,7 @@ def main() -> None:
             table[n] = {"stock_s": spread(ttft[n]["stock"]), "fill_s": spread(ttft[n]["fill"]),
                         "speedup": round(speedup, 3), "ceiling": round(top, 3), "share": round(speedup / top, 3)}
         multi = {k: {m: spread([u[m] for u in v]) for m in ("ttft_s", "users_tokens_per_s", "longest_stall_s")}
-                 for k, v in users.items()}  # fmt: skip
+                 for k, v in users.items()} if args.users else None  # fmt: skip
         filled = [line for line in logs["fill"].splitlines() if "ridgefill: release" in line]
         details = {"release": str(args.release), "split": S, "tail": T, "layers": L, "repeat": args.repeat,
                    "dtype": args.dtype, "threads": args.threads, "ttft": table, "multi_user": multi,

@@ -240,6 +240,52 @@ def test_the_switch_off_is_vllm_without_the_plugin_bit_for_bit(smol):
     assert fig["first_margin_max_diff"] > MARGIN_TOL or fig["first_token_equal"] < PROMPTS, fig
 
 
+KV_PROMPTS = 4  # a few prompts: the key/value release's runs add little to the engine suite's time
+
+
+@pytest.fixture(scope="module")
+def smol_kv(smol_model):
+    """The main job's capture (its cached artifact, as scripts/main.sh makes it) solved with key/value maps at the
+    same split (cached in the store too), quantized and exported; its references and engine runs on KV_PROMPTS of
+    the prompts, chunked and batched."""
+    from clirun import cli
+
+    from ridgefill.runtime import load_release_maps
+
+    store, work, lm = ROOT / "ridgefill-artifacts", smol_model["work"], smol_model["lm"]
+    ids = []
+    for args in (["capture", "builtin:smollm2-135m", "--data", "builtin:default"],
+                 ["solve", "--split", str(smol_model["rel"].split), "--maps", "kv"], ["quantize"]):  # fmt: skip
+        r = cli(*args[:1], *ids[-1:], *args[1:], "--store", store, "-q", cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        ids.append(r.stdout.strip())
+    release = work / "release-kv"
+    r = cli("export", ids[-1], "--out", release, "--force", "--store", store, "-q", cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    rel = load_release_maps(lm, release)
+    assert set(rel.map_kinds.values()) == {"kv"}, rel.map_kinds
+    names = [f"p{i}" for i in range(KV_PROMPTS)]
+    prompts = {n: smol_model["prompts"][n] for n in names}
+    refs = {n: reference(lm, p, rel.arm, **rel.options()) for n, p in prompts.items()}
+    runs = [{"name": "chunked256", "engine": CHUNKED | {"max_num_batched_tokens": 256}, "prompts": names},
+            {"name": "batched", "engine": BATCHED, "prompts": names, "submit": "together"}]  # fmt: skip
+    for run in runs:
+        run["max_new"] = NEW
+    got = run_engine(work, "fill-kv", smol_model["model"], prompts, runs, engine_env(release))
+    return {"rel": rel, "prompts": prompts, "refs": refs, "fill": got}
+
+
+@pytest.mark.parametrize("run", ["chunked256", "batched"])
+def test_a_key_value_release_in_vllm_equals_the_reference_prefill(smol_kv, run):
+    """SmolLM2 with key/value maps (keys before RoPE, then values, of its 3 KV heads: [384, 576] per late layer)."""
+    got = smol_kv["fill"][run]
+    fig = agreement(got["outputs"], smol_kv["refs"]) | {"engine": got["stats"], "seconds": got["seconds"]}
+    report(f"kv_{run}", fig)
+    check(fig, KV_PROMPTS)
+    T, refs = smol_kv["rel"].tail, smol_kv["refs"]
+    assert got["stats"]["filled_rows"] == sum(len(p) - T - refs[n]["exact_rows"] for n, p in smol_kv["prompts"].items())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -306,14 +352,15 @@ def test_a_bad_release_stops_vllm_serve_with_one_line(smol_model, setting, says)
 
 # ------------------------------------------------------------------------------------------------ tiny Qwen2, Qwen3
 
+TINY_TAIL = 16
 
-@pytest.mark.parametrize("arch, configuration", [("qwen2", "ridgefill"), ("qwen3", "ridgefill+protected")])
-def test_the_fill_in_vllm_on_qwen2_and_qwen3(arch, configuration, tmp_path):
-    """Tiny random models (qkv bias in Qwen2, q/k norms in Qwen3), each with a release of its own (int8, tail 16):
-    the same hook, chunked and batched, against the reference runtime. Qwen3's release is `ridgefill+protected`:
-    rows holding a protected token run exactly in the middle of the prefix, so a prompt's exact rows form many
-    sequences of their own."""
-    vllm_python()
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Tiny random models (4 layers, d = 128, 2 KV heads of 32: vLLM's CPU kernels) and releases of their own (split
+    2, int8, tail TINY_TAIL), made once and shared by the tests below: `tiny(arch, configuration, maps)` -> the model
+    folder, the loaded model, the release (folder, and as the runtime reads it), PROMPTS random-token prompts and
+    their references. One capture per architecture, from which both kinds of map are solved."""
     from clirun import cli
     from conftest import CAT_TEXTS
     from tiny import make_tiny_model
@@ -321,35 +368,99 @@ def test_the_fill_in_vllm_on_qwen2_and_qwen3(arch, configuration, tmp_path):
     from ridgefill.models import load_model, resolve_model
     from ridgefill.runtime import load_release_maps
 
-    model = make_tiny_model(tmp_path / "model", arch=arch, layers=4, hidden=128)  # head_dim 32: vLLM's CPU kernels
-    data, store = tmp_path / "data", tmp_path / "store"
-    data.mkdir()
-    for i, text in enumerate(CAT_TEXTS):
-        (data / f"d{i}.txt").write_text(text)
-    ids = []
-    for args in (["capture", model, "--data", data, "--split", "2", "--chunk", "64"], ["solve"], ["quantize"]):
-        r = cli(*args, *ids[-1:], "--store", store)
-        assert r.returncode == 0, r.stderr
-        ids.append(r.stdout.strip())
-    release = tmp_path / "release"
-    r = cli("export", ids[-1], "--out", release, "--tail", "16", "--configuration", configuration, "--store", store)
-    assert r.returncode == 0, r.stderr
-    lm = load_model(resolve_model(str(model), store_root=store), store_root=store)
-    rel = load_release_maps(lm, release)
-    rng = np.random.default_rng(0)
-    prompts = {f"p{i}": rng.integers(6, 320, int(rng.integers(100, 220))).tolist() for i in range(PROMPTS)}
-    refs = {name: reference(lm, p, rel.arm, **rel.options()) for name, p in prompts.items()}
-    names = list(prompts)
+    captures, made = {}, {}
+
+    def make(arch: str, configuration: str, maps: str) -> dict:
+        vllm_python()
+        if arch not in captures:
+            work = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model = make_tiny_model(work / "model", arch=arch, layers=4, hidden=128)
+            data, store = work / "data", work / "store"
+            data.mkdir()
+            for i, text in enumerate(CAT_TEXTS):
+                (data / f"d{i}.txt").write_text(text)
+            r = cli("capture", model, "--data", data, "--split", "2", "--chunk", "64", "--store", store)
+            assert r.returncode == 0, r.stderr
+            lm = load_model(resolve_model(str(model), store_root=store), store_root=store)
+            captures[arch] = {"work": work, "model": model, "store": store, "capture": r.stdout.strip(), "lm": lm}
+        key = (arch, configuration, maps)
+        if key not in made:
+            c = captures[arch]
+            r = cli("solve", c["capture"], "--maps", maps, "--store", c["store"])
+            assert r.returncode == 0, r.stderr
+            r = cli("quantize", r.stdout.strip(), "--store", c["store"])
+            assert r.returncode == 0, r.stderr
+            release = c["work"] / f"release-{configuration}-{maps}"
+            r = cli("export", r.stdout.strip(), "--out", release, "--tail", TINY_TAIL, "--configuration",
+                    configuration, "--store", c["store"])  # fmt: skip
+            assert r.returncode == 0, r.stderr
+            rel = load_release_maps(c["lm"], release)
+            assert set(rel.map_kinds.values()) == {maps}, rel.map_kinds
+            rng = np.random.default_rng(0)
+            prompts = {f"p{i}": rng.integers(6, 320, int(rng.integers(100, 220))).tolist() for i in range(PROMPTS)}
+            refs = {name: reference(c["lm"], p, rel.arm, **rel.options()) for name, p in prompts.items()}
+            made[key] = {"model": c["model"], "rel": rel, "release": release, "prompts": prompts, "refs": refs}
+        return made[key]
+
+    return make
+
+
+def tiny_filled_rows(prompts: dict, refs: dict) -> int:
+    return sum(len(p) - TINY_TAIL - refs[n]["exact_rows"] for n, p in prompts.items())
+
+
+@pytest.mark.parametrize("arch, configuration, maps", [
+    ("qwen2", "ridgefill", "input"), ("qwen2", "ridgefill", "kv"),
+    ("qwen3", "ridgefill+protected", "input"), ("qwen3", "ridgefill+protected", "kv"),
+])  # fmt: skip
+def test_the_fill_in_vllm_on_qwen2_and_qwen3(tiny, arch, configuration, maps, tmp_path):
+    """Tiny random models (qkv bias in Qwen2, q/k norms in Qwen3), each with releases of its own (int8, tail 16) of
+    input maps and of key/value maps: the same hook, chunked and batched, against the reference runtime. Qwen3's
+    releases are `ridgefill+protected`: rows holding a protected token run exactly in the middle of the prefix, so a
+    prompt's exact rows form many sequences of their own. A key/value map's output goes through Qwen3's key norm
+    and the rotary embedding; Qwen2's has the qkv bias folded into its own."""
+    t = tiny(arch, configuration, maps)
+    prompts, refs, names = t["prompts"], t["refs"], list(t["prompts"])
     small = {"max_model_len": 256, "enable_prefix_caching": False}
     runs = [{"name": "chunked", "engine": small | {"max_num_batched_tokens": 64, "max_num_seqs": 1}, "prompts": names,
              "max_new": NEW},
             {"name": "batched", "engine": small | {"max_num_batched_tokens": 128, "max_num_seqs": 4}, "prompts": names,
              "submit": "together", "max_new": NEW}]  # fmt: skip
-    got = run_engine(tmp_path, arch, model, prompts, runs, engine_env(release))
+    got = run_engine(tmp_path, arch, t["model"], prompts, runs, engine_env(t["release"]))
     for run in ("chunked", "batched"):
         fig = agreement(got[run]["outputs"], refs) | {"engine": got[run]["stats"]}
-        report(f"{arch}_{run}", fig)
+        report(f"{arch}_{run}" if maps == "input" else f"{arch}_{maps}_{run}", fig)
         check(fig)
-        assert got[run]["stats"]["filled_rows"] == sum(len(p) - 16 - refs[n]["exact_rows"] for n, p in prompts.items())
+        assert got[run]["stats"]["filled_rows"] == tiny_filled_rows(prompts, refs), fig
         if configuration == "ridgefill+protected":
             assert got[run]["stats"]["exact_prefix_rows"] > PROMPTS, fig  # protected rows amid the prefix
+
+
+def test_key_value_maps_on_two_tensor_parallel_ranks(tiny, tmp_path):
+    """The tiny Qwen2's key/value release on two tensor-parallel ranks on the CPU (2 KV heads: one per rank, each
+    rank's map cut to its own head's key and value rows): the answers equal one rank's and the reference's, and the
+    fill (rank 0's counters) fills the reference's rows."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("two tensor-parallel ranks need two CPUs")
+    t = tiny("qwen2", "ridgefill", "kv")
+    names = [f"p{i}" for i in range(8)]
+    prompts, refs = {n: t["prompts"][n] for n in names}, {n: t["refs"][n] for n in names}
+    engine = {"max_model_len": 256, "enable_prefix_caching": False, "max_num_batched_tokens": 128, "max_num_seqs": 4}
+    runs = [{"name": "one", "engine": engine, "prompts": names, "submit": "together", "max_new": NEW},
+            {"name": "two", "engine": engine | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+             "prompts": names, "submit": "together", "max_new": NEW}]  # fmt: skip
+    # As the connector's two-rank test runs vLLM: its engine core in a process of its own, one core per rank; the
+    # runner's reading of the fill's counters (`LLM.apply_model`, a function sent to the engine core) needs vLLM's
+    # pickle fallback across processes.
+    env = engine_env(t["release"], VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
+                     VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # fmt: skip
+    got = run_engine(tmp_path, "tp", t["model"], prompts, runs, env)
+    for run in ("one", "two"):
+        fig = agreement(got[run]["outputs"], refs) | {"engine": got[run]["stats"]}
+        report(f"qwen2_kv_tp_{run}", fig)
+        check(fig, len(names))
+        assert got[run]["stats"]["filled_rows"] == tiny_filled_rows(prompts, refs), fig
+    one = {o["prompt"]: o for o in got["one"]["outputs"]}
+    for o in got["two"]["outputs"]:
+        assert o["tokens"] == one[o["prompt"]]["tokens"], o["prompt"]
+        assert abs(o["top2"][0][0][1] - one[o["prompt"]]["top2"][0][0][1]) < 1e-4, o["prompt"]

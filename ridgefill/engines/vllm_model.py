@@ -279,8 +279,9 @@ class FillMixin:
         _check_hub_model(self.ridgefill.release, *self._ridgefill_source)
         names = self.ridgefill.load(self)
         fill = self.ridgefill
-        log.info("ridgefill: %s; maps and key/value copies %.1f MiB in %s on %s", fill.release.describe(),
-                 fill.memory() / 2**20, next(fill.parameters()).dtype, next(fill.parameters()).device)
+        held = "maps" if all(fill.kv_maps) else "maps and key/value copies"  # a key/value map needs no copy
+        log.info("ridgefill: %s; %s %.1f MiB in %s on %s", fill.release.describe(), held, fill.memory() / 2**20,
+                 next(fill.parameters()).dtype, next(fill.parameters()).device)
         return None if loaded is None else set(loaded) | names
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
@@ -288,6 +289,14 @@ class FillMixin:
         if out is None:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
         return out
+
+
+def fill_stats(model) -> dict | None:
+    """The fill's counters of this worker's model (None without the fill), for `LLM.apply_model`: a function of a
+    module every vLLM process imports, so it reaches an engine core and tensor-parallel workers in other processes
+    by name (with VLLM_ALLOW_INSECURE_SERIALIZATION=1, which vLLM needs to send any function there)."""
+    fill = getattr(model, "ridgefill", None)
+    return None if fill is None else dict(fill.stats)
 
 
 def _check_hub_model(release: served.Fill, model: str, revision, download_dir) -> None:

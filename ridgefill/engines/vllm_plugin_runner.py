@@ -75,9 +75,14 @@ def run_one(model: str, run: dict, prompts: dict, caches: dict) -> dict:
         c = o.outputs[0]
         outputs.append({"prompt": name, "tokens": list(c.token_ids), "top2": [_top2(lp) for lp in c.logprobs or []],
                         "cached": int(o.num_cached_tokens or 0), "finish": str(c.finish_reason)})  # fmt: skip
-    stats = None  # the fill's counters, read in the model's process (in this one unless vLLM spawns workers)
+    # The fill's counters, read in the model's process: this one, or (VLLM_ENABLE_V1_MULTIPROCESSING=1, tensor
+    # parallelism) vLLM's engine core and workers, which need VLLM_ALLOW_INSECURE_SERIALIZATION=1 to be sent a
+    # function and get it by name (a lambda does not pickle). Rank 0's.
+    stats = None
     if os.environ.get("RIDGEFILL_RELEASE"):
-        stats = llm.apply_model(lambda m: dict(m.ridgefill.stats) if hasattr(m, "ridgefill") else None)[0]
+        from ridgefill.engines.vllm_model import fill_stats
+
+        stats = llm.apply_model(fill_stats)[0]
     result = {"outputs": outputs, "stats": stats, "preemptions": _preemptions(llm),
               "seconds": time.perf_counter() - start}  # fmt: skip
     del llm
