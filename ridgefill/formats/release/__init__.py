@@ -1,5 +1,6 @@
 """The release format `ridgefill-maps/2` (docs/format.md; `ridgefill-maps/1` is still read): its names (names.py),
-the writer (write.py), the reader (read.py: a folder verifies if and only if it loads) and the folder swap
+the writer (write.py), the reader (manifest.py: the manifest and the folder; read.py: the tensors and the release
+as applied; a folder verifies if and only if it loads) and the folder swap
 (folder.py). numpy only: a runtime that reads releases needs nothing of the stages that write them.
 
     from ridgefill.formats import release
@@ -18,8 +19,9 @@ from ridgefill.formats.release.names import (BIAS, CARD, CODES, CONFIGURATIONS, 
                                              PLAIN, PROJECTOR_DTYPES, PROTECTED_FILE, PROTECTED_IDS, SCALES,
                                              STATE_OFFSET, UNHASHED, WEIGHT, facts_json, facts_of, is_bare_name,
                                              offset_name, parse_tensor_name, tensor_name)
-from ridgefill.formats.release.read import (Release, load_protected, load_release, load_state_offsets, read_manifest,
-                                            read_release, read_tensors, release_configuration, verify_release)
+from ridgefill.formats.release.manifest import read_manifest
+from ridgefill.formats.release.read import (Release, load_protected, load_release, load_state_offsets, read_release,
+                                            read_tensors, release_configuration, verify_release)
 from ridgefill.formats.release.write import write_eval, write_release
 
 __all__ = ["BIAS", "CARD", "CODES", "CONFIGURATIONS", "CORRECTIONS_FILE", "DEFAULT_SKIP_FIRST_ROWS", "DOC_FILES",

@@ -1,8 +1,8 @@
 """Reading a release folder: one reader, so that a folder verifies if and only if it loads (docs/format.md,
 "Verifying"). numpy only.
 
-`read_release(dir)` checks, in this order, and refuses the first problem in one line naming the file or field:
-the manifest (JSON without duplicate keys, NaN or infinity, format), `files` (bare names, hashes, the files the facts
+`read_release(dir)` checks, in this order, and refuses the first problem in one line naming the file or field
+(the first five, rules 1-9, are manifest.py's `verified_manifest`): the manifest (JSON without duplicate keys, NaN or infinity, format), `files` (bare names, hashes, the files the facts
 name), the folder's entries (nothing unlisted, no symbolic link), every file's sha256, the facts maps.safetensors
 records against the manifest (compared by value), the hashes the facts record for the other tensor files, and then
 the release's `configuration`, its `fit.exact_norm` and every tensor of every file, decoded as a runtime would use
@@ -17,9 +17,6 @@ A `Release` is the one place a runtime takes "the release as applied" from: `spl
 
 from __future__ import annotations
 
-import json
-import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -27,17 +24,15 @@ from typing import Mapping
 
 import numpy as np
 
-from ridgefill.artifacts.store import sha256_file
 from ridgefill.errors import BadInput
 from ridgefill.formats import int8, safetensors
-from ridgefill.formats.release.names import (BIAS, CODES, CORRECTIONS_FILE, DEFAULT_SKIP_FIRST_ROWS, DOWNLOAD_CACHE,
-                                             EXACT_NORM, FIT, FORMATS, GITATTRIBUTES, HF_DIR, HUB_LEFTOVERS, KV_MAP,
-                                             LINEAR_KIND, MANIFEST, MAPS_FILE, META_FACTS, META_FORMAT, OFFSET_RE,
-                                             PLAIN, PROJECTOR_DTYPES, PROTECTED_FILE, PROTECTED_IDS, SCALES,
-                                             SHA256_RE, SKIP_FIRST_ROWS, STATE_OFFSET, UNHASHED, WEIGHT,
-                                             applied_problem, configuration_problem, exact_norm_problem, facts_of,
-                                             integer, is_bare_name, kv_width, layer_indices, map_kinds, maps_problem,
-                                             parse_tensor_name, tensor_name, width_problem)
+from ridgefill.formats.release.names import (BIAS, CODES, CORRECTIONS_FILE, DEFAULT_SKIP_FIRST_ROWS, EXACT_NORM, FIT,
+                                             KV_MAP, LINEAR_KIND, MANIFEST, MAPS_FILE, OFFSET_RE, PLAIN,
+                                             PROJECTOR_DTYPES, PROTECTED_FILE, PROTECTED_IDS, SCALES, SKIP_FIRST_ROWS,
+                                             STATE_OFFSET, WEIGHT, applied_problem, configuration_problem,
+                                             exact_norm_problem, integer, kv_width, layer_indices, map_kinds,
+                                             maps_problem, parse_tensor_name, tensor_name, width_problem)
+from ridgefill.formats.release.manifest import ABSENT, check_format, verified_manifest
 from ridgefill.numerics import bf16_bits_to_f32
 
 _READ_DTYPES = ("I8", "I32", "BF16", "F32")  # what a release's tensor files may hold
@@ -106,7 +101,7 @@ def model_problem(rel: Release, *, fingerprint: str | None, num_layers: int, hid
 def read_release(dir: Path) -> Release:
     """Verify a release folder and decode every tensor it holds; BadInput names the first problem."""
     dir = Path(dir)
-    manifest = _verified_manifest(dir)
+    manifest = verified_manifest(dir)
     configuration = release_configuration(manifest)
     problem = exact_norm_problem(manifest)
     if problem is not None:
@@ -145,214 +140,6 @@ def load_release(dir: Path) -> tuple[dict, dict[int, dict[str, np.ndarray]]]:
     return rel.manifest, rel.maps
 
 
-# ------------------------------------------------------------------------------------------------ the manifest
-
-
-def _no_constant(name):  # NaN, Infinity, -Infinity: Python's json reads them, JSON does not have them
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(text: str) -> float:  # 1e999 is a JSON number, but not one a float can hold
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} overflows to infinity")
-    return value
-
-
-def parse_json(text: str, what: str):
-    """JSON as the format allows it: no duplicate keys, no NaN or infinity; BadInput naming `what`."""
-    try:
-        return json.loads(text, object_pairs_hook=safetensors.no_duplicates, parse_constant=_no_constant,
-                          parse_float=_finite)
-    except safetensors.DuplicateKey as e:
-        raise BadInput(f"{what}: invalid JSON (the key {e.args[0]!r} appears twice in one object)") from None
-    except json.JSONDecodeError as e:
-        raise BadInput(f"{what}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    except ValueError as e:
-        raise BadInput(f"{what}: invalid JSON ({e})") from None
-
-
-def read_manifest(dir: Path) -> dict:
-    """ridgefill.json of a folder, parsed (not verified); BadInput when it is missing or not a JSON object."""
-    mpath = Path(dir) / MANIFEST
-    if mpath.is_symlink():
-        raise BadInput(f"{MANIFEST}: a symbolic link (a release holds regular files only)")
-    if not mpath.is_file():
-        raise BadInput(f"{MANIFEST}: missing in {dir} (not a ridgefill release folder)")
-    try:
-        text = mpath.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise BadInput(f"{MANIFEST}: invalid JSON (not UTF-8: {e.reason})") from None
-    manifest = parse_json(text, MANIFEST)
-    if not isinstance(manifest, dict):
-        raise BadInput(f"{MANIFEST}: invalid manifest (top level is not a JSON object)")
-    return manifest
-
-
-def _named_files(manifest: dict) -> list[str]:
-    """The tensor files the facts name: `projector.files`, `protected_tokens.file`, `corrections.state.file`."""
-    proj = manifest.get("projector")
-    names = proj.get("files") if isinstance(proj, dict) else None
-    if names != [MAPS_FILE]:
-        raise BadInput(f"{MANIFEST}: 'projector.files' is {_show(names)}, expected [{MAPS_FILE!r}] (the maps are in "
-                       "one file, whose hash covers the facts)")
-    for key, field, name in (("protected_tokens", ("protected_tokens",), PROTECTED_FILE),
-                             ("corrections.state", ("corrections", "state"), CORRECTIONS_FILE)):
-        info = _get(manifest, field)
-        if info is not None:
-            if not isinstance(info, dict) or info.get("file") != name:
-                raise BadInput(f"{MANIFEST}: '{key}.file' must be {name!r}")
-            names = [*names, name]
-    return names
-
-
-def _get(manifest: dict, path: tuple[str, ...]):
-    node = manifest
-    for key in path:
-        node = node.get(key) if isinstance(node, dict) else None
-    return node
-
-
-def _verified_manifest(dir: Path) -> dict:
-    if not dir.is_dir():
-        raise BadInput(f"{dir}: not a directory")
-    manifest = read_manifest(dir)
-    if manifest.get("format") not in FORMATS:
-        raise BadInput(f"{MANIFEST}: format is {manifest.get('format')!r}, expected "
-                       f"{' or '.join(map(repr, FORMATS))}")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        raise BadInput(f"{MANIFEST}: 'files' must be a non-empty object of file name -> sha256")
-    for name in sorted(files):
-        if not is_bare_name(name):
-            raise BadInput(f"{MANIFEST}: files entry {name!r} is not a bare file name inside the release folder")
-        if name in UNHASHED or name in HUB_LEFTOVERS:
-            raise BadInput(f"{MANIFEST}: files entry {name!r} must not be listed (it is never hashed)")
-        if not isinstance(files[name], str) or not SHA256_RE.match(files[name]):
-            raise BadInput(f"{MANIFEST}: files entry {name!r} has no valid sha256 (64 lowercase hex digits)")
-    if MAPS_FILE not in files:
-        raise BadInput(f"{MANIFEST}: 'files' does not list {MAPS_FILE} (the file that records the release facts)")
-    named = _named_files(manifest)
-    for name in named:
-        if name not in files:
-            raise BadInput(f"{MANIFEST}: {name!r} is named by the manifest but not listed in 'files'")
-    for name in sorted(set(files) - set(named)):
-        raise BadInput(f"{MANIFEST}: 'files' lists {name!r}, which no field of the manifest names (a release holds "
-                       "only its tensor files)")
-    for name in sorted(files):
-        path = dir / name
-        if path.is_symlink():
-            raise BadInput(f"{name}: a symbolic link (a release holds regular files only)")
-        if not path.exists():
-            raise BadInput(f"{name}: listed in {MANIFEST} but missing from {dir}")
-        if not path.is_file():
-            raise BadInput(f"{name}: listed in {MANIFEST} but not a regular file")
-    for name in sorted(os.listdir(dir)):
-        if name in files or name == MANIFEST:
-            continue
-        if name in UNHASHED and (dir / name).is_symlink():
-            raise BadInput(f"{name}: a symbolic link (a release holds regular files only)")
-        if name in UNHASHED and not (dir / name).is_file():
-            raise BadInput(f"{name}: not a regular file (a release holds regular files only)")
-        if name not in UNHASHED and not _hub_leftover(dir / name):
-            raise BadInput(f"{name}: in the release folder but not listed in {MANIFEST}")
-    for name in sorted(files):
-        got = sha256_file(dir / name)
-        if got != files[name]:
-            raise BadInput(f"{name}: sha256 mismatch (expected {files[name]}, got {got})")
-    meta = safetensors.read_header(dir / MAPS_FILE)[1]
-    _check_format(MAPS_FILE, meta, manifest["format"])
-    _check_facts(manifest, meta)
-    for key, field in (("protected_tokens", ("protected_tokens",)), ("corrections.state", ("corrections", "state"))):
-        info = _get(manifest, field)
-        if info is not None and info.get("sha256") != files[info["file"]]:
-            raise BadInput(f"{info['file']}: its sha256 is not the one the facts record ('{key}.sha256' is "
-                           f"{info.get('sha256')!r}): the file does not belong to this release")
-    return manifest
-
-
-def _check_format(name: str, meta: dict[str, str], format: str | None) -> None:
-    """A tensor file's `format` metadata must be the manifest's `format` (None: either release format)."""
-    if format is None and meta.get(META_FORMAT) not in FORMATS:
-        raise BadInput(f"{name}: metadata '{META_FORMAT}' is {meta.get(META_FORMAT)!r}, expected "
-                       f"{' or '.join(map(repr, FORMATS))}")
-    if format is not None and meta.get(META_FORMAT) != format:
-        raise BadInput(f"{name}: metadata '{META_FORMAT}' is {meta.get(META_FORMAT)!r}, expected {format!r} (the "
-                       "manifest's format)")
-
-
-def _hub_leftover(path: Path) -> bool:
-    """True for what `hf download --local-dir` adds to a folder: the regular file `.gitattributes`, and a
-    folder `.cache` whose only entry is the folder `huggingface` (symbolic links are never accepted)."""
-    if path.is_symlink():
-        return False
-    if path.name == GITATTRIBUTES:
-        return path.is_file()
-    if path.name == DOWNLOAD_CACHE and path.is_dir():
-        hf = path / HF_DIR
-        return os.listdir(path) == [HF_DIR] and hf.is_dir() and not hf.is_symlink()
-    return False
-
-
-# --------------------------------------------------------------------------------------------------- the facts
-
-
-def _check_facts(manifest: dict, meta: dict[str, str]) -> None:
-    """Refuse a manifest whose facts differ from those maps.safetensors records, naming the first field."""
-    raw = meta.get(META_FACTS)
-    if raw is None:
-        raise BadInput(f"{MAPS_FILE}: records no release facts (no '{META_FACTS}' metadata; written by an older "
-                       "ridgefill): export the release again")
-    recorded = parse_json(raw, f"{MAPS_FILE}: '{META_FACTS}' metadata")
-    if not isinstance(recorded, dict):
-        raise BadInput(f"{MAPS_FILE}: '{META_FACTS}' metadata is not a JSON object")
-    diff = _difference(facts_of(manifest), recorded, "")
-    if diff is not None:
-        raise BadInput(f"{MANIFEST}: {diff} (the manifest was edited)")
-
-
-_ABSENT = object()
-
-
-def _show(value) -> str:
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _same_value(a, b) -> bool:
-    """JSON values equal by value: numbers by their value (20 and 20.0 are one number, as in JavaScript), booleans
-    only to booleans, strings and null to themselves."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b
-    return type(a) is type(b) and a == b
-
-
-def _difference(given, recorded, path: str) -> str | None:
-    """The first field (in sorted order) where the manifest's value differs from the recorded one, as a phrase;
-    None if they are the same JSON value."""
-    if isinstance(given, dict) and isinstance(recorded, dict):
-        for key in sorted(set(given) | set(recorded), key=str):
-            d = _difference(given.get(key, _ABSENT), recorded.get(key, _ABSENT), f"{path}.{key}" if path else key)
-            if d is not None:
-                return d
-        return None
-    if isinstance(given, list) and isinstance(recorded, list) and len(given) == len(recorded):
-        for i, (g, r) in enumerate(zip(given, recorded)):
-            d = _difference(g, r, f"{path}[{i}]")
-            if d is not None:
-                return d
-        return None
-    if given is _ABSENT:
-        return f"{path!r} is missing but {MAPS_FILE} records {_show(recorded)}"
-    if recorded is _ABSENT:
-        return f"{path!r} is {_show(given)} but {MAPS_FILE} records no such field"
-    if _same_value(given, recorded):
-        return None
-    return f"{path!r} is {_show(given)} but {MAPS_FILE} records {_show(recorded)}"
-
-
 # ------------------------------------------------------------------------------------------------- the tensors
 
 
@@ -362,7 +149,7 @@ def read_tensors(path: Path, format: str | None = None) -> dict[str, tuple[str, 
     or a dtype a release never holds."""
     fname = Path(path).name
     arrays, meta = safetensors.load(path)
-    _check_format(fname, meta, format)
+    check_format(fname, meta, format)
     out = {}
     for name, a in arrays.items():
         dtype = safetensors.dtype_of(a)
@@ -487,8 +274,8 @@ def release_configuration(manifest: dict) -> dict:
     {"arm": "ridgefill", "sweep": None} for a release without one. BadInput (one line naming the field) for a
     configuration that is not such an object, an unknown arm, a bad row share or sweep id, or ridgefill+protected in
     a release without a protected-token table."""
-    value = manifest.get("configuration", _ABSENT)
-    if value is _ABSENT:
+    value = manifest.get("configuration", ABSENT)
+    if value is ABSENT:
         return {"arm": PLAIN, "sweep": None}
     problem = configuration_problem(value, manifest.get("protected_tokens") is not None)
     if problem is not None:
