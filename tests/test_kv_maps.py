@@ -170,3 +170,14 @@ def test_a_format_1_release_is_still_applied(lm_of, tmp_path):
     assert load_source(None, str(folder)).map_kinds == {2: "input", 3: "input"}
     fill = served.load(folder)
     assert (fill.split, fill.tail, fill.anchor, fill.map_kinds) == (2, 5, 1, {2: "input", 3: "input"})
+
+
+def test_the_map_kinds_are_the_release_formats():
+    """solve's --maps choices (a light module, written again for the CLI) are the release format's map kinds, and so
+    are capture's targets and the runtime's kinds."""
+    from ridgefill.capture.stats import INPUT, KV
+    from ridgefill.formats.release.names import MAP_KINDS
+    from ridgefill.runtime.fill import INPUT_MAP, KV_MAP
+    from ridgefill.solve.config import MAP_CHOICES
+
+    assert MAP_CHOICES == MAP_KINDS == (INPUT, KV) == (INPUT_MAP, KV_MAP)

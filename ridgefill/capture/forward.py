@@ -115,29 +115,51 @@ def chunk_moments(x, ys: list, product_dtype: str = "float32") -> Moments:
     x: [n, dx]; ys: k tensors [n, dy] (any float dtype, any devices). Means are float64; the centred products run
     in `product_dtype`; the result is float64 numpy on the host. Equals `stats.moments_of` up to rounding.
     """
+    return grouped_moments(x, [ys], product_dtype)[0]
+
+
+def grouped_moments(x, groups: list[list], product_dtype: str = "float32") -> list[Moments]:
+    """`chunk_moments` of x against each group of targets of the same rows (the late layers' inputs; the late
+    attention layers' keys and values, of their own width): x's side (its mean, centring and Cxx) is computed once,
+    and the groups' Moments share those arrays (a chunk's moments are only read when merged)."""
     import torch
 
     wd = getattr(torch, product_dtype)
-    dev = x.device
     n, dx = x.shape
-    k, dy = len(ys), ys[0].shape[-1]
     mean_x = x.sum(0, dtype=torch.float64) / n  # [dx]  (sum(dtype=) is fast where mean(dtype=) is not, on CPU)
     xc = x.to(wd) - mean_x.to(wd)  # [n, dx]
-    yc = _buffer("y", n, k * dy, wd, dev)  # [n, k*dy]: every late layer's input side by side
+    mx, cxx = _host(mean_x), _host(xc.T @ xc)  # [dx], [dx, dx]
+    return [_target_moments(xc, ys, f"y{i}", mx, cxx) for i, ys in enumerate(groups)]
+
+
+def _host(t):
+    """float64 numpy on the host, copied: a float64 product on the CPU would otherwise be a view of the workspace,
+    which the next call reuses."""
+    import torch
+
+    return t.to("cpu", torch.float64, copy=True).numpy()
+
+
+def _target_moments(xc, ys: list, name: str, mean_x, cxx) -> Moments:
+    """The target side of `chunk_moments` for one group ys (k tensors [n, dy]) against the centred xc [n, dx]."""
+    import torch
+
+    wd, dev = xc.dtype, xc.device
+    n, dx = xc.shape
+    k, dy = len(ys), ys[0].shape[-1]
+    yc = _buffer(name, n, k * dy, wd, dev)  # [n, k*dy]: every layer's target side by side
     torch.cat([y.to(device=dev, dtype=wd) for y in ys], dim=1, out=yc)
     mean_y = _center_(yc)  # [k*dy]
-    cxy = torch.matmul(xc.T, yc, out=_buffer("cxy", dx, k * dy, wd, dev))  # [dx, n] @ [n, k*dy] -> [dx, k*dy]
+    cxy = torch.matmul(xc.T, yc, out=_buffer(f"{name}.cxy", dx, k * dy, wd, dev))  # [dx, n] @ [n, k*dy]
     # [k]: squares summed in float64, one layer at a time (a float32 norm over n*dy terms is off by ~5e-3)
     yy = torch.stack([yc[:, i * dy:(i + 1) * dy].square().sum(dtype=torch.float64) for i in range(k)])
-    # copied: a float64 product on the CPU would otherwise be a view of the workspace, which the next call reuses
-    host = lambda t: t.to("cpu", torch.float64, copy=True).numpy()  # noqa: E731
     return Moments(
         n,
-        host(mean_x),
-        host(xc.T @ xc),  # [dx, dx]
-        host(mean_y).reshape(k, dy),
-        host(cxy).reshape(dx, k, dy).transpose(1, 0, 2),  # a [k, dx, dy] view: merging reads it in place
-        host(yy),
+        mean_x,
+        cxx,
+        _host(mean_y).reshape(k, dy),
+        _host(cxy).reshape(dx, k, dy).transpose(1, 0, 2),  # a [k, dx, dy] view: merging reads it in place
+        _host(yy),
     )
 
 
@@ -166,20 +188,14 @@ def fitted_moments(hs: dict, start: int, splits, num_layers: int, outlier_ratio:
         sinks = outlier_rows(x, outlier_ratio)
         if sinks.any():
             x, ys, kvs = x[~sinks], [y[~sinks] for y in ys], [t[~sinks] for t in kvs]
-        out[(s, INPUT)] = chunk_moments(x, ys, product_dtype)
+        got = grouped_moments(x, [ys, kvs] if kvs else [ys], product_dtype)
+        out[(s, INPUT)] = got[0]
         if kvs:
-            out[(s, KV)] = chunk_moments(x, kvs, product_dtype)
+            out[(s, KV)] = got[1]
     return out
 
 
 def key_value_targets(adapter):
     """`kv_of` for `fitted_moments`: layer l's keys and values for its true input h [rows, d], side by side as a
-    key/value map predicts them: [rows, kv_heads * head_dim keys (k_proj's order) + kv_heads * head_dim values]."""
-
-    def kv_of(l: int, h):
-        import torch
-
-        k, v = adapter.kv_raw(l, h)  # [rows, kv_heads, head_dim] each, on the layer's device
-        return torch.cat([k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1).to(k.device)], dim=1)
-
-    return kv_of
+    key/value map predicts them (`Adapter.kv_target`)."""
+    return adapter.kv_target

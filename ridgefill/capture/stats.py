@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ridgefill.formats.release.names import INPUT_MAP, KV_MAP
+
 FIELDS = ("n", "mean_x", "cxx", "mean_y", "cxy", "yy")
 # What a split's statistics fit: the late layers' inputs (y_l = h_l, an input map's target), or the late attention
 # layers' keys before RoPE and QK-norm and their values side by side (a key/value map's target, width 2 * kv_heads *
 # head_dim). Both share the rows, so their n, mean_x and cxx are equal.
-INPUT, KV = "input", "kv"
+INPUT, KV = INPUT_MAP, KV_MAP
 
 
 @dataclass

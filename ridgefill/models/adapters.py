@@ -132,6 +132,21 @@ class Adapter:
         with torch.inference_mode():
             return norm(k.to(device=self.layer_device(l), dtype=self.dtype))  # RMS over head_dim, per head
 
+    def kv_target(self, l: int, x: torch.Tensor) -> torch.Tensor:
+        """What a key/value map of layer l predicts for input x [rows, d]: its keys before the key norm (k_proj's
+        order, head by head), then its values, side by side: [rows, kv_width] in the model's dtype on the layer's
+        device. `from_kv_target` turns such rows back into what the layer writes."""
+        k, v = self.kv_raw(l, x)
+        return torch.cat([k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)], dim=1)
+
+    def from_kv_target(self, l: int, both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows laid out as `kv_target` [rows, kv_width] (any float dtype) -> what layer l writes before RoPE: keys
+        through its key norm and values, [rows, kv_heads, head_dim] each, in the model's dtype."""
+        both = both.to(self.dtype)
+        heads = (both.shape[0], self.num_kv_heads, self.head_dim)
+        half = both.shape[1] // 2
+        return self.k_post(l, both[:, :half].reshape(heads)), both[:, half:].reshape(heads)
+
     @property
     def kv_width(self) -> int:
         """2 * kv_heads * head_dim: the width of an attention layer's keys and values side by side, what a key/value

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ridgefill.formats.release.names import INPUT_MAP, KV_MAP  # what a late layer's map predicts
 from ridgefill.runtime import corrections as fixes
 from ridgefill.runtime.cache import SlotCache
 from ridgefill.runtime.layers import SLIDING, Layers, final_logits
 from ridgefill.runtime.rows import attention_received, most_attended, with_norm_rows
 
 
-INPUT_MAP, KV_MAP = "input", "kv"  # what a late layer's map predicts (a release's `layers[].map`)
 
 
 @dataclass(frozen=True)
@@ -174,10 +174,7 @@ def _filled_kv(ad, f: Fill, l, x_split, pos, dev):
     predicted = _predicted(f.arm, f.maps, l, x_split, pos, dev)  # [F, d] or, a key/value map's, [F, 2kv] float32
     if not (f.arm.startswith("ridgefill") and f.map_kind(l) == KV_MAP):
         return ad.kv(l, predicted)
-    both = predicted.to(ad.dtype)  # keys before the key norm and RoPE, then values
-    heads = (both.shape[0], ad.num_kv_heads, ad.head_dim)
-    half = both.shape[1] // 2
-    return ad.k_post(l, both[:, :half].reshape(heads)), both[:, half:].reshape(heads)
+    return ad.from_kv_target(l, predicted)  # keys before the key norm and RoPE, then values
 
 
 def _predicted(arm, maps, l, x_split, pos, dev):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-INPUT_MAPS, KV_MAPS = "input", "kv"  # --maps: what the late attention layers' maps predict (capture.stats' targets)
+# --maps: what the late attention layers' maps predict. formats.release.names.INPUT_MAP / KV_MAP, written here again
+# because this module stays light (the CLI reads it without numpy; tests/test_kv_maps.py holds the two equal)
+INPUT_MAPS, KV_MAPS = "input", "kv"
 MAP_CHOICES = (INPUT_MAPS, KV_MAPS)
 METRIC_CHOICES = ("kv", "input")
 

@@ -23,7 +23,6 @@ import numpy as np
 from ridgefill.capture.stats import INPUT, KV, Moments
 from ridgefill.solve.ridge import Eig, maps_at, maps_per_layer
 
-MAP_KINDS = (INPUT, KV)
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,12 @@ class Eig:
     m: Moments
 
 
-def decompose(m: Moments) -> Eig:
+def decompose(m: Moments, project: bool = True) -> Eig:
+    """The eigendecomposition of Cxx and, with `project`, V^T Cxy for every target (without it `p` is empty: a
+    caller that projects other targets' moments onto these eigenvectors, solve/kinds.py)."""
     s, v = np.linalg.eigh(m.cxx)
     s = np.clip(s, 0.0, None)  # round-off can make the smallest eigenvalues slightly negative
-    p = v.T @ m.cxy  # [dx, dx] @ [k, dx, dy] -> [k, dx, dy] (batched BLAS)
+    p = v.T @ m.cxy if project else m.cxy[:0]  # [dx, dx] @ [k, dx, dy] -> [k, dx, dy] (batched BLAS)
     return Eig(s, v, p, float(np.trace(m.cxx)), m)
 
 

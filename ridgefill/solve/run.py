@@ -101,7 +101,9 @@ def solve(
     held = captured.load_heldout(cap)
     exact_norm = fit_exact_norm(held[f"hidden.{split}"])  # the fill runs prefix rows above it exactly
     t = time.perf_counter()
-    late = _late_maps(decompose(m), split, ref.num_layers, kinds, kv, captured.kv_layers(cap, split))
+    # V^T Cxy of the inputs only where some late layer keeps an input map (a k d^3 product otherwise wasted)
+    e = decompose(m, project=INPUT_MAPS in kinds.values())
+    late = _late_maps(e, split, ref.num_layers, kinds, kv, captured.kv_layers(cap, split))
     eig_s = time.perf_counter() - t
     lm = captured.open_model(cap, store, ref, place)
     out.info(f"scoring on {place.describe()}")

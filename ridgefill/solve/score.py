@@ -43,7 +43,7 @@ class Scorer:
         self.y = {l: held[f"hidden.{l}"].astype(np.float64) for l in self.layers}  # [R, d] each
         self.true_kv = {l: self._kv(l, self.y[l]) for l in self.layers}
         # what a key/value map predicts, from the true input: keys before the key norm, then values [R, 2kv]
-        self.target = {l: self._kv_raw(l, self.y[l]) for l in self.layers if self.kinds[l] == KV}
+        self.target = {l: self._kv_target(l, self.y[l]) for l in self.layers if self.kinds[l] == KV}
 
     def _kv(self, l: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         import torch
@@ -51,23 +51,18 @@ class Scorer:
         k, v = self.adapter.kv(l, torch.from_numpy(x.astype(np.float32)))  # on the layer's device, model dtype
         return k.cpu().double().numpy(), v.cpu().double().numpy()  # [R, kv_heads, head_dim], float64 on the host
 
-    def _kv_raw(self, l: int, x: np.ndarray) -> np.ndarray:
+    def _kv_target(self, l: int, x: np.ndarray) -> np.ndarray:
         import torch
 
-        k, v = self.adapter.kv_raw(l, torch.from_numpy(x.astype(np.float32)))
-        flat = lambda t: t.cpu().double().numpy().reshape(len(x), -1)  # noqa: E731  [R, kv_heads * head_dim]
-        return np.concatenate([flat(k), flat(v)], 1)
+        return self.adapter.kv_target(l, torch.from_numpy(x.astype(np.float32))).cpu().double().numpy()  # [R, 2kv]
 
     def _kv_of_prediction(self, l: int, kv_hat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A key/value map's prediction [R, 2kv] -> what the layer writes: keys through its key norm, and values,
         each [R, kv_heads, head_dim] float64; computed in the model's dtype as a runtime does."""
         import torch
 
-        ad = self.adapter
-        heads = (len(kv_hat), ad.num_kv_heads, ad.head_dim)
-        both = torch.from_numpy(kv_hat.astype(np.float32)).to(ad.dtype)
-        k = ad.k_post(l, both[:, : kv_hat.shape[1] // 2].reshape(heads))
-        return k.cpu().double().numpy(), both[:, kv_hat.shape[1] // 2 :].reshape(heads).double().numpy()
+        k, v = self.adapter.from_kv_target(l, torch.from_numpy(kv_hat.astype(np.float32)))
+        return k.cpu().double().numpy(), v.cpu().double().numpy()
 
     def layer_scores(self, l: int, y_hat: np.ndarray, kind: str | None = None) -> dict[str, float]:
         """Layer l's figures for a prediction y_hat of its map's kind (or of `kind`: the identity fill predicts
