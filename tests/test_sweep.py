@@ -5,6 +5,7 @@ prefill; configurations beside their controls; timing rounds; resuming; reuse of
 import json
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -294,6 +295,50 @@ def test_sweep_cli_is_cached_and_reuses_a_capture(both, tiny_llama_1k):
     out = json.loads(r.stdout)
     assert out["id"] == art.id and out["cached"] is True
     assert "recommended" in r.stderr and "sweep.png" in r.stderr and "what the maps earn" in r.stderr
+
+
+def test_map_kinds_side_by_side(both, tiny_llama_1k, monkeypatch):
+    """--maps input,kv: the input sweep is the one already made (cached), a kv sweep runs on the same capture with
+    key/value maps, and the comparison holds each kind's own figures and their needle answers paired prompt by
+    prompt; the kv fill does fewer multiply-accumulates, so at equal ceilings kv is the kind to ship."""
+    from ridgefill.solve.artifact import load_map_kinds
+
+    key_budget(monkeypatch)
+    st, arts, _ = both
+    art, res = arts["adaptive"]
+    r = cli_here("sweep", tiny_llama_1k, "--splits", "1-3", *SMALL, "--capture", art.recipe["capture"], "--maps",
+                 "input,kv", "--store", st.root, "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert (got["sweeps"]["input"]["id"], got["sweeps"]["input"]["cached"]) == (art.id, True)
+    kv = st.get(got["sweeps"]["kv"]["id"], stage="sweep")
+    kv_res = json.loads(kv.file("sweep.json").read_text())
+    assert kv.recipe["capture"] == art.recipe["capture"] == got["capture"] and not got["sweeps"]["kv"]["cached"]
+    for e in kv_res["splits"]:
+        kinds = load_map_kinds(st.get(e["solve"], stage="solve"))
+        assert set(kinds.values()) == {"kv"} and sorted(kinds) == list(range(e["split"], 4))
+    comp = got["comparison"]
+    assert comp["kinds"] == ["input", "kv"] and [x["split"] for x in comp["splits"]] == [1, 2, 3]
+    for row in comp["splits"]:
+        s = row["split"]
+        for kind, rr in (("input", res), ("kv", kv_res)):
+            e = next(x for x in rr["splits"] if x["split"] == s)
+            assert row[kind]["dnll_key"] == e["arms"]["ridgefill"].get("dnll_key")
+            assert row[kind]["verdict"] == e["arms"]["ridgefill"]["verdict"]
+            assert row[kind]["macs_ratio"] == e["macs"]["arm"] / e["macs"]["exact"]
+        assert row["kv"]["macs_ratio"] < row["input"]["macs_ratio"]
+        answers = [{n["index"]: n["arms"][f"{s}/ridgefill"] for n in rr["needles"] if f"{s}/ridgefill" in n["arms"]}
+                   for rr in (res, kv_res)]
+        common = sorted(set(answers[0]) & set(answers[1]))
+        assert row["paired"]["kv"]["n"] == len(common)
+        if common:
+            assert row["paired"]["kv"]["mean"] == pytest.approx(
+                100.0 * np.mean([answers[1][i] - answers[0][i] for i in common]))
+    rec = {k: rr["recommended"] for k, rr in (("input", res), ("kv", kv_res))}
+    ceil = {k: v["ceiling_speedup"] if v["split"] is not None else -1.0 for k, v in rec.items()}
+    want = None if max(ceil.values()) < 0 else "kv" if ceil["kv"] >= ceil["input"] else "input"  # kv: fewer MACs
+    assert comp["choice"]["maps"] == want and (want is None or comp["choice"]["split"] == rec[want]["split"])
+    assert "map kind to ship:" in r.stderr
 
 
 DEPRECATED = "samples is deprecated: it is now {} (the same number); the old name goes in the next release"

@@ -30,7 +30,7 @@ def sweep(
     max_key_dnll: Annotated[float, typer.Option("--max-key-dnll", help="Budget: key-token ΔNLL in nats.")] = D.max_key_dnll,
     quantize: Annotated[bool, typer.Option("--quantize/--float", help="Measure the int8 maps a release ships, or the float maps.")] = D.quantize,
     alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Solve each layer at its own best alpha.")] = D.alpha_per_layer,
-    maps: Annotated[str, typer.Option("--maps", help="What the maps measured predict: input, or kv (keys and values; Gated DeltaNet layers keep input maps). A sweep of each kind on one capture compares them split by split.")] = SolveConfig().maps,
+    maps: Annotated[str, typer.Option("--maps", help="What the maps measured predict: input, kv (keys and values; Gated DeltaNet layers keep input maps), or input,kv: a sweep of each on one capture and the same prompts, side by side, and the kind to ship.")] = SolveConfig().maps,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Measure every split and arm on every needle prompt (no bisection, no early stop); for checking the adaptive search.")] = D.exhaustive,
     configurations: Annotated[bool, typer.Option("--configurations/--no-configurations", help="Also measure +rows, +kscale and +protected, each beside its equal-cost control, at the splits just shallower than the maps' edge.")] = D.configurations,
     repeats: Annotated[int, typer.Option("--repeats", help="Timing rounds (at least 3): the measured speed-up is their median, with \\[min, max].")] = D.repeats,
@@ -41,9 +41,11 @@ def sweep(
     configuration) with the highest compute ceiling within budget."""
     from ridgefill.sweep import sweep as run
     from ridgefill.sweep.artifact import PLOT, load_result
+    from ridgefill.sweep.kinds import parse_kinds
     from ridgefill.sweep.report import table
 
     out = output()
+    kinds = parse_kinds(maps)
     named = {"samples": samples} if samples is not None else {}  # the old name, with a warning
     if ctx.get_parameter_source("needles").name != "DEFAULT":  # typed too: both at once are refused
         named["needles"] = needles
@@ -52,7 +54,9 @@ def sweep(
                       documents=documents, scored=scored, max_needle_drop=max_needle_drop, max_key_dnll=max_key_dnll,
                       quantize=quantize, alpha_per_layer=alpha_per_layer, seed=seed, exhaustive=exhaustive,
                       configurations=configurations, repeats=repeats)
-    art, cached = run(store(), model, cfg, out, data=data, capture_ref=capture_ref, solve_args={"maps": maps},
+    if len(kinds) > 1:
+        return _kinds(out, model, cfg, kinds, data, capture_ref, place)
+    art, cached = run(store(), model, cfg, out, data=data, capture_ref=capture_ref, solve_args={"maps": kinds[0]},
                       place=place)
     result = load_result(art)
     out.table(table(result))
@@ -65,3 +69,28 @@ def sweep(
     out.info(f"[bold]recommended:[/bold] {result['recommended']['reason']}")
     out.info(f"plot: {art.path / PLOT}")
     done(out, "sweep", art, cached)
+
+
+def _kinds(out, model, cfg: SweepConfig, kinds, data, capture_ref, place) -> None:
+    """One sweep per map kind, the later ones on the first one's capture, then the kinds side by side
+    (sweep/kinds.py). JSON: each kind's sweep and the comparison."""
+    from ridgefill.sweep import sweep as run
+    from ridgefill.sweep.artifact import load_result
+    from ridgefill.sweep.kinds import compare, table
+
+    st, arts, results = store(), {}, {}
+    for k in kinds:
+        out.info(f"[bold]sweep of {k} maps[/bold]")
+        art, cached = run(st, model, cfg, out, data=data, capture_ref=capture_ref, solve_args={"maps": k}, place=place)
+        capture_ref = art.recipe["capture"]
+        arts[k] = (art, cached)
+        results[k] = load_result(art)
+        out.info(f"sweep {art.id} ({'cached' if cached else 'written'}, {k} maps) -> {art.path}; recommended: "
+                 f"{results[k]['recommended']['reason']}")
+    both = compare(results, bootstrap=cfg.bootstrap, seed=cfg.seed)
+    out.table(table(both))
+    out.info(f"[bold]map kind to ship:[/bold] {both['choice']['reason']}")
+    out.result({"stage": "sweep", "capture": capture_ref, "comparison": both,
+                "sweeps": {k: {"id": a.id, "cached": c, "path": str(a.path), "summary": a.manifest.get("summary", {})}
+                           for k, (a, c) in arts.items()}},
+               primary=" ".join(a.id for a, _ in arts.values()))
