@@ -73,6 +73,9 @@ FIGURES = {
                    "cpu <= 1.9"),
     "engine_ttft": Figure("engine_ttft.py", "time to first token in vLLM (CPU, float32): full prefill, exact prefix "
                           "injected, RidgeFill prefix injected (ridgefill's prefix compute included)", "s", None),
+    "map_kinds": Figure("map_kinds.py", "key/value maps vs input maps per built-in and split: held-out cosines, int8 "
+                        "bytes, eval figures, prefill speed-up, map MACs per filled row; whether kv becomes the "
+                        "default", "verdict", None),
     "vllm_fill": Figure("vllm_serve_bench.py", "time to first token of `vllm serve`, stock / with RIDGEFILL_RELEASE "
                         "(vLLM's defaults: chunked prefill, prefix caching), as a share of the compute ceiling, per "
                         "prompt length", "share", "share_8000 >= 0.90"),

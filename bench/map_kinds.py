@@ -54,13 +54,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import (FIGURES, MODEL_CACHE, MODELS, OUT, REPO, Bench, Figure, env_threads, exe,  # noqa: E402
+from harness import (MODEL_CACHE, MODELS, OUT, REPO, Bench, env_threads, exe,  # noqa: E402
                      model_cache, parser, positive, run_measured, short)
-
-# This figure is run by itself (like engine_ttft); its entry belongs in harness.FIGURES beside the others.
-FIGURES.setdefault("map_kinds", Figure("map_kinds.py", "key/value maps vs input maps per built-in and split: held-out "
-                                       "cosines, int8 bytes, eval figures, prefill speed-up, map MACs per filled row; "
-                                       "whether kv becomes the default", "verdict", None))
 
 SPLITS = {"builtin:smollm2-135m": (20, 18, 16), "builtin:gemma3-270m": (11, 10, 9)}
 KINDS = ("input", "kv")

@@ -23,7 +23,8 @@ Every figure of bench/harness.py's FIGURES (which holds their targets) is one sc
     sweep     sweep_bench.py     adaptive and exhaustive sweep / one default eval      (only with --only)
 
 engine_ttft and vllm_fill (bench/engine_ttft.py, bench/vllm_serve_bench.py: vLLM's time to first token with injected
-caches, and with the fill inside vLLM) need the engine environment and are run by themselves.
+caches, and with the fill inside vLLM) need the engine environment and are run by themselves; so is map_kinds
+(bench/map_kinds.py: key/value against input maps, with its own captures).
 
 solve, prefill, anchor, eval and sweep need a capture or a release: for each model one is built first with the CLI
 (`ridgefill capture` of the bench corpus with one held-out document, then solve, quantize, export) in a temporary
@@ -54,7 +55,8 @@ from harness import (BENCH, FIGURES, MODEL_CACHE, MODELS, OUT, Parser, command, 
 
 DEFAULT = ("capture", "rss", "torchrun", "naive", "cli", "chunk", "solve", "prefill")
 NAMES = {"builtin:smollm2-135m": "SmolLM2-135M", "builtin:gemma3-270m": "Gemma-3-270M"}
-STANDALONE = {"engine_ttft", "vllm_fill", "gpu"}  # run by itself: an engine's environment, or a GPU machine
+STANDALONE = {"engine_ttft", "vllm_fill", "gpu", "map_kinds"}  # run by itself: an engine's environment, a GPU
+# machine, or (map_kinds) its own captures of both built-ins
 NEEDS_CAPTURE, NEEDS_RELEASE = {"solve", "sweep"}, {"prefill", "anchor", "eval", "sweep"}
 
 
