@@ -119,7 +119,7 @@ def test_outlier_rows_are_not_fitted(tmp_path, tiny_llama, corpus):
     store = Store(tmp_path / "store")
     art, _ = run(store, tiny_llama, corpus, splits=(1, 2), outlier_ratio=1.1)
     base, _ = run(store, tiny_llama, corpus, splits=(1, 2))
-    assert art.recipe["outlier_ratio"] == 1.1 and base.recipe["outlier_ratio"] == 20.0 and art.id != base.id
+    assert art.recipe["outlier_ratio"] == 1.1 and base.recipe["outlier_ratio"] == 4.0 and art.id != base.id
     arrays, _ = safetensors.load(art.file(STATS))
     calib = [i for i, d in enumerate(json.loads(art.file(DOCS).read_text())) if d["role"] == "calibration"]
     texts = [(corpus / f"doc{i}.txt").read_text() for i in range(len(TEXTS))]
@@ -129,6 +129,13 @@ def test_outlier_rows_are_not_fitted(tmp_path, tiny_llama, corpus):
         got = Moments.from_arrays(arrays, f"raw.split{s}")
         assert 0 < everything[s].n - got.n < everything[s].n / 2  # some rows really are left out
         assert_moments_close(got, want[s], 1e-5)
+    # solve fixes the fill's exact-row norm by the capture's own ratio: the rows left out of the fit run exactly
+    from ridgefill.capture.artifact import load_heldout
+    from ridgefill.solve import solve
+
+    sol, _ = solve(store, art.id, quiet(), split=2, alphas=[1e-2])
+    norms = np.linalg.norm(np.asarray(load_heldout(art)["hidden.2"], np.float64), axis=-1)
+    assert sol.manifest["summary"]["exact_norm"] == pytest.approx(1.1 * float(np.median(norms)), rel=1e-12)
     for bad in (0.5, 1.0, -2.0):
         with pytest.raises(BadInput, match="outlier ratio must be 0 .off. or above 1"):
             run(Store(tmp_path / "bad"), tiny_llama, corpus, outlier_ratio=bad)
@@ -749,6 +756,7 @@ def test_non_utf8_is_replaced_with_a_warning(tmp_path, tiny_llama, corpus, capsy
         (["--max-length", "1"], "--max-length must be at least 2 tokens (got 1)"),
         (["--max-length", "300"], "--max-length 300 is longer than the model's context (256 positions)"),
         (["--product-dtype", "float16"], "unknown product dtype 'float16' (choose float32 or float64)"),
+        (["--outlier-ratio", "0.5"], "the outlier ratio must be 0 (off) or above 1, got 0.5"),
         (["--device", "cuda"], "--device cuda: torch sees no CUDA device on this machine (use --device cpu or auto)"),
         (["--device", "tpu"], "unknown device 'tpu' (choose auto, cpu, cuda or cuda:N)"),
         (["--dtype", "float8"], "unknown dtype 'float8' (choose one of: auto, float32, bfloat16, float16)"),

@@ -476,9 +476,9 @@ def test_the_exact_row_rule_against_brute_force():
     assert with_norm_rows([0], torch.from_numpy(h), 300, None) == [0]
 
 
-def test_the_exact_row_norm_is_20x_the_median_norm():
-    """`fit_exact_norm` (what solve records from the held-out rows): 20 x numpy's median of the float64 row norms,
-    the mean of the two middle ones for an even count."""
+def test_the_exact_row_norm_is_4x_the_median_norm():
+    """`fit_exact_norm` (what solve records from the held-out rows): 4 x numpy's median of the float64 row norms
+    (OUTLIER_RATIO, or the ratio given), the mean of the two middle ones for an even count."""
     from ridgefill.runtime.rows import fit_exact_norm
 
     rng = np.random.default_rng(6)
@@ -487,7 +487,7 @@ def test_the_exact_row_norm_is_20x_the_median_norm():
         norms = np.sqrt((x.astype(np.float64) ** 2).sum(axis=1))
         s = np.sort(norms)
         median = s[rows // 2] if rows % 2 else (s[rows // 2 - 1] + s[rows // 2]) / 2
-        assert fit_exact_norm(x) == pytest.approx(20.0 * median, rel=1e-14)
+        assert fit_exact_norm(x) == pytest.approx(4.0 * median, rel=1e-14)
         assert fit_exact_norm(x, 10.0) == pytest.approx(10.0 * median, rel=1e-14)
     for bad in (np.zeros((0, 4), np.float32), np.zeros((3, 4), np.float32)):
         with pytest.raises(ValueError):
@@ -495,16 +495,17 @@ def test_the_exact_row_norm_is_20x_the_median_norm():
 
 
 def test_capture_leaves_out_rows_by_its_chunk_median():
-    """Capture's own rule (which rows it leaves out of the fit) stays 20x its chunk's median norm."""
+    """Capture's own rule (which rows it leaves out of the fit): above 4x its chunk's median norm by default."""
     from ridgefill.capture.run import CaptureConfig
     from ridgefill.runtime.rows import outlier_rows
 
     h = torch.ones(9, 4)
     h[3] *= 25  # 25x the median norm
-    h[5] *= 19
-    assert torch.nonzero(outlier_rows(h)).flatten().tolist() == [3]
-    assert OUTLIER_RATIO == 20
-    assert torch.nonzero(outlier_rows(h, 10)).flatten().tolist() == [3, 5]
+    h[5] *= 3.9
+    h[7] *= 4.1
+    assert torch.nonzero(outlier_rows(h)).flatten().tolist() == [3, 7]
+    assert OUTLIER_RATIO == 4
+    assert torch.nonzero(outlier_rows(h, 3)).flatten().tolist() == [3, 5, 7]
     assert not outlier_rows(h, 0).any()
     assert CaptureConfig().outlier_ratio == OUTLIER_RATIO
 

@@ -87,12 +87,13 @@ def test_solve_maps_and_choice_match_brute_force(chain, tiny_llama):
     check_choice_and_maps(sol, rep, m, scores, range(2, L))
     # the identity fill scores layer S (whose input is h_S itself) perfectly
     assert rep["identity"]["layers"]["2"]["k_cosine"] == pytest.approx(1.0, abs=1e-6)
-    # the exact-row norm: 20 x the median L2 norm of the held-out rows at the split (64 rows: the mean of the two
-    # middle ones), recorded in maps.safetensors, the report and the summary
+    # the exact-row norm: the capture's outlier ratio (4, the default) x the median L2 norm of the held-out rows at
+    # the split (64 rows: the mean of the two middle ones), recorded in maps.safetensors, the report and the summary
+    assert store.upstream(sol, "capture").recipe["outlier_ratio"] == 4.0
     norms = np.sqrt((x ** 2).sum(axis=1))
     mid = np.sort(norms)[len(norms) // 2 - 1 : len(norms) // 2 + 1]
-    want = 20.0 * float(np.median(norms))
-    assert len(norms) % 2 == 0 and want == pytest.approx(20.0 * mid.mean(), rel=1e-15)
+    want = 4.0 * float(np.median(norms))
+    assert len(norms) % 2 == 0 and want == pytest.approx(4.0 * mid.mean(), rel=1e-15)
     recorded = float(safetensors.read_header(sol.file("maps.safetensors"))[1]["exact_norm"])
     assert recorded == pytest.approx(want, rel=1e-12)
     assert rep["exact_norm"] == sol.manifest["summary"]["exact_norm"] == recorded

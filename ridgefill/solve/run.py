@@ -17,7 +17,7 @@ from ridgefill.artifacts.store import write_json
 from ridgefill.capture import artifact as captured
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
-from ridgefill.runtime.rows import fit_exact_norm
+from ridgefill.runtime.rows import OUTLIER_RATIO, fit_exact_norm
 from ridgefill.solve import artifact
 from ridgefill.solve.config import INPUT_MAPS, KV_MAPS, MAP_CHOICES, METRIC_CHOICES, SolveConfig
 from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose
@@ -25,9 +25,10 @@ from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose
 if TYPE_CHECKING:
     from ridgefill.solve.choose import Fit
 
-FORMAT_VERSION = 6  # 2: the grid is extended past an open edge (ridge.search); 3: the protected-token table;
+FORMAT_VERSION = 7  # 2: the grid is extended past an open edge (ridge.search); 3: the protected-token table;
 # 4: added tokens flagged special are special (never protected); 5: the exact-row norm (`exact_norm`); 6: the map kind
-# (`maps`: input or key/value maps; the maps' metadata records each layer's and the model's KV heads and head_dim)
+# (`maps`: input or key/value maps; the maps' metadata records each layer's and the model's KV heads and head_dim);
+# 7: the exact-row norm is the capture's own outlier ratio x the held-out median (it was always 20x)
 D = SolveConfig()
 
 
@@ -99,7 +100,8 @@ def solve(
     kinds = _map_kinds(cap, split, ref.num_layers, maps)
     kv = captured.load_stats(cap, split, chat_share, target=KV_MAPS) if maps == KV_MAPS else None
     held = captured.load_heldout(cap)
-    exact_norm = fit_exact_norm(held[f"hidden.{split}"])  # the fill runs prefix rows above it exactly
+    # the fill runs prefix rows above it exactly: the rows the capture left out of the fit, by the same ratio
+    exact_norm = fit_exact_norm(held[f"hidden.{split}"], cap.recipe.get("outlier_ratio") or OUTLIER_RATIO)
     t = time.perf_counter()
     # V^T Cxy of the inputs only where some late layer keeps an input map (a k d^3 product otherwise wasted)
     e = decompose(m, project=INPUT_MAPS in kinds.values())
