@@ -228,9 +228,10 @@ def test_default_recipe_id_is_unchanged_and_the_flag_changes_it(solved):
     from ridgefill.solve.run import solve
 
     cap, shared, per = solved["cap"], solved["shared"], solved["per"]
-    # the default recipe holds no per-layer key (nor --state-data's `state`): only the format version (6 since
-    # solve records the map kind, `maps`) tells it from what solve wrote before per-layer alphas existed
-    before = {"stage": "solve", "version": 6, "capture": cap.id, "model": cap.recipe["model"], "split": SPLIT,
+    # the default recipe holds no per-layer key (nor --state-data's `state`): only the format version (7 since
+    # solve takes the exact-row norm from the capture's outlier ratio) tells it from what solve wrote before per-layer
+    # alphas existed
+    before = {"stage": "solve", "version": 7, "capture": cap.id, "model": cap.recipe["model"], "split": SPLIT,
               "alphas": sorted(DEFAULT_ALPHAS), "metric": "kv", "maps": "input", "chat_share": None}
     assert shared.recipe == before and shared.id == recipe_id(before)
     assert per.recipe == {**before, "alpha_per_layer": True} and per.id == recipe_id(per.recipe) != shared.id
