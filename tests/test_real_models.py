@@ -25,11 +25,12 @@ GATED = ["--tail", 512, "--scored", 256, "--doc-tokens", 1024, "--documents", 2,
 # `pytest -m slow tests/test_real_models.py` (x86-64 CPU, float32, torch 2.13, transformers 5.25) on 1 and on 2
 # threads: SmolLM2's the same to the last digit, Gemma's KL 1e-5 apart. Another machine's float32 kernels move them
 # by rounding like that: KL within 2 % (the +rows arm's exact rows move SmolLM2's by 22 %), top-1 within 3 of the 512
-# scored tokens (a near tie may flip; +rows moves SmolLM2's by 4). Needle: one sample, found or not.
+# scored tokens (a near tie may flip; +rows moves SmolLM2's by 4). Needle: one sample, found or not. Gemma's KL was
+# 0.003850 while capture fitted and the fill filled its massive-activation rows (outlier ratio 20; now 4).
 PINNED = {
     "builtin:smollm2-135m": {"ridgefill": {"needle": 100.0, "kl": 0.006231, "top1": 492 / 512},
                              "ridgefill+rows": {"needle": 100.0, "kl": 0.004866, "top1": 496 / 512}},
-    "builtin:gemma3-270m": {"ridgefill": {"needle": 100.0, "kl": 0.003850, "top1": 496 / 512}},
+    "builtin:gemma3-270m": {"ridgefill": {"needle": 100.0, "kl": 0.002584, "top1": 496 / 512}},
 }
 
 
