@@ -23,7 +23,7 @@ def capture(
     held_out: Annotated[int, typer.Option("--held-out", help="Documents kept out of the statistics for scoring.")] = D.held_out,
     held_out_rows: Annotated[int, typer.Option("--held-out-rows", help="Rows sampled from the held-out documents.")] = D.held_out_rows,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out choice.")] = D.seed,
-    outlier_ratio: Annotated[float, typer.Option("--outlier-ratio", help="Rows whose split state is above this many times their chunk's median norm are not fitted, and the fill runs such rows exactly (0: every row is fitted).")] = D.outlier_ratio,
+    outlier_ratio: Annotated[float, typer.Option("--outlier-ratio", help="Rows whose split state is above this many times their chunk's median norm are not fitted, and the fill runs such rows exactly (0: every row is fitted; the fill then keeps the default ratio, 4).")] = D.outlier_ratio,
     product_dtype: Annotated[str, typer.Option("--product-dtype", help="Per-chunk products on the device: float32 (TF32 off) or float64. Totals are float64 either way.")] = D.product_dtype,
     place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own Python code (off unless given).")] = D.trust_remote_code,

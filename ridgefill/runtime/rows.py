@@ -7,7 +7,7 @@ on are the rows the fill predicts).
 - Rows above the exact-row norm (`norm_rows`): a prefix row whose split state's norm (float32) exceeds the
   release's `fit.exact_norm`. Some prompts grow a second attention sink after row 0: a row whose hidden state is
   two orders of magnitude larger than the rest (SmolLM2 at layers 12+: 40-180x the median), and Gemma 3's
-  massive-activation rows (8-14x). Capture leaves rows above `OUTLIER_RATIO` x their chunk's median norm out of the
+  massive-activation rows (5-14x). Capture leaves rows above `OUTLIER_RATIO` x their chunk's median norm out of the
   fit; solve fixes the threshold the fill uses, the capture's ratio x the median norm of its held-out rows at the
   split (`fit_exact_norm`). The rule looks at one row at a time, so the rows it picks in a prompt's first p
   rows do not depend on the rows after them: an engine that prefills in chunks picks the same ones.
