@@ -81,7 +81,8 @@ def test_the_rule_against_a_plain_loop_on_random_recommendations():
             a, b = recs[k], recs[want]
             ma = a["macs_ratio"] if a["macs_ratio"] is not None else 9.0
             mb = b["macs_ratio"] if b["macs_ratio"] is not None else 9.0
-            if a["ceiling_speedup"] > b["ceiling_speedup"] or (a["ceiling_speedup"] == b["ceiling_speedup"] and ma < mb):
+            ca, cb = a["ceiling_speedup"], b["ceiling_speedup"]
+            if ca > cb or (ca == cb and ma < mb):
                 want = k
         assert choose(recs, kinds)["maps"] == want
 
@@ -113,7 +114,8 @@ def test_each_row_is_that_kinds_own_figures():
     assert (row["kv"]["needle"], row["kv"]["dnll_key"], row["kv"]["k_cosine"], row["kv"]["v_cosine"]) == (
         70.0, 0.21, 0.93, 0.77)
     assert (row["input"]["needle"], row["input"]["k_cosine"]) == (40.0, 0.96)
-    assert row["kv"]["macs_ratio"] == pytest.approx(300 / 725) and row["input"]["macs_ratio"] == pytest.approx(544 / 725)
+    assert row["kv"]["macs_ratio"] == pytest.approx(300 / 725)
+    assert row["input"]["macs_ratio"] == pytest.approx(544 / 725)
     assert set(row["paired"]) == {"kv"}
     head, body = rows(both)
     assert len(body) == 6 and [(c[:2], chosen) for c, chosen in body[:2]] == [(["18", "input"], False),

@@ -187,8 +187,9 @@ def table(both: dict):
     b = both.get("budget") or {}
     t = Table(title=f"map kinds, {both.get('model')}: length {both.get('length')}, tail {both.get('tail')}",
               caption=(f"budget: needle at most {b.get('max_needle_drop')} points below exact, key ΔNLL at most "
-                       f"{b.get('max_key_dnll')} nats. ★ chosen, ✓ within, ✗ over, – not measured (the bisection "
-                       "did not need it). Paired: the same prompts, this kind's answers minus the first kind's."),
+                       f"{b.get('max_key_dnll')} nats. ★ chosen, ✓ within, ✗ over, – not measured (the "
+                       "bisection did not need it). Paired: the same prompts, this kind's answers minus the first "
+                       "kind's."),
               caption_justify="left")
     for name in head:
         t.add_column(name, justify="right", no_wrap=True)
