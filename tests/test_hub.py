@@ -202,8 +202,11 @@ def test_pull_verifies_and_equals_the_source(hub, home, published, tmp_path):
     assert files_of(out) == files_of(folder)
     release.verify_release(out)
     no_leftovers(tmp_path)
-    # pulling again into the same release is fine; into another release only with --force
+    # pulling again into the same release is fine (named as RIDGEFILL_RELEASE names it, hf://, too); into another
+    # release only with --force
     r = run(hub, home, "pull", "acme/maps", "--out", out)
+    assert r.returncode == 0 and "unchanged" in r.stderr, r.stderr
+    r = run(hub, home, "pull", "hf://acme/maps@main", "--out", out)
     assert r.returncode == 0 and "unchanged" in r.stderr, r.stderr
     other = write_release(tmp_path / "other", seed=9)
     r = run(hub, home, "pull", "acme/maps", "--out", other)

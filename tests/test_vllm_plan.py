@@ -180,8 +180,22 @@ def test_served_release_refusals(chain, tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x")
     with pytest.raises(BadInput, match="not a folder"):
         served.locate(str(tmp_path / "file"))
-    monkeypatch.setenv(served.ENV, "  ")
+    monkeypatch.setenv(served.ENV, "")
     assert served.from_environment() is None  # empty: the engine runs untouched
+    monkeypatch.setenv(served.ENV, "  ")  # looks unset and is not: refused, not served stock without a word
+    with pytest.raises(BadInput) as e:
+        served.from_environment()
+    assert str(e.value) == ("RIDGEFILL_RELEASE is set to blanks ('  '): unset it to serve without the fill, or name "
+                            "a release folder, or a Hub release hf://owner/name[@rev]")
+    # a relative path typed in the wrong folder is a missing folder, never a Hub repo id
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BadInput) as e:
+        served.locate("release/smollm2-135m")
+    assert str(e.value) == (f"RIDGEFILL_RELEASE=release/smollm2-135m: no such folder ({tmp_path}/release/smollm2-135m)"
+                            "; a Hub release is written hf://release/smollm2-135m")
+    for bad in ("hf://acme", "hf://acme/", "hf:///tiny", "hf://a/b/c"):
+        with pytest.raises(BadInput, match=f"^RIDGEFILL_RELEASE={bad}: a Hub release is written hf://owner/name"):
+            served.locate(bad)
     config = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64}
     fill = served.load(chain.release)
     served.check_model(fill, config)  # the release's own model, no folder to fingerprint
@@ -226,14 +240,16 @@ def test_served_release_refuses_configurations_a_chunked_prefill_cannot_apply(ch
 
 
 def test_served_release_is_pulled_from_a_hub_once_then_read_from_the_cache(chain, tmp_path):
-    """RIDGEFILL_RELEASE=owner/name: pulled and verified into $RIDGEFILL_CACHE, then reused; offline, or with the
-    Hub unreachable, the cached copy; nothing cached and the Hub unreachable: one line naming the endpoint."""
+    """RIDGEFILL_RELEASE=hf://owner/name: pulled and verified into $RIDGEFILL_CACHE, then reused; offline, or with the
+    Hub unreachable, the cached copy; nothing cached and the Hub unreachable: one line naming the endpoint. The same
+    name without hf:// is a folder, and the Hub never hears of it."""
     from clirun import cli
     from hubserver import HubServer, Token
 
     token = "hf_rfWRITE_served_0123456789abcdef"
     code = ("import json, sys; from ridgefill.engines import served; from ridgefill.errors import RidgefillError\n"
-            "try:\n    f = served.from_environment(); print(json.dumps({'folder': str(f.folder), 'sha': f.sha256}))\n"
+            "try:\n    f = served.from_environment()\n"
+            "    print(json.dumps({'folder': str(f.folder), 'sha': f.sha256, 'line': f.describe()}))\n"
             "except RidgefillError as e:\n    print(json.dumps({'error': str(e), 'code': e.exit_code}))")
 
     def served_in(env):
@@ -244,19 +260,24 @@ def test_served_release_is_pulled_from_a_hub_once_then_read_from_the_cache(chain
     with HubServer(tokens={token: Token("alice", orgs=("acme",))}) as hub:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
         env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"), HF_HUB_DISABLE_XET="1", HF_TOKEN=token,
-                   RIDGEFILL_CACHE=str(tmp_path / "cache"), RIDGEFILL_RELEASE="acme/tiny")  # fmt: skip
+                   RIDGEFILL_CACHE=str(tmp_path / "cache"), RIDGEFILL_RELEASE="hf://acme/tiny")  # fmt: skip
         r = cli("push", chain.release, "--repo", "acme/tiny", env=env)
         assert r.returncode == 0, r.stderr
         first = served_in(env)
         assert "error" not in first, first
         assert first["sha"] == served.load(chain.release).sha256
         assert first["folder"].startswith(str(tmp_path / "cache" / "releases" / "acme--tiny"))
+        assert first["line"].startswith(f"release hf://acme/tiny, pulled into {first['folder']} (maps ")
         n = len(hub.requests)
         assert served_in(env) == first
         assert not [r for r in hub.requests_since(n) if "/resolve/" in r["path"]]  # nothing downloaded again
         assert served_in(env | {"HF_HUB_OFFLINE": "1"}) == first
-        missing = served_in(env | {"RIDGEFILL_RELEASE": "acme/nothing"})
+        missing = served_in(env | {"RIDGEFILL_RELEASE": "hf://acme/nothing"})
         assert missing["code"] == 2 and "acme/nothing" in missing["error"]
+        n = len(hub.requests)
+        bare = served_in(env | {"RIDGEFILL_RELEASE": "acme/tiny"})  # no such folder here: refused, not fetched
+        assert bare["code"] == 2 and "no such folder" in bare["error"] and "hf://acme/tiny" in bare["error"]
+        assert not hub.requests_since(n)
     gone = served_in(env)  # the server is down: the copy pulled before
     assert gone == first
     fresh = served_in(env | {"RIDGEFILL_CACHE": str(tmp_path / "empty")})

@@ -338,7 +338,8 @@ def test_vllm_serve_with_the_switch_on_answers_as_the_offline_engine(smol_model)
 
 @pytest.mark.parametrize("setting, says", [
     ("/nonexistent/release", "RIDGEFILL_RELEASE=/nonexistent/release: no such folder"),
-    ("acme/no-such-release", "acme/no-such-release"),
+    ("acme/no-such-release", "no such folder"),  # without hf:// a folder, never a Hub repo id
+    ("   ", "RIDGEFILL_RELEASE is set to blanks"),
 ])  # fmt: skip
 def test_a_bad_release_stops_vllm_serve_with_one_line(smol_model, setting, says):
     proc, port, log = serve(smol_model, setting)

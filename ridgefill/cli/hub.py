@@ -39,7 +39,7 @@ def push(
 
 def pull(
     spec: Annotated[str, typer.Argument(metavar="OWNER/NAME[@REV]",
-                                        help="Hub repo, optionally @branch, tag or commit sha.")],
+                                        help="Hub repo, optionally @branch, tag or commit sha (hf://OWNER/NAME, as RIDGEFILL_RELEASE names it, is the same).")],
     out_dir: Annotated[Path, typer.Option("--out", help="Folder to write (created; verified before it appears).")],
     force: Annotated[bool, typer.Option("--force", help="Replace a different release in --out.")] = False,
     token: TokenOpt = None,

@@ -5,16 +5,18 @@
     fill = served.from_environment()          # None when RIDGEFILL_RELEASE is unset or empty
     served.check_model(fill, config, path)    # BadInput naming the first mismatch
 
-`RIDGEFILL_RELEASE` is a release folder, or a Hub repo id `owner/name[@rev]`, pulled and verified as `ridgefill
-pull` does into `$RIDGEFILL_CACHE/releases` (default `~/.cache/ridgefill/releases`; `hub.releases.pull_cached`) and
-reused from there. Imports: the standard library, numpy and ridgefill's numpy-only modules (no torch, no
-transformers), so the engine's own environment reads it.
+`RIDGEFILL_RELEASE` is a release folder, or a Hub release written `hf://owner/name[@rev]`, pulled and verified as
+`ridgefill pull` does into `$RIDGEFILL_CACHE/releases` (default `~/.cache/ridgefill/releases`;
+`hub.releases.pull_cached`) and reused from there. A value without `hf://` is only ever a folder: a path that does
+not exist is refused, never looked up on the Hub (`release/x` typed in the wrong folder is not someone's repo).
+Imports: the standard library, numpy and ridgefill's numpy-only modules (no torch, no transformers), so the engine's
+own environment reads it.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,8 @@ from ridgefill.models.kinds import FULL
 
 ENV = "RIDGEFILL_RELEASE"
 CACHE_ENV = "RIDGEFILL_CACHE"
+HUB = "hf://"  # the prefix that names a Hub release; anything else is a folder
+FORMS = "a release folder, or a Hub release hf://owner/name[@rev]"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 CAUSAL = (PLAIN, PROTECTED_CONFIGURATION)  # configurations decided row by row; +rows and +kscale read the tail
 
@@ -45,6 +49,7 @@ class Fill:
     protected: np.ndarray | None  # int64 token ids whose rows run exactly (ridgefill+protected), or None
     maps: dict[int, tuple[np.ndarray, np.ndarray]]  # {layer: (W float32 [d_out, d], b float32 [d_out])}
     map_kinds: dict[int, str]  # {layer: "input" (d_out = d) | "kv" (keys before RoPE and QK-norm, then values)}
+    origin: str | None = None  # where it came from when not a folder given as such: "hf://owner/name@rev"
 
     @property
     def model(self) -> dict:
@@ -61,33 +66,48 @@ class Fill:
         if self.protected is not None:
             rule += f", {len(self.protected)} protected tokens"
         kinds = sorted(set(self.map_kinds.values()))
-        return (f"release {self.folder} (maps {self.sha256[:12]}, {self.model['name']}): split {self.split} of {L}, "
+        where = f"{self.origin}, pulled into {self.folder}" if self.origin else str(self.folder)
+        return (f"release {where} (maps {self.sha256[:12]}, {self.model['name']}): split {self.split} of {L}, "
                 f"tail {self.tail}, layers {self.split}..{L - 1} filled from {self.projector} {'/'.join(kinds)} maps; "
                 f"exact rows: the first {self.anchor}, the tail, {rule}")  # fmt: skip
 
 
 def setting() -> str | None:
-    """RIDGEFILL_RELEASE, stripped; None when unset or empty (the engine runs untouched)."""
-    value = os.environ.get(ENV, "").strip()
-    return value or None
+    """RIDGEFILL_RELEASE, stripped; None when unset or empty (the engine runs untouched). A value of blanks alone is
+    refused: it looks unset and is not, and serving stock without a word would hide the mistake."""
+    value = os.environ.get(ENV)
+    if value and not value.strip():
+        raise BadInput(f"{ENV} is set to blanks ({value!r}): unset it to serve without the fill, or name {FORMS}")
+    return (value or "").strip() or None
 
 
 def locate(value: str) -> Path:
-    """The local folder RIDGEFILL_RELEASE names: a folder as it is; anything that is not a path but reads as a Hub
-    repo id, pulled (or found in the cache). BadInput / RidgefillError in one line otherwise."""
+    """The local folder RIDGEFILL_RELEASE names: `hf://owner/name[@rev]` pulled (or found in the cache), anything
+    else a folder as it is. BadInput / RidgefillError in one line otherwise."""
+    if value.startswith(HUB):
+        return _pulled(value)
     path = Path(value).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise BadInput(f"{ENV}={value}: not a folder (a release folder or a Hub repo id owner/name[@rev])")
-        return path.resolve()
-    if value.startswith((".", "/", "~")) or value.count("/") != 1:
-        raise BadInput(f"{ENV}={value}: no such folder (a release folder or a Hub repo id owner/name[@rev])")
+    if not path.exists():
+        looks_hub = value.count("/") == 1 and not value.startswith((".", "/", "~"))
+        hint = f"; a Hub release is written {HUB}{value}" if looks_hub else ""
+        raise BadInput(f"{ENV}={value}: no such folder ({path.absolute()}){hint}")
+    if not path.is_dir():
+        raise BadInput(f"{ENV}={value}: not a folder ({FORMS})")
+    return path.resolve()
+
+
+def _pulled(value: str) -> Path:
+    """`hf://owner/name[@rev]`, pulled and verified into the release cache (or found there)."""
+    spec = value[len(HUB):]
+    name = spec.split("@", 1)[0]
+    if name.count("/") != 1 or not all(name.split("/")):
+        raise BadInput(f"{ENV}={value}: a Hub release is written hf://owner/name[@rev]")
     from ridgefill.errors import RidgefillError
     from ridgefill.hub.releases import pull_cached
 
     root = Path(os.environ.get(CACHE_ENV) or "~/.cache/ridgefill").expanduser() / "releases"
     try:
-        return pull_cached(value, root)
+        return pull_cached(spec, root)
     except RidgefillError as e:
         raise type(e)(f"{ENV}={value}: {e}") from None
 
@@ -116,7 +136,10 @@ def load(folder: Path) -> Fill:
 def from_environment() -> Fill | None:
     """The release RIDGEFILL_RELEASE names, loaded (`locate`, `load`), or None when it is unset or empty."""
     value = setting()
-    return None if value is None else load(locate(value))
+    if value is None:
+        return None
+    fill = load(locate(value))
+    return replace(fill, origin=value) if value.startswith(HUB) else fill
 
 
 def check_model(fill: Fill, config: dict, path: str | Path | None = None) -> None:

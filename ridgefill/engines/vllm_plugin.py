@@ -44,13 +44,17 @@ class Refused(RuntimeError):
 
 def register() -> None:
     """vLLM's `vllm.general_plugins` entry point."""
-    if served.setting() is None or _STATE:
+    if _STATE or not os.environ.get(served.ENV):
         return
     sys.excepthook = _one_line(sys.excepthook)
     try:
-        fill = served.from_environment()
+        fill = served.from_environment()  # None: set but empty
     except RidgefillError as e:
         raise Refused(f"ridgefill: {e}") from None
+    if fill is None:
+        return
+    if fill.origin:  # named in the start-up output: where the maps came from
+        print(f"ridgefill: {fill.origin} pulled and verified into {fill.folder}", file=sys.stderr)
     os.environ[served.ENV] = str(fill.folder)  # the processes vLLM starts read the folder, not the Hub again
     import vllm
 

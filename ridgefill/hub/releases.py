@@ -159,8 +159,9 @@ def _default_message(manifest: dict) -> str:
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
-    """`owner/name[@rev]` -> (repo_id, rev); rev defaults to main."""
-    repo_id, at, rev = spec.partition("@")
+    """`owner/name[@rev]`, or `hf://owner/name[@rev]` as RIDGEFILL_RELEASE names one -> (repo_id, rev); rev defaults
+    to main."""
+    repo_id, at, rev = spec.removeprefix("hf://").partition("@")
     if at and not rev:
         raise BadInput(f"{spec!r}: empty revision after '@'")
     check_repo_id(repo_id)
