@@ -98,12 +98,14 @@ def locate(value: str) -> Path:
 
 def _pulled(value: str) -> Path:
     """`hf://owner/name[@rev]`, pulled and verified into the release cache (or found there)."""
-    spec = value[len(HUB):]
-    name = spec.split("@", 1)[0]
-    if name.count("/") != 1 or not all(name.split("/")):
-        raise BadInput(f"{ENV}={value}: a Hub release is written hf://owner/name[@rev]")
     from ridgefill.errors import RidgefillError
-    from ridgefill.hub.releases import pull_cached
+    from ridgefill.hub.releases import parse_spec, pull_cached
+
+    spec = value[len(HUB):]
+    try:
+        parse_spec(spec)  # the Hub's own rule for a repo id, before any request
+    except BadInput:
+        raise BadInput(f"{ENV}={value}: a Hub release is written hf://owner/name[@rev]") from None
 
     root = Path(os.environ.get(CACHE_ENV) or "~/.cache/ridgefill").expanduser() / "releases"
     try:

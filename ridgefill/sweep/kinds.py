@@ -19,7 +19,7 @@ projections); then the kind named first. A kind with no split within budget is n
 from __future__ import annotations
 
 from ridgefill.errors import BadInput
-from ridgefill.sweep.report import arm_figures, recommend, sorted_splits
+from ridgefill.sweep.report import _fmt, _mark, _needle, _speed, arm_figures, recommend, sorted_splits
 
 SAME = ("model", "num_layers", "length", "tail", "samples", "budget")  # what two sweeps compared must share
 
@@ -128,6 +128,7 @@ def _figures(entry: dict) -> dict:
     held = (entry.get("heldout") or {}).get("fitted") or {}
     return {"k_cosine": held.get("k_cosine"), "v_cosine": held.get("v_cosine"), "dnll_key": r.get("dnll_key"),
             "dnll": r.get("dnll"), "needle": r.get("needle"), "needle_n": r.get("needle_n"),
+            "needle_by_suite": r.get("needle_by_suite"),
             "needle_minus_exact": r.get("needle_minus_exact"), "verdict": r.get("verdict"),
             "decided": r.get("decided"), "macs_ratio": _ratio(entry.get("macs")), "speed": entry.get("speed")}
 
@@ -136,46 +137,27 @@ def _ratio(m: dict | None) -> float | None:
     return m["arm"] / m["exact"] if m and m.get("exact") else None
 
 
-def _fmt(v, spec: str) -> str:
-    return "–" if v is None else format(v, spec)
-
-
-def _needle(f: dict) -> str:
-    if f.get("needle") is None:
-        return "–"
-    ci = f.get("needle_minus_exact") or {}
-    text = f"{f['needle']:.1f}"
-    if ci.get("low") is not None:
-        text += f" [{ci['low']:+.1f}, {ci['high']:+.1f}]"
-    return text + f" ({f.get('needle_n', '?')})"
-
-
 def _paired(p: dict) -> str:
     if not p.get("n"):
         return "–"
     return f"{p['mean']:+.1f} [{p['low']:+.1f}, {p['high']:+.1f}] ({p['n']})"
 
 
-def _speed(sp: dict | None) -> str:
-    return "–" if not sp else f"{sp['median']:.2f} [{sp['low']:.2f}, {sp['high']:.2f}]"
-
-
 def rows(both: dict) -> tuple[list[str], list[tuple[list[str], bool]]]:
     """The table's header and (cells, chosen?) rows: one row per (split, kind)."""
     kinds, choice = both["kinds"], both["choice"]
     head = ["split", "maps", "ceiling", "measured\n[min, max]", "MACs\n/ exact", "K / V cos",
-            "needle % [- exact CI]\n(prompts)", f"needle - {kinds[0]}\npaired CI (prompts)", "key ΔNLL", "budget"]
+            "needle % [- exact CI]\n(prompts) noise|prose", f"needle - {kinds[0]}\npaired CI (prompts)", "key ΔNLL", "budget"]
     out = []
     for r in both["splits"]:
         for k in kinds:
             f = r[k]
             chosen = choice.get("maps") == k and choice.get("split") == r["split"]
-            mark = {"within": "✓", "over": "✗"}.get(f.get("verdict") or "", "–")
             out.append(([f"{r['split']}{' ★' if chosen else ''}", k, _fmt(r.get("ceiling_speedup"), ".2f"),
                          _speed(f.get("speed")), _fmt(f.get("macs_ratio"), ".3f"),
                          f"{_fmt(f.get('k_cosine'), '.3f')}/{_fmt(f.get('v_cosine'), '.3f')}", _needle(f),
                          _paired(r["paired"][k]) if k in r["paired"] else "", _fmt(f.get("dnll_key"), ".3f"),
-                         mark], chosen))
+                         _mark(f.get("verdict"))], chosen))
     return head, out
 
 
