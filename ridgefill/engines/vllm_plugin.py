@@ -44,15 +44,13 @@ class Refused(RuntimeError):
 
 def register() -> None:
     """vLLM's `vllm.general_plugins` entry point."""
-    if _STATE or not os.environ.get(served.ENV):
+    if _STATE or not os.environ.get(served.ENV):  # unset or empty: vLLM untouched (blanks are refused below)
         return
     sys.excepthook = _one_line(sys.excepthook)
     try:
-        fill = served.from_environment()  # None: set but empty
+        fill = served.from_environment()
     except RidgefillError as e:
         raise Refused(f"ridgefill: {e}") from None
-    if fill is None:
-        return
     if fill.origin:  # named in the start-up output: where the maps came from
         print(f"ridgefill: {fill.origin} pulled and verified into {fill.folder}", file=sys.stderr)
     os.environ[served.ENV] = str(fill.folder)  # the processes vLLM starts read the folder, not the Hub again
