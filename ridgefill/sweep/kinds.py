@@ -19,7 +19,8 @@ projections); then the kind named first. A kind with no split within budget is n
 from __future__ import annotations
 
 from ridgefill.errors import BadInput
-from ridgefill.sweep.report import _fmt, _mark, _needle, _speed, arm_figures, recommend, sorted_splits
+from ridgefill.sweep.report import (arm_figures, fmt_cell, needle_cell, recommend, sorted_splits, speed_cell,
+                                     verdict_mark)
 
 SAME = ("model", "num_layers", "length", "tail", "samples", "budget")  # what two sweeps compared must share
 
@@ -96,7 +97,7 @@ def choose(recs: dict, kinds: list[str]) -> dict:
             line += f"; {k} maps reach only split {o['split']} (x{o['ceiling_speedup']:.2f})"
         else:
             line += (f"; {k} maps reach the same ceiling (split {o['split']}) at "
-                     f"{_fmt(o.get('macs_ratio'), '.3f')} of exact's multiply-accumulates")
+                     f"{fmt_cell(o.get('macs_ratio'), '.3f')} of exact's multiply-accumulates")
     for k in kinds:
         if k not in within:
             line += f"; {k} maps are within budget at no split measured"
@@ -153,11 +154,12 @@ def rows(both: dict) -> tuple[list[str], list[tuple[list[str], bool]]]:
         for k in kinds:
             f = r[k]
             chosen = choice.get("maps") == k and choice.get("split") == r["split"]
-            out.append(([f"{r['split']}{' ★' if chosen else ''}", k, _fmt(r.get("ceiling_speedup"), ".2f"),
-                         _speed(f.get("speed")), _fmt(f.get("macs_ratio"), ".3f"),
-                         f"{_fmt(f.get('k_cosine'), '.3f')}/{_fmt(f.get('v_cosine'), '.3f')}", _needle(f),
-                         _paired(r["paired"][k]) if k in r["paired"] else "", _fmt(f.get("dnll_key"), ".3f"),
-                         _mark(f.get("verdict"))], chosen))
+            out.append(([f"{r['split']}{' ★' if chosen else ''}", k, fmt_cell(r.get("ceiling_speedup"), ".2f"),
+                         speed_cell(f.get("speed")), fmt_cell(f.get("macs_ratio"), ".3f"),
+                         f"{fmt_cell(f.get('k_cosine'), '.3f')}/{fmt_cell(f.get('v_cosine'), '.3f')}",
+                         needle_cell(f),
+                         _paired(r["paired"][k]) if k in r["paired"] else "", fmt_cell(f.get("dnll_key"), ".3f"),
+                         verdict_mark(f.get("verdict"))], chosen))
     return head, out
 
 

@@ -52,7 +52,7 @@ def arm_figures(entry: dict, arm: str) -> dict:
     return (entry.get("arms") or {}).get(arm) or {}
 
 
-def _fmt(v, spec: str) -> str:
+def fmt_cell(v, spec: str) -> str:
     return "–" if v is None else format(v, spec)
 
 
@@ -157,7 +157,7 @@ COLUMNS = ("split", "ceiling", "measured\n[min, max]", "MACs\n/ exact", "K / V c
            "budget\nfit (id)")
 
 
-def _needle(a: dict) -> str:
+def needle_cell(a: dict) -> str:
     if a.get("needle") is None:
         return "–"
     text = f"{a['needle']:.1f}"
@@ -175,7 +175,7 @@ def _short(a: dict) -> str:
     return "–" if a.get("needle") is None else f"{a['needle']:.1f} ({a.get('needle_n', '?')})"
 
 
-def _speed(sp: dict | None) -> str:
+def speed_cell(sp: dict | None) -> str:
     if not sp:
         return "–"
     text = f"{sp['median']:.2f} [{sp['low']:.2f}, {sp['high']:.2f}]"
@@ -186,7 +186,7 @@ def _macs(m: dict | None) -> str:
     return "–" if not m or not m.get("exact") else f"{m['arm'] / m['exact']:.3f}"
 
 
-def _mark(v: str | None) -> str:
+def verdict_mark(v: str | None) -> str:
     return {"within": WITHIN, "over": OVER}.get(v or "", "–")  # "–": not measured (it could not change the choice)
 
 
@@ -198,12 +198,13 @@ def _rows(result: dict, rec: dict) -> list[tuple[list[str], bool]]:
         held = e.get("heldout") or {}
         fit, ident = held.get("fitted") or {}, held.get("identity") or {}
         plain = rec.get("split") == e["split"] and rec.get("kind") == "plain"
-        rows.append(([f"{e['split']}{' ' + RECOMMENDED if plain else ''}", _fmt(e.get("ceiling_speedup"), ".2f"),
-                      _speed(e.get("speed")), _macs(e.get("macs")),
-                      f"{_fmt(fit.get('k_cosine'), '.3f')}/{_fmt(fit.get('v_cosine'), '.3f')} "
-                      f"({_fmt(ident.get('k_cosine'), '.3f')}/{_fmt(ident.get('v_cosine'), '.3f')})",
-                      _needle(r), _short(i), f"{_fmt(r.get('dnll_key'), '.3f')} ({_fmt(i.get('dnll_key'), '.3f')})",
-                      f"{_mark(r.get('verdict'))} ({_mark(i.get('verdict'))})"], plain))
+        rows.append(([f"{e['split']}{' ' + RECOMMENDED if plain else ''}", fmt_cell(e.get("ceiling_speedup"), ".2f"),
+                      speed_cell(e.get("speed")), _macs(e.get("macs")),
+                      f"{fmt_cell(fit.get('k_cosine'), '.3f')}/{fmt_cell(fit.get('v_cosine'), '.3f')} "
+                      f"({fmt_cell(ident.get('k_cosine'), '.3f')}/{fmt_cell(ident.get('v_cosine'), '.3f')})",
+                      needle_cell(r), _short(i),
+                      f"{fmt_cell(r.get('dnll_key'), '.3f')} ({fmt_cell(i.get('dnll_key'), '.3f')})",
+                      f"{verdict_mark(r.get('verdict'))} ({verdict_mark(i.get('verdict'))})"], plain))
         for name, c in sorted((e.get("configurations") or {}).items()):
             f, ctl = c.get("figures") or {}, c.get("control") or {}
             cf = ctl.get("figures") or {}
@@ -213,10 +214,11 @@ def _rows(result: dict, rec: dict) -> list[tuple[list[str], bool]]:
             label = f"{e['split']} {name.removeprefix('ridgefill')}"
             ctl_name = ctl.get("arm", "ridgefill")
             ctl_text = (f"tail {ctl.get('tail')}: " if ctl_name != "ridgefill" else "plain: ") + _short(cf)
-            rows.append(([label + (f" {RECOMMENDED}" if chosen else ""), _fmt(c.get("ceiling_speedup"), ".2f"), "–",
-                          _macs(c.get("macs")), "", _needle(f), ctl_text,
-                          f"{_fmt(f.get('dnll_key'), '.3f')} ({_fmt(cf.get('dnll_key'), '.3f')})",
-                          f"{_mark(c.get('verdict'))} ({_mark(ctl.get('verdict'))})"
+            rows.append(([label + (f" {RECOMMENDED}" if chosen else ""),
+                          fmt_cell(c.get("ceiling_speedup"), ".2f"), "–", _macs(c.get("macs")), "", needle_cell(f),
+                          ctl_text,
+                          f"{fmt_cell(f.get('dnll_key'), '.3f')} ({fmt_cell(cf.get('dnll_key'), '.3f')})",
+                          f"{verdict_mark(c.get('verdict'))} ({verdict_mark(ctl.get('verdict'))})"
                           + (" beats" if c.get("beats_control") else "")], chosen))
     return rows
 
@@ -226,7 +228,7 @@ def _title(result: dict) -> str:
     suites = ex.get("needle_by_suite") or {}
     per = ", ".join(f"{k} {r}/{n}" for k, (r, n) in sorted(suites.items()))
     return (f"sweep {result.get('model', '?')} ({result.get('mode', '?')}): length {result.get('length', '?')}, tail "
-            f"{result.get('tail', '?')}; exact needle {_fmt(ex.get('needle'), '.1f')} % ({per})")
+            f"{result.get('tail', '?')}; exact needle {fmt_cell(ex.get('needle'), '.1f')} % ({per})")
 
 
 def _legend(result: dict) -> str:
