@@ -209,7 +209,7 @@ def spread(xs) -> dict:
 def main() -> None:
     args = arguments()
     with Bench("vllm_fill", args, MODEL) as bench:
-        from ridgefill.engines.served import load as load_release
+        from ridgefill.engines.vllm.served import load as load_release
         from ridgefill.evaluate.texts import prose_prompts
         from ridgefill.runtime import ceiling
 

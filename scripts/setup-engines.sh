@@ -47,13 +47,15 @@ for env in "${want[@]}"; do
       fi
       # The fill plugin: this checkout as a package without its dependencies (vLLM keeps its own transformers); its
       # `vllm.general_plugins` entry point is what vLLM loads. Also brings an environment built before it up to date.
-      if ! .engines/vllm/bin/python -c "import sys
+      # Checked with -P (the checkout's own ridgefill.egg-info, from .venv, must not stand in for the engine's).
+      if ! .engines/vllm/bin/python -P -c "import sys, tomllib
 from importlib.metadata import entry_points
-sys.exit(not any(p.value.startswith('ridgefill.') for p in entry_points(group='vllm.general_plugins')))" 2>/dev/null; then
+want = tomllib.load(open('pyproject.toml', 'rb'))['project']['entry-points']['vllm.general_plugins']['ridgefill']
+sys.exit(not any(p.value == want for p in entry_points(group='vllm.general_plugins', name='ridgefill')))" 2>/dev/null; then
         rm -f "$(.engines/vllm/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ridgefill-checkout.pth"
         pipin vllm install --no-deps -e .
       fi
-      .engines/vllm/bin/python -c "import ridgefill.engines.vllm, ridgefill.engines.vllm_model" \
+      .engines/vllm/bin/python -c "import ridgefill.engines.vllm, ridgefill.engines.vllm.model" \
         >>.engines/vllm/install.log 2>&1 \
         || { tail -n 20 .engines/vllm/install.log >&2; echo "setup-engines: the ridgefill plugin does not import" >&2; exit 1; }
       echo "setup-engines: vllm ready (ridgefill plugin installed)" >&2 ;;

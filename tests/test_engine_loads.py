@@ -1,4 +1,4 @@
-"""The vLLM connector's rules without vLLM (ridgefill/engines/loads.py): which file a request may name, what the
+"""The vLLM connector's rules without vLLM (ridgefill/engines/vllm/loads.py): which file a request may name, what the
 server refuses before it claims a request's positions, the blocks a failed load spoils, the KV heads of a
 tensor-parallel rank. Default CI; the connector in vLLM is tests/test_engines.py's."""
 
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from ridgefill.engines import loads
+from ridgefill.engines.vllm import loads
 from ridgefill.errors import RidgefillError
 
 FP = "a" * 64

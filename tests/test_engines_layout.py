@@ -118,26 +118,31 @@ def test_connectors_import_only_what_an_engine_has():
     model fingerprint and layer kinds, the runtime's row rules); of ridgefill's requirements, only numpy, torch,
     safetensors (and huggingface_hub, which the engines require themselves). Checked in the source, and by importing
     the ones that need no engine in a fresh interpreter, which must load none of ridgefill's other requirements."""
-    allowed = {"__future__", "ast", "contextvars", "ctypes", "dataclasses", "gc", "json", "logging", "os", "re",
-               "struct", "sys", "time", "typing", "pathlib", "numpy", "torch", "safetensors", "huggingface_hub", "vllm",
-               "llama_cpp"}  # fmt: skip
+    allowed = {"__future__", "ast", "contextvars", "ctypes", "dataclasses", "functools", "gc", "importlib", "json",
+               "logging", "os", "re", "struct", "sys", "time", "typing", "pathlib", "numpy", "torch", "safetensors",
+               "huggingface_hub", "vllm", "llama_cpp"}  # fmt: skip
     below = ("ridgefill.formats", "ridgefill.artifacts", "ridgefill.errors", "ridgefill.numerics", "ridgefill.hub",
              "ridgefill.models.fingerprint", "ridgefill.models.kinds", "ridgefill.runtime.rows")  # fmt: skip
-    engine_side = {"layout", "jobs", "loads", "request", "vllm", "vllm_runner", "llamacpp", "llamacpp_runner",
-                   "plan", "served", "identity", "vllm_model", "vllm_plugin", "vllm_plugin_runner"}  # fmt: skip
+    engine_side = {"layout", "jobs", "request", "llamacpp", "llamacpp_runner", "identity", "vllm", "vllm.loads",
+                   "vllm.plan", "vllm.served", "vllm.model", "vllm.plugin", "vllm.patches", "vllm.internals",
+                   "vllm.connector", "vllm.runner", "vllm.plugin_runner"}  # fmt: skip
+    assert {f"vllm.{p.stem}" for p in (ENGINES / "vllm").glob("*.py") if p.stem != "__init__"} <= engine_side
     for name in engine_side:
-        tree = ast.parse((ENGINES / f"{name}.py").read_text())
+        path = ENGINES / "vllm" / "__init__.py" if name == "vllm" else ENGINES / (name.replace(".", "/") + ".py")
+        tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) else []
             for m in mods:
                 if m.split(".")[0] == "ridgefill":
-                    ours = m == "ridgefill.engines" or (m.startswith("ridgefill.engines.") and m.split(".")[2] in engine_side)
+                    ours = m in ("ridgefill.engines", "ridgefill.engines.vllm") or m.removeprefix(
+                        "ridgefill.engines.") in engine_side
                     assert ours or m.startswith(below), (name, m)
                 else:
                     assert m.split(".")[0] in allowed, (name, m)
     code = ("import sys, ridgefill.engines.layout, ridgefill.engines.jobs, ridgefill.engines.request, "
-            "ridgefill.formats.cache, ridgefill.engines.plan, ridgefill.engines.served, ridgefill.engines.vllm_plugin; "
+            "ridgefill.formats.cache, ridgefill.engines.vllm.plan, ridgefill.engines.vllm.served, "
+            "ridgefill.engines.vllm.plugin, ridgefill.engines.vllm.internals, ridgefill.engines.vllm.patches; "
             "print(sorted(m for m in ('typer', 'rich', 'transformers', 'huggingface_hub', 'torch', 'click') "
             "if m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

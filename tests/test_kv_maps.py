@@ -142,7 +142,7 @@ def test_a_format_1_release_is_still_applied(lm_of, tmp_path):
     """A `ridgefill-maps/1` folder, byte for byte as the writer wrote it before key/value maps (the conformance
     corpus's `write_v1`), still verifies and loads in the runtime, eval's source and an engine's fill: every map an
     input map, the anchor 1 it did not record, and the same prefill as its maps passed by hand."""
-    from ridgefill.engines import served
+    from ridgefill.engines.vllm import served
     from ridgefill.evaluate.source import load_source
     from ridgefill.formats.release import read_release
     from ridgefill.runtime import load_release_maps

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from ridgefill.engines import plan, served
+from ridgefill.engines.vllm import plan, served
 from conftest import quiet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -136,7 +136,7 @@ class _Fill:
 
 
 def test_block_keys_carry_the_release_and_the_plan():
-    from ridgefill.engines.vllm_plugin import block_key
+    from ridgefill.engines.vllm.plugin import block_key
 
     a, b = _Fill("a" * 64), _Fill("b" * 64)
     # the same prompt length and release: the same key; another release, another key
@@ -247,7 +247,7 @@ def test_served_release_is_pulled_from_a_hub_once_then_read_from_the_cache(chain
     from hubserver import HubServer, Token
 
     token = "hf_rfWRITE_served_0123456789abcdef"
-    code = ("import json, sys; from ridgefill.engines import served; from ridgefill.errors import RidgefillError\n"
+    code = ("import json, sys; from ridgefill.engines.vllm import served; from ridgefill.errors import RidgefillError\n"
             "try:\n    f = served.from_environment()\n"
             "    print(json.dumps({'folder': str(f.folder), 'sha': f.sha256, 'line': f.describe()}))\n"
             "except RidgefillError as e:\n    print(json.dumps({'error': str(e), 'code': e.exit_code}))")

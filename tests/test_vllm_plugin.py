@@ -1,4 +1,4 @@
-"""The fill inside stock vLLM, switched on by RIDGEFILL_RELEASE (ridgefill.engines.vllm_plugin), against ridgefill's
+"""The fill inside stock vLLM, switched on by RIDGEFILL_RELEASE (ridgefill.engines.vllm.plugin), against ridgefill's
 reference runtime: SmolLM2 with the main job's release, and tiny random Qwen2 and Qwen3 models with releases of
 their own, all in float32.
 
@@ -40,7 +40,7 @@ RELEASE = Path(os.environ.get("RIDGEFILL_ENGINE_RELEASE", ROOT / "release" / "sm
 PROMPTS, N, NEW, EXTEND, BLOCK = 20, 1536, 16, 256, 128
 NEAR_TIE = 0.05  # nats: the reference's own top-2 margin below which parting ways is a near-tie
 MARGIN_TOL = 1e-3  # nats: the engine's first-token margin against the reference's (float32 on both sides)
-RUNNER = "ridgefill.engines.vllm_plugin_runner"
+RUNNER = "ridgefill.engines.vllm.plugin_runner"
 
 pytestmark = [pytest.mark.engines, pytest.mark.slow]
 

@@ -1,7 +1,6 @@
 """The job and result files between ridgefill and an engine runner (`python -m ridgefill.engines.<engine>_runner`).
 
-A job file is JSON: {"model": <engine model path>, "jobs": [job, ...]} (vLLM also takes {"models": {key: path},
-"fill_plugin": true}: several engines in one process, a job's "model" naming its key); a job is
+A job file is JSON: {"model": <engine model path>, "jobs": [job, ...]}; a job is
 
     {"name": str, "ids": [int, ...],            # the whole prompt sent to the engine
      "cache": str | null,                      # an engine cache file: its P positions are loaded, not computed
@@ -30,8 +29,15 @@ def read_jobs(path) -> dict:
     return spec
 
 
-def write_results(path, results: list[dict], extra: dict | None = None) -> None:
-    Path(path).write_text(json.dumps({"results": results, **(extra or {})}, indent=1))
+def write_results(path, results: list[dict]) -> None:
+    Path(path).write_text(json.dumps({"results": results}, indent=1))
+
+
+def top2(entry) -> list[list]:
+    """[[token, log-prob], [token, log-prob]]: the two best of one position's log-prob dict (vLLM's {token: Logprob},
+    ranked by its `rank`)."""
+    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:2]
+    return [[int(t), float(lp.logprob)] for t, lp in ranked]
 
 
 def main_args() -> tuple[Path, Path]:

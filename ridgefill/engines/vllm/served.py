@@ -1,7 +1,7 @@
 """The release a serving engine fills with (docs/engines.md, "Serving a release with vLLM"): named by
 `RIDGEFILL_RELEASE`, read with the project's own release reader, and checked against the model the engine serves.
 
-    from ridgefill.engines import served
+    from ridgefill.engines.vllm import served
     fill = served.from_environment()          # None when RIDGEFILL_RELEASE is unset or empty
     served.check_model(fill, config, path)    # BadInput naming the first mismatch
 

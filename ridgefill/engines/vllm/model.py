@@ -1,8 +1,8 @@
 """The RidgeFill fill in vLLM's own forward (docs/engines.md, "Serving a release with vLLM"): vLLM's Llama, Qwen2
 and Qwen3 models with one hook, registered under their own architecture names by the plugin
-(`ridgefill.engines.vllm_plugin`) when RIDGEFILL_RELEASE is set.
+(`ridgefill.engines.vllm.plugin`) when RIDGEFILL_RELEASE is set.
 
-Per step (the plan is `ridgefill.engines.plan`'s, made where vLLM builds the attention metadata):
+Per step (the plan is `ridgefill.engines.vllm.plan`'s, made where vLLM builds the attention metadata):
 
 1. a step with no prefix row to fill (decodes, tails, requests served exactly) runs vLLM's own forward, compiled
    and graph-captured as vLLM does it;
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ridgefill.engines import loads, plan, served
+from ridgefill.engines.vllm import loads, plan, served
 from ridgefill.runtime.rows import norm_rows
 from vllm.config import CompilationMode
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -267,7 +267,7 @@ class FillMixin:
 
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        from ridgefill.engines.vllm_plugin import current_fill
+        from ridgefill.engines.vllm.plugin import current_fill
 
         release = current_fill()  # read and verified once per process, by the plugin
         self.ridgefill = EngineFill(self, vllm_config, release)

@@ -2,7 +2,7 @@
 fill plugin) or the engine settings name (the ridgefill KV connector), under several engine settings in one
 process; in vLLM's environment:
 
-    python -m ridgefill.engines.vllm_plugin_runner JOBS.json RESULTS.json
+    python -m ridgefill.engines.vllm.plugin_runner JOBS.json RESULTS.json
 
 JOBS: {"model": path, "prompts": {name: [token ids]}, "runs": [run, ...],
        "requests": {name: {"cache": str, "salt": str}}}    # optional: a prompt's ridgefill cache and cache_salt
@@ -26,15 +26,10 @@ import os
 import sys
 import time
 
-from ridgefill.engines.jobs import main_args
+from ridgefill.engines.jobs import main_args, top2
 
 DEFAULTS = {"dtype": "float32", "skip_tokenizer_init": True, "seed": 0, "enforce_eager": True,
             "disable_log_stats": False}  # fmt: skip
-
-
-def _top2(entry) -> list:
-    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:2]
-    return [[int(t), float(lp.logprob)] for t, lp in ranked]
 
 
 def _preemptions(llm) -> int:
@@ -73,14 +68,14 @@ def run_one(model: str, run: dict, prompts: dict, caches: dict) -> dict:
     outputs = []
     for name, o in zip(names, got):
         c = o.outputs[0]
-        outputs.append({"prompt": name, "tokens": list(c.token_ids), "top2": [_top2(lp) for lp in c.logprobs or []],
+        outputs.append({"prompt": name, "tokens": list(c.token_ids), "top2": [top2(lp) for lp in c.logprobs or []],
                         "cached": int(o.num_cached_tokens or 0), "finish": str(c.finish_reason)})  # fmt: skip
     # The fill's counters, read in the model's process: this one, or (VLLM_ENABLE_V1_MULTIPROCESSING=1, tensor
     # parallelism) vLLM's engine core and workers, which need VLLM_ALLOW_INSECURE_SERIALIZATION=1 to be sent a
     # function and get it by name (a lambda does not pickle). Rank 0's.
     stats = None
     if os.environ.get("RIDGEFILL_RELEASE"):
-        from ridgefill.engines.vllm_model import fill_stats
+        from ridgefill.engines.vllm.model import fill_stats
 
         stats = llm.apply_model(fill_stats)[0]
     result = {"outputs": outputs, "stats": stats, "preemptions": _preemptions(llm),

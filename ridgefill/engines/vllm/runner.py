@@ -1,6 +1,6 @@
 """Run engine jobs (ridgefill.engines.jobs) in vLLM, offline, with the ridgefill connector; in vLLM's environment:
 
-    python -m ridgefill.engines.vllm_runner JOBS.json RESULTS.json
+    python -m ridgefill.engines.vllm.runner JOBS.json RESULTS.json
 
 The model runs in float32 with prefix caching on, as in a server (each request salted with its cache's sha256), in
 one process (VLLM_ENABLE_V1_MULTIPROCESSING=0), the connector reading caches from the job file's "cache_dir" (by
@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 
 from ridgefill.artifacts import sha256_file
-from ridgefill.engines.jobs import main_args, read_jobs, write_results
+from ridgefill.engines.jobs import main_args, read_jobs, top2, write_results
 
 
-def _top2(entry) -> tuple[int, float]:
+def _margin(entry) -> tuple[int, float]:
     """(top-1 token, its log-prob margin over the second) of one position's logprob dict."""
-    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
-    return ranked[0][0], ranked[0][1].logprob - ranked[1][1].logprob
+    (first, lp1), (_, lp2) = top2(entry)
+    return first, lp1 - lp2
 
 
 def main() -> None:
@@ -37,15 +37,13 @@ def main() -> None:
     caches = [j["cache"] for j in spec["jobs"] if j.get("cache")]
     cache_dir = spec.get("cache_dir") or (os.path.commonpath([os.path.dirname(c) for c in caches]) if caches else ".")
     salts = {c: sha256_file(Path(c)) for c in set(caches)}
-    models = {"model": spec["model"]}
     connector = KVTransferConfig(kv_connector="RidgefillConnector", kv_role="kv_consumer",
                                  kv_connector_module_path="ridgefill.engines.vllm",
                                  kv_connector_extra_config={"cache_dir": cache_dir})  # fmt: skip
-    llms = {key: LLM(path, dtype="float32", skip_tokenizer_init=True, enforce_eager=True, seed=0,
-                     max_model_len=max(256, longest + 16), enable_prefix_caching=True, max_num_seqs=1,
-                     max_num_batched_tokens=max(2048, longest + 16),  # a whole prompt in one step: no chunking
-                     kv_transfer_config=connector)
-            for key, path in models.items()}  # fmt: skip
+    llm = LLM(spec["model"], dtype="float32", skip_tokenizer_init=True, enforce_eager=True, seed=0,
+              max_model_len=max(256, longest + 16), enable_prefix_caching=True, max_num_seqs=1,
+              max_num_batched_tokens=max(2048, longest + 16),  # a whole prompt in one step: no chunking
+              kv_transfer_config=connector)  # fmt: skip
 
     def run(job, ids, **sp):
         prompt = {"prompt_token_ids": list(ids)}
@@ -54,7 +52,6 @@ def main() -> None:
             prompt["cache_salt"] = salts[job["cache"]]
             extra = {"kv_transfer_params": {"ridgefill_cache": job["cache"]}}
         params = SamplingParams(temperature=0.0, detokenize=False, extra_args=extra, **sp)
-        llm = llms[job.get("model", next(iter(llms)))]
         return llm.generate([prompt], params, use_tqdm=False)[0]
 
     results = []
@@ -70,13 +67,13 @@ def main() -> None:
         # the whole prompt of a request that asks for them, loading no external KV.)
         max_new, forced = job.get("max_new", 16), list(job.get("forced", []))
         o = run(job, job["ids"], max_tokens=max(max_new, len(forced) + 1), logprobs=2).outputs[0]
-        greedy, steps = list(o.token_ids), [_top2(lp) for lp in o.logprobs]
+        greedy, steps = list(o.token_ids), [_margin(lp) for lp in o.logprobs]
         tops = []
         for i in range(len(forced) + 1):
             if i < len(steps) and greedy[:i] == forced[:i]:
                 tops.append(steps[i])
             else:
-                tops.append(_top2(run(job, job["ids"] + forced[:i], max_tokens=1, logprobs=2).outputs[0].logprobs[0]))
+                tops.append(_margin(run(job, job["ids"] + forced[:i], max_tokens=1, logprobs=2).outputs[0].logprobs[0]))
         results.append({"name": job["name"], "greedy": greedy[:max_new], "forced_top1": [t for t, _ in tops],
                         "forced_margin": [m for _, m in tops], "seconds": seconds})  # fmt: skip
     write_results(out_path, results)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ridgefill.engines import loads
+from ridgefill.engines.vllm import internals, loads
 from ridgefill.engines.layout import vllm_slots
 from ridgefill.formats import cache as cache_format
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -81,6 +81,9 @@ def cache_dir_of(vllm_config) -> Path:
 
 class RidgefillConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        problem = internals.version_problem()
+        if problem:
+            raise ValueError(f"ridgefill: RidgefillConnector is {problem}")
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         mc = vllm_config.model_config
         self._cache_dir = cache_dir_of(vllm_config)

@@ -9,7 +9,7 @@ process it starts (the API server, the engine core, each worker). With RIDGEFILL
 `register` does nothing: vLLM runs untouched. Set, it reads the release (a folder, or a Hub repo id pulled and
 verified once, then read from the cache), and
 
-- registers ridgefill's Llama, Qwen2 and Qwen3 (`ridgefill.engines.vllm_model`) under vLLM's own architecture
+- registers ridgefill's Llama, Qwen2 and Qwen3 (`ridgefill.engines.vllm.model`) under vLLM's own architecture
   names, so the user's model folder or Hub id is served as it is;
 - checks the engine's configuration against the release where vLLM makes it (`EngineArgs.create_engine_config`):
   the served model's architecture, layer count, hidden size and, for a local folder, fingerprint; and the features
@@ -22,19 +22,19 @@ verified once, then read from the cache), and
   and how many of the block's rows were prefix rows for the request that computed it (`plan.prefix_rows_in_block`),
   so a cached block is reused only where it holds what the plan would write.
 
-The patches are written for vLLM 0.32 (`SUPPORTED`); another version is refused at startup rather than run on
-guesses.
+The patches (patches.py) are written for vLLM 0.32 (`internals.SUPPORTED`); another version is refused at startup
+rather than run on guesses.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
-from ridgefill.engines import served
+from ridgefill.engines.vllm import internals, served
 from ridgefill.errors import RidgefillError
 
-SUPPORTED = ("0.32.",)
 _STATE: dict = {}  # "fill": the served.Fill of this process
 
 
@@ -54,23 +54,22 @@ def register() -> None:
     if fill.origin:  # named in the start-up output: where the maps came from
         print(f"ridgefill: {fill.origin} pulled and verified into {fill.folder}", file=sys.stderr)
     os.environ[served.ENV] = str(fill.folder)  # the processes vLLM starts read the folder, not the Hub again
-    import vllm
-
-    if not vllm.__version__.startswith(SUPPORTED):
-        raise Refused(f"ridgefill: the fill is written for vLLM {SUPPORTED[0]}x, not {vllm.__version__}")
+    problem = internals.version_problem()
+    if problem:
+        raise Refused(f"ridgefill: the fill is {problem}")
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
         raise Refused("ridgefill: the fill runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     _STATE["fill"] = fill
     from vllm import ModelRegistry
 
-    from ridgefill.engines.vllm_model import CLASSES
+    from ridgefill.engines.vllm.model import CLASSES
 
     for arch, cls in CLASSES.items():
         ModelRegistry.register_model(arch, f"{cls.__module__}:{cls.__name__}")
-    _patch_engine_config()
-    _patch_runner()
-    _patch_block_hashes(fill)
+    from ridgefill.engines.vllm import patches
+
+    patches.apply(check_engine, functools.partial(block_key, fill))
 
 
 def current_fill() -> served.Fill:
@@ -120,7 +119,7 @@ def check_engine(config) -> None:
                         f"FULL_AND_PIECEWISE, PIECEWISE or FULL_DECODE_ONLY)")  # fmt: skip
     if problems:
         raise Refused(f"ridgefill: the fill does not run with {problems[0]}")
-    from ridgefill.engines.vllm_model import CLASSES
+    from ridgefill.engines.vllm.model import CLASSES
 
     arch = (mc.architectures or ["?"])[0]
     if arch not in CLASSES:
@@ -132,71 +131,14 @@ def check_engine(config) -> None:
         raise Refused(f"ridgefill: {e}") from None
 
 
-def _patch_engine_config() -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
-    create = EngineArgs.create_engine_config
-    if getattr(create, "_ridgefill", False):
-        return
-
-    def create_engine_config(self, *args, **kwargs):
-        config = create(self, *args, **kwargs)
-        check_engine(config)
-        return config
-
-    create_engine_config._ridgefill = True
-    EngineArgs.create_engine_config = create_engine_config
-
-
-# -- the step's requests -------------------------------------------------------------------------------------------
-
-
-def _patch_runner() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from ridgefill.engines.vllm_model import RUNNER
-
-    execute = GPUModelRunner.execute_model
-    if getattr(execute, "_ridgefill", False):
-        return
-
-    def execute_model(self, *args, **kwargs):
-        token = RUNNER.set(self)
-        try:
-            return execute(self, *args, **kwargs)
-        finally:
-            RUNNER.reset(token)
-
-    execute_model._ridgefill = True
-    GPUModelRunner.execute_model = execute_model
-
-
 # -- prefix-cache block hashes -------------------------------------------------------------------------------------
 
 
 def block_key(fill, request, start: int, end: int) -> tuple:
     """The plan's part of the hash of a request's cache block holding rows start..end-1."""
-    from ridgefill.engines.plan import prefix_rows_in_block
+    from ridgefill.engines.vllm.plan import prefix_rows_in_block
 
     params = getattr(request, "sampling_params", None)
     exact = params is None or params.prompt_logprobs is not None
     rows = prefix_rows_in_block(request.num_prompt_tokens, start, end, tail=fill.tail, exact_request=exact)
     return ("ridgefill", f"{fill.sha256}:{rows}")
-
-
-def _patch_block_hashes(fill) -> None:
-    import vllm.v1.core.block_pool as block_pool
-    import vllm.v1.core.kv_cache_utils as utils
-
-    extra_keys = utils.generate_block_hash_extra_keys
-    if getattr(extra_keys, "_ridgefill", False):
-        return
-
-    def generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx):
-        keys, mm_idx = extra_keys(request, start_token_idx, end_token_idx, start_mm_idx)
-        ours = block_key(fill, request, start_token_idx, end_token_idx)
-        return (keys or ()) + (ours,), mm_idx
-
-    generate_block_hash_extra_keys._ridgefill = True
-    for module in (utils, block_pool):
-        module.generate_block_hash_extra_keys = generate_block_hash_extra_keys

@@ -1,0 +1,69 @@
+"""The vLLM this code is written for, and every vLLM internal it touches beyond the public API (`LLM`,
+`SamplingParams`, the plugin and connector entry points): one list, so that a new vLLM version is checked in one
+place (tests/test_vllm_plugin.py resolves every entry in the installed vLLM).
+
+`version_problem()` is the one version check of the plugin and the connector: another version is refused at
+startup rather than run on guesses. Standard library only (vLLM is imported when a check runs).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+SUPPORTED = "0.32."  # the vLLM release line the patches and the fill's forward are written against
+
+# (where, in which process, what for): `module:attribute.attribute`, resolved by `resolve`.
+INTERNALS = (
+    ("vllm.engine.arg_utils:EngineArgs.create_engine_config", "API server",
+     "patched: the startup checks (plugin.check_engine)"),
+    ("vllm.v1.core.kv_cache_utils:generate_block_hash_extra_keys", "engine core",
+     "patched: the plan's part of a prefix-cache block hash (plugin.block_key)"),
+    ("vllm.v1.core.block_pool:generate_block_hash_extra_keys", "engine core", "patched: the same, where imported"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model", "worker",
+     "patched: the step's model runner, for the plan (model.RUNNER)"),
+    ("vllm.v1.worker.gpu_input_batch:InputBatch", "worker",
+     "read: req_ids, num_reqs, num_prompt_tokens of the step's requests"),
+    ("vllm.v1.attention.backend:subclass_attention_backend", "worker",
+     "the late layers' backend, whose metadata builder records the step's plan"),
+    ("vllm.v1.attention.backend:CommonAttentionMetadata", "worker",
+     "replaced per step for the exact rows (model.EngineFill._late_metadata); fields: COMMON_FIELDS"),
+    ("vllm.forward_context:get_forward_context", "worker",
+     "attn_metadata and slot_mapping swapped for the late layers"),
+    ("vllm.model_executor.layers.linear:ReplicatedLinear", "worker", "the maps"),
+    ("vllm.model_executor.layers.linear:QKVParallelLinear", "worker", "the key/value projection copies"),
+    ("vllm.model_executor.models.llama:LlamaForCausalLM", "worker", "subclassed with the fill"),
+    ("vllm.model_executor.models.qwen2:Qwen2ForCausalLM", "worker", "subclassed with the fill"),
+    ("vllm.model_executor.models.qwen3:Qwen3ForCausalLM", "worker", "subclassed with the fill"),
+    ("vllm.config:CompilationMode", "worker", "whether the early layers are compiled"),
+    ("vllm.distributed:get_tensor_model_parallel_rank", "worker", "the rank's KV heads"),
+    ("vllm.distributed:get_tensor_model_parallel_world_size", "worker", "the rank's KV heads"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1", "engine core, worker",
+     "the connector's base class"),
+)
+# The CommonAttentionMetadata fields the fill sets for the late layers' exact rows (the rest are the step's own).
+COMMON_FIELDS = (
+    "query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu_upper_bound", "num_reqs", "num_actual_tokens",
+    "max_query_len", "max_seq_len", "block_table_tensor", "slot_mapping", "causal", "positions", "is_prefilling",
+    "logits_indices_padded", "num_logits_indices", "max_logits_per_req", "req_idx", "dcp_local_seq_lens",
+    "dcp_local_seq_lens_cpu_upper_bound", "mm_req_doc_ranges", "rswa_prefix_lens", "_num_computed_tokens_cache",
+    "_token_to_req_indices_cache")  # fmt: skip
+
+
+def version_problem(version: str | None = None) -> str | None:
+    """Why the installed vLLM (or `version`) is not the one this is written for, as a phrase; None when it is."""
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    if version.startswith(SUPPORTED):
+        return None
+    return f"written for vLLM {SUPPORTED}x, not {version}"
+
+
+def resolve(where: str):
+    """The object `module:attribute.attribute` names (AttributeError / ImportError when vLLM has no such thing)."""
+    module, _, attrs = where.partition(":")
+    obj = importlib.import_module(module)
+    for name in attrs.split("."):
+        obj = getattr(obj, name)
+    return obj
