@@ -337,6 +337,87 @@ def test_out_is_kept_without_force(written, tmp_path):
     refused([gguf], tmp_path, f"--out {tmp_path / 'file'} exists and is not a directory", tmp_path / "file")
 
 
+def test_out_inside_a_release_folder_or_the_store_is_refused(written, tmp_path):
+    """A release holds only the files its manifest lists, the store only its artifacts: a model folder inside
+    either (at any depth, or through a link) would make it fail to verify."""
+    gguf, _, _, _ = written("llama")
+    rel = tmp_path / "rel"
+    (rel / "deep").mkdir(parents=True)
+    (rel / "ridgefill.json").write_text("{}")
+    for out in (rel / "served", rel / "deep" / "served"):
+        refused([gguf], tmp_path, f"--out {out} is inside the release folder {rel}: write the engine model folder "
+                "elsewhere (a release holds only the files its manifest lists)", out)
+    (tmp_path / "link").symlink_to(rel / "deep")
+    refused([gguf], tmp_path, f"--out {tmp_path / 'link' / 'served'} is inside the release folder {rel}: write the "
+            "engine model folder elsewhere (a release holds only the files its manifest lists)",
+            tmp_path / "link" / "served")
+    assert sorted(p.name for p in rel.iterdir()) == ["deep", "ridgefill.json"] and not any((rel / "deep").iterdir())
+    store = tmp_path / "store"
+    refused([gguf], tmp_path, f"--out {store / 'served'} is inside the artifact store {store}: write the engine model "
+            "folder elsewhere (the store holds only its artifacts)", store / "served")
+
+
+def test_a_second_run_into_the_same_out_is_refused_while_the_first_runs(written, tmp_path):
+    """Two runs into one new --out: the second finds the first's lock (`.<name>.lock` beside --out, the one export
+    and pull take) and stops at once, instead of replacing the first's folder when it is done."""
+    import fcntl
+
+    gguf, _, _, _ = written("llama")
+    out = tmp_path / "outs" / "served"
+    out.parent.mkdir()
+    fd = os.open(out.parent / ".served.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as the first run holds it (another open file: this process is refused too)
+        os.write(fd, json.dumps({"pid": 4242, "host": "elsewhere"}).encode())
+        for force in ([], ["--force"]):
+            refused([gguf, *force], tmp_path, f"--out {out} is being written by pid 4242 on elsewhere: wait for it "
+                    "to finish (then --force replaces its folder), or write elsewhere", out)
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in out.parent.iterdir()) == [".served.lock"]
+    r = engine_model(gguf, "--out", out, "--store", tmp_path / "store")  # a lock file nobody holds: taken over
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.parent.iterdir()) == ["served"]
+
+
+def test_a_linked_out_is_replaced_where_it_leads(written, tmp_path):
+    """--out a link to an engine model folder, with --force: the folder it leads to is replaced, the link still
+    leads there, and nothing is left beside either."""
+    gguf, store, first, _ = written("llama")
+    real = tmp_path / "models" / "v1"
+    shutil.copytree(first, real, symlinks=True)
+    (real / "config.json").write_text("{}")
+    link = tmp_path / "current"
+    link.symlink_to(real)
+    r = engine_model(gguf, "--out", link, "--store", store, "--force")
+    assert r.returncode == 0, r.stderr
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert all((real / n).read_bytes() == (first / n).read_bytes() for n in FILES)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "models"]
+    assert sorted(p.name for p in real.parent.iterdir()) == ["v1"]
+
+
+def test_what_a_killed_run_left_is_recovered_by_the_next(written, tmp_path):
+    """A run killed between its two renames leaves no folder and the old one aside (`.<name>.old-<pid>-*`, beside
+    the folder a linked --out leads to); the next run puts it back, and with --force replaces it, leaving nothing."""
+    gguf, store, first, _ = written("llama")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = gone.stdout.strip()
+    models = tmp_path / "models"
+    shutil.copytree(first, models / f".v1.old-{dead}-x")
+    (models / f".v1.tmp-{dead}-y").mkdir()
+    (models / ".v1.lock").write_text("{}")
+    link = tmp_path / "current"
+    link.symlink_to(models / "v1")  # leads nowhere until the old folder is back
+    refused([gguf], tmp_path, f"--out {link} already holds an engine model folder (--force replaces it)", link)
+    assert sorted(p.name for p in models.iterdir()) == ["v1"] and link.resolve() == (models / "v1").resolve()
+    shutil.move(models / "v1", models / f".v1.old-{dead}-x")
+    r = engine_model(gguf, "--out", link, "--store", store, "--force")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in models.iterdir()) == ["v1"] and link.is_symlink()
+    assert all((models / "v1" / n).read_bytes() == (first / n).read_bytes() for n in FILES)
+
+
 def test_float16_overflow_is_refused(tmp_path):
     big = "model.layers.0.mlp.down_proj.weight"
     gguf = make_tiny_gguf(tmp_path / "g" / "big.gguf", "qwen2", scale={big: 1e7})

@@ -13,8 +13,11 @@ model's context is refused once the tokenizer has counted it.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
+from ridgefill.artifacts import lock
 from ridgefill.capture.corpus import decode_text
 from ridgefill.errors import BadInput
 from ridgefill.formats.release.folder import check_out_dir, move_into_place, staging_dir
@@ -22,19 +25,42 @@ from ridgefill.formats.release.names import KSCALE_CONFIGURATION, MANIFEST, ROWS
 from ridgefill.engines.prepare import PROMPT, EngineCache, present_fold, prefix_cache
 
 
-def check_out(out: Path, force: bool, store_root: Path | None = None) -> None:
-    """Refuse an --out inside the artifact store at `store_root` or inside a release folder, a file, a non-empty
-    folder other than an engine cache, or (without --force) one."""
+def check_place(out: Path, store_root: Path | None, what: str) -> None:
+    """Refuse an --out inside the artifact store at `store_root` or inside a release folder (a folder holding
+    ridgefill.json at any depth above it, as written or as linked): neither would verify with `what` written there."""
     where = Path(out).resolve()
     if store_root is not None:
         root = Path(store_root).resolve()
         if where == root or root in where.parents:
-            raise BadInput(f"--out {out} is inside the artifact store {store_root}: write the engine cache elsewhere "
-                           "(the store holds only its artifacts)")
+            raise BadInput(f"--out {out} is inside the artifact store {store_root}: write {what} elsewhere (the store "
+                           "holds only its artifacts)")
     for folder in [*Path(os.path.abspath(out)).parents, *where.parents]:  # as written (for the message), as linked
         if (folder / MANIFEST).is_file():
-            raise BadInput(f"--out {out} is inside the release folder {folder}: write the engine cache elsewhere (a "
-                           "release holds only the files its manifest lists)")
+            raise BadInput(f"--out {out} is inside the release folder {folder}: write {what} elsewhere (a release "
+                           "holds only the files its manifest lists)")
+
+
+@contextmanager
+def claimed(out: Path, shown: Path | None = None) -> Iterator[None]:
+    """Hold --out's lock for a whole run (`.<name>.lock` beside it, the lock export and pull take while they put a
+    folder in place): a second run into the same --out is refused at once instead of replacing the first's folder
+    unseen when it is done. A lock file that no live process holds (a killed run's) is taken over. `shown`: --out
+    as the user wrote it, for the message (`out` may be where a link leads)."""
+    path = out.parent / f".{out.name}.lock"
+    if not lock.acquire(path, wait=False):
+        who = lock.describe(lock.holder(path))
+        raise BadInput(f"--out {shown or out} is being written by {who}: wait for it to finish (then --force replaces "
+                       "its folder), or write elsewhere")
+    try:
+        yield
+    finally:
+        lock.release(path)
+
+
+def check_out(out: Path, force: bool, store_root: Path | None = None) -> None:
+    """Refuse an --out inside the artifact store at `store_root` or inside a release folder, a file, a non-empty
+    folder other than an engine cache, or (without --force) one."""
+    check_place(out, store_root, "the engine cache")
     check_out_dir(out, PROMPT, "an engine cache folder")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise BadInput(f"--out {out} already holds an engine cache (--force replaces it)")

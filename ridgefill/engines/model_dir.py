@@ -16,10 +16,12 @@ that runs in bfloat16 anyway; float16 is refused when a weight overflows it.
 Refused before anything is written (exit 2): a model that already is a Hugging Face folder (a local folder or a
 Hub id: vLLM serves it as it is, and its own fingerprint is its releases'), an architecture the plugin does not
 serve (llama, qwen2, qwen3 only), a model with sliding-window or recurrent layers (an engine keeps one position
-range for all layers, as for `engine prefix`), an unknown dtype, and an existing --out without --force (a
-non-empty folder that is not an engine model folder, even with --force). The folder is written into a temporary
-sibling and renamed into place (ridgefill.formats.release.folder): --out holds either the old folder or the new
-one, never a part.
+range for all layers, as for `engine prefix`), an unknown dtype, an --out inside a release folder or the artifact
+store (neither would verify with it there), an --out another run is writing (its lock, held for the whole run), and
+an existing --out without --force (a non-empty folder that is not an engine model folder, even with --force). The
+folder is written into a temporary sibling and renamed into place (ridgefill.formats.release.folder): --out holds
+either the old folder or the new one, never a part, and what a killed run left beside it is put back or removed by
+the next run. A linked --out is the folder it leads to: that folder is replaced, and the link still leads to it.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ridgefill.errors import BadInput
-from ridgefill.formats.release.folder import check_out_dir, move_into_place, staging_dir
+from ridgefill.formats.release.folder import check_out_dir, move_into_place, recover, staging_dir
 from ridgefill.engines.identity import MARKER, marker_bytes
+from ridgefill.engines.make import check_place, claimed
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SERVED_ARCHS = ("llama", "qwen2", "qwen3")  # what the vLLM plugin serves
@@ -62,9 +65,17 @@ def check_dtype(dtype: str) -> str:
     return "float32" if dtype == "auto" else dtype
 
 
+def leads_to(out: Path) -> Path:
+    """The folder --out names: where a link leads (so the new folder replaces that one and the link still leads to
+    it; swapping the link itself would set the old folder aside beside the link, where nothing removes it), else
+    --out itself."""
+    return Path(os.path.realpath(out)) if out.is_symlink() else out
+
+
 def check_out(out: Path, force: bool) -> None:
     """Refuse an --out that is a file, a non-empty folder other than an engine model folder, or (without --force)
-    an engine model folder."""
+    an engine model folder. What a killed run left beside the folder is put back or removed first."""
+    recover(leads_to(out))
     check_out_dir(out, MARKER, "an engine model folder (no ridgefill-model.json)")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise BadInput(f"--out {out} already holds an engine model folder (--force replaces it)")
@@ -91,12 +102,19 @@ def refuse_hf_folder(spec: str) -> None:
 def write_model_dir(store, spec: str, out: Path, *, dtype: str = "auto", force: bool = False, info=None) -> ModelDir:
     """Write the engine model folder of the model `spec` (a GGUF file or a built-in) to `out`; `info(line)` is told
     what is being done. Returns what was written."""
+    start = time.perf_counter()
+    resolved = check_dtype(dtype)
+    check_place(out, store.root, "the engine model folder")
+    with claimed(leads_to(out), out):
+        return _write(store, spec, out, resolved, force, info, start)
+
+
+def _write(store, spec: str, out: Path, resolved: str, force: bool, info, start: float) -> ModelDir:
+    """write_model_dir, under --out's lock."""
     from ridgefill.models import load_model, resolve_model
     from ridgefill.models.fingerprint import dir_fingerprint
     from ridgefill.models.kinds import FULL
 
-    start = time.perf_counter()
-    resolved = check_dtype(dtype)
     check_out(out, force)
     refuse_hf_folder(spec)
     ref = resolve_model(spec, store_root=store.root)
@@ -113,7 +131,7 @@ def write_model_dir(store, spec: str, out: Path, *, dtype: str = "auto", force: 
     if resolved == "float16":
         _check_finite(lm.model)
     source = {"spec": spec, "name": ref.name, "fingerprint": ref.fingerprint}
-    tmp = staging_dir(out)
+    tmp = staging_dir(leads_to(out))
     try:
         lm.model.save_pretrained(tmp)  # config.json, generation_config.json, model.safetensors
         lm.tokenizer.save_pretrained(tmp)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
@@ -122,7 +140,7 @@ def write_model_dir(store, spec: str, out: Path, *, dtype: str = "auto", force: 
         fingerprint = dir_fingerprint(tmp)
         (tmp / MARKER).write_bytes(marker_bytes(fingerprint, source, resolved))
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        move_into_place(tmp, out)
+        move_into_place(tmp, leads_to(out))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
