@@ -326,6 +326,25 @@ def test_eval_refuses_a_different_model(release, tiny_qwen3):
     assert r.returncode == 2 and "was fitted on a different model" in r.stderr
 
 
+def test_eval_refuses_a_protected_table_past_the_vocabulary(release, tiny_llama, tmp_path):
+    """The release's maps with a protected-token table holding the first id past the model's vocabulary: refused in
+    one line before anything is measured, as the runtime's loader refuses it."""
+    import numpy as np
+
+    from ridgefill.formats.release import read_release, write_release
+
+    _, st, _, rel = release
+    read = read_release(rel)
+    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    facts = {k: v for k, v in read.manifest.items() if k not in ("format", "projector", "files", "eval")}
+    write_release(tmp_path / "past", read.maps, facts, "card\n", protected=np.array([3, vocab], np.int32),
+                  protected_facts={"share": 0.25, "types": 2})
+    r = cli("eval", tiny_llama, tmp_path / "past", *TINY, "--store", st.root)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"Error: {tmp_path / 'past'}: the protected-token table holds token id {vocab}, past the vocabulary of "
+        f"'{tiny_llama}' ({vocab} tokens: ids 0..{vocab - 1})"), r.stderr
+
+
 def test_example_gates_load():
     from pathlib import Path
 

@@ -996,7 +996,8 @@ MAP_RULES = [
      "'layers[0].map' is \"kv\" on a linear_attention layer (layer 9)"),
     ("num-kv-heads", lambda m: m["model"].pop("num_kv_heads"), "'model.num_kv_heads' is missing, expected a positive"),
     ("head-dim", lambda m: m["model"].update(head_dim=0), "'model.head_dim' is 0, expected a positive integer"),
-    ("split-too-big", lambda m: m.update(split=12), "'split' is 12, expected an integer from 0 to 11"),
+    ("split-too-big", lambda m: m.update(split=12), "'split' is 12, expected an integer from 1 to 11"),
+    ("split-zero", lambda m: m.update(split=0), "'split' is 0, expected an integer from 1 to 11"),
     ("tail-overflow", lambda m: m.update(tail_default=10**30), "'tail_default' is 1000000000000000000000000000000, "
                                                                "expected an integer from 1 to 2147483647"),
     ("tail-zero", lambda m: m.update(tail_default=0), "'tail_default' is 0, expected an integer from 1 to"),
@@ -1080,7 +1081,7 @@ def test_a_v1_release_still_reads_as_input_maps(rel):
     _refact(rel, lambda m: m["layers"][0].update(map="input"))
     refused(rel, r"^ridgefill.json: 'layers\[0\].map' is in a ridgefill-maps/1 release, whose maps are all input maps")
     _refact(rel, lambda m: (m["layers"][0].pop("map"), m.update(split=12)))
-    refused(rel, r"^ridgefill.json: 'split' is 12, expected an integer from 0 to 11 \(model.num_layers is 12\)$")
+    refused(rel, r"^ridgefill.json: 'split' is 12, expected an integer from 1 to 11 \(model.num_layers is 12\)$")
 
 
 def test_a_v1_release_is_not_held_to_layers_from_the_split(tmp_path):
@@ -1093,13 +1094,13 @@ def test_a_v1_release_is_not_held_to_layers_from_the_split(tmp_path):
     r = release.read_release(d)
     assert r.split == 2 and sorted(r.maps) == list(LAYERS)
     with pytest.raises(BadInput, match=r"^there: the release is for a model with hidden_size 576, but 'm' has 300$"):
-        r.check_model(fingerprint=None, num_layers=12, hidden_size=300, num_kv_heads=2, head_dim=25, name="m",
-                      where="there")
+        r.check_model(fingerprint=None, num_layers=12, hidden_size=300, num_kv_heads=2, head_dim=25, vocab_size=None,
+                      name="m", where="there")
     _refact(d, lambda m: m["model"].update(hidden_size=300))
     with pytest.raises(BadInput, match=r"^there: the release has no maps for late layers \[2, 3, 4, 5, 6, 7, 8\] "
                                        r"\(split 2, 12 layers\)$"):
         release.read_release(d).check_model(fingerprint=None, num_layers=12, hidden_size=300, num_kv_heads=None,
-                                            head_dim=None, name="m", where="there")
+                                            head_dim=None, vocab_size=None, name="m", where="there")
 
 
 def test_check_model_refuses_another_model_in_one_line(tmp_path):
@@ -1107,8 +1108,8 @@ def test_check_model_refuses_another_model_in_one_line(tmp_path):
     write(tmp_path / "r", kv_maps(m), m, weight_dtype="f32")
     rel = release.read_release(tmp_path / "r")
     fp = "0123456789abcdef"
-    ok = dict(fingerprint=fp, num_layers=12, hidden_size=D, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, name="tiny",
-              where="rel")
+    ok = dict(fingerprint=fp, num_layers=12, hidden_size=D, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=256,
+              name="tiny", where="rel")
     rel.check_model(**ok)
     rel.check_model(**{**ok, "fingerprint": None})  # not known: not compared
     for change, wording in [
@@ -1122,3 +1123,20 @@ def test_check_model_refuses_another_model_in_one_line(tmp_path):
         with pytest.raises(BadInput) as e:
             rel.check_model(**{**ok, **change})
         assert str(e.value) == wording and e.value.exit_code == 2
+
+
+def test_check_model_refuses_a_protected_table_past_the_vocabulary(tmp_path):
+    """A protected-token table names token ids of the model's tokenizer: an id at or past the model's vocabulary is
+    refused in one line (the table was made for another tokenizer); a vocabulary not known is not compared."""
+    m = kv_manifest()
+    write(tmp_path / "r", kv_maps(m), m, weight_dtype="f32", protected=np.array([3, 7, 255], dtype=np.int32),
+          protected_facts={"share": 0.25, "types": 3})
+    rel = release.read_release(tmp_path / "r")
+    ok = dict(fingerprint=None, num_layers=12, hidden_size=D, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, name="tiny",
+              where="rel")
+    rel.check_model(**ok, vocab_size=256)
+    rel.check_model(**ok, vocab_size=None)
+    with pytest.raises(BadInput) as e:
+        rel.check_model(**ok, vocab_size=255)
+    assert str(e.value) == ("rel: the protected-token table holds token id 255, past the vocabulary of 'tiny' (255 "
+                            "tokens: ids 0..254)") and e.value.exit_code == 2

@@ -567,9 +567,10 @@ def test_refusals(lm_of):
 # -- maps from a release folder -------------------------------------------------------------------------------------
 
 
-def write_tiny_release(lm, folder, maps, split, tail, layers=None, fit=None):
+def write_tiny_release(lm, folder, maps, split, tail, layers=None, fit=None, protected=None):
     """A `ridgefill-maps/2` folder (f32 input maps) holding `maps` {l: (W, b)} for the loaded model `lm`, through the
-    release writer itself; `layers` (default: the maps' keys) and `fit` go into the manifest."""
+    release writer itself; `layers` (default: the maps' keys) and `fit` go into the manifest, `protected` (token
+    ids) into a protected-token table."""
     from ridgefill.formats.release import write_release
 
     ref, ad = lm.ref, lm.adapter
@@ -580,7 +581,9 @@ def write_tiny_release(lm, folder, maps, split, tail, layers=None, fit=None):
                 "layers": [{"index": l, "kind": ad.layer_kinds[l], "map": "input"} for l in sorted(layers or maps)],
                 "fit": fit if fit is not None else {"exact_norm": 1e6, "skip_first_rows": 1}}  # no row is above it
     arrays = {l: {"weight": np.asarray(W, np.float32), "bias": np.asarray(b, np.float32)} for l, (W, b) in maps.items()}
-    return write_release(folder, arrays, manifest, "tiny release\n", weight_dtype="f32")
+    table = {} if protected is None else {"protected": np.array(protected, np.int32),
+                                          "protected_facts": {"share": 0.25, "types": len(protected)}}
+    return write_release(folder, arrays, manifest, "tiny release\n", weight_dtype="f32", **table)
 
 
 def test_load_release_maps(lm_of, tmp_path):
@@ -640,7 +643,7 @@ def test_load_release_maps_refusals(lm_of, tmp_path):
     # a ridgefill-maps/2 release covers split..L-1 with maps of the model's widths: such folders are never written
     with pytest.raises(ValueError, match=re.escape("'layers' has the indices [2, 3], expected 1..3 ascending")):
         write_tiny_release(llama, tmp_path / "short", {l: maps[l] for l in (2, 3)}, 1, 5)  # split 1, no layer 1
-    with pytest.raises(ValueError, match=re.escape("'split' is 6, expected an integer from 0 to 3")):
+    with pytest.raises(ValueError, match=re.escape("'split' is 6, expected an integer from 1 to 3")):
         write_tiny_release(llama, tmp_path / "deep", maps, 6, 5)
     small = {l: (W[:32, :32], b[:32]) for l, (W, b) in maps.items()}
     with pytest.raises(ValueError, match=re.escape("layer 1 map has shape [32, 32], expected [64, 64]")):
@@ -650,6 +653,14 @@ def test_load_release_maps_refusals(lm_of, tmp_path):
     (tmp_path / "bad" / "maps.safetensors").write_bytes(blob[:-4] + bytes(4))  # a byte changed on disk
     with pytest.raises(BadInput, match="sha256"):
         load_release_maps(llama, tmp_path / "bad")
+    vocab = llama.adapter.vocab_size  # a protected-token table of another tokenizer: an id past the vocabulary
+    write_tiny_release(llama, tmp_path / "table", maps, 1, 5, protected=[3, vocab - 1])
+    load_release_maps(llama, tmp_path / "table")
+    write_tiny_release(llama, tmp_path / "past", maps, 1, 5, protected=[3, vocab])
+    with pytest.raises(BadInput) as e:
+        load_release_maps(llama, tmp_path / "past")
+    assert str(e.value) == (f"{tmp_path / 'past'}: the protected-token table holds token id {vocab}, past the "
+                            f"vocabulary of '{llama.ref.spec}' ({vocab} tokens: ids 0..{vocab - 1})")
 
 
 def test_sliding_layers_fill_only_the_rows_a_query_sees(lm_of):

@@ -600,6 +600,7 @@ CASES = [
          10, PROTECTED, (V1,)),
     # 11: the facts the release is applied with
     Case("split-is-num-layers", int8_release, facts(lambda m: m.update(split=14)), 11, MANIFEST, ("'split'",)),
+    Case("split-zero", int8_release, facts(lambda m: m.update(split=0)), 11, MANIFEST, ("'split'",)),
     Case("split-negative", kv_int8, facts(lambda m: m.update(split=-1)), 11, MANIFEST, ("'split'",)),
     Case("split-fraction", kv_int8, facts(lambda m: m.update(split=9.5)), 11, MANIFEST, ("'split'",)),
     Case("split-string", int8_release, facts(lambda m: m.update(split="2")), 11, MANIFEST, ("'split'",)),

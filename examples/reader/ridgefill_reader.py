@@ -279,8 +279,8 @@ def check_applied(manifest):
     need(layers_n is not None and layers_n > 0, MANIFEST,
          f"'model.num_layers' is {show(get(manifest, 'model.num_layers'))}, not a positive integer")
     split = as_int(manifest.get("split"))
-    need(split is not None and 0 <= split < layers_n, MANIFEST,
-         f"'split' is {show(manifest.get('split', MISSING))}, not an integer in [0, {layers_n})")
+    need(split is not None and 1 <= split < layers_n, MANIFEST,
+         f"'split' is {show(manifest.get('split', MISSING))}, not an integer in [1, {layers_n})")
     tail = as_int(manifest.get("tail_default"))
     need(tail is not None and 1 <= tail <= 2**31 - 1, MANIFEST,
          f"'tail_default' is {show(manifest.get('tail_default', MISSING))}, not an integer in [1, 2**31 - 1]")

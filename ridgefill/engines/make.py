@@ -136,7 +136,7 @@ def make_prefix(store, model: str, release: Path, prompt: Path, out: Path, *, ar
                        "engine computes); --arm exact serves its prefix exactly")
     ref = resolve_model(model, store_root=store.root, expect=verified.manifest["model"]["fingerprint"])
     verified.check_model(fingerprint=ref.fingerprint, num_layers=ref.num_layers, hidden_size=ref.hidden_size,
-                         num_kv_heads=None, head_dim=None, name=model, where=str(release))
+                         num_kv_heads=None, head_dim=None, vocab_size=None, name=model, where=str(release))
     place = place or where()
     lm = load_model(ref, store_root=store.root, **place.load_args())
     rel = load_release_maps(lm, release, verified)  # checked against the loaded model's KV shape too; not read again

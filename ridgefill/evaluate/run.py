@@ -28,6 +28,7 @@ from ridgefill.evaluate.config import DEFAULT_ARMS, EvalConfig
 from ridgefill.evaluate.measure import eval_documents, measure_documents, measure_needles, time_prefills
 from ridgefill.evaluate.source import MapsSource, load_source
 from ridgefill.evaluate.summary import manifest_summary, summarize
+from ridgefill.formats.release.names import protected_problem
 from ridgefill.output import Output
 
 FORMAT_VERSION = 8  # 2: single needles in noise filler; 3: nofill needles, "ridgefill+rows"; 4: row 0 exact;
@@ -107,6 +108,7 @@ def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output
     from ridgefill.runtime import maps_on_devices
 
     src = replace(src, maps=maps_on_devices(lm, src.maps, range(src.split, ref.num_layers)))  # once, not per prefill
+    _check_protected(lm, src, source, model)
     _check_corrections(lm, src, arms)
     suite = needle_suite(lm, cfg)
     results = {"split": src.split, "num_layers": ref.num_layers, "tail": cfg.tail,
@@ -121,6 +123,16 @@ def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output
         art = build.commit(info={"model_spec": model, "source": source, "placement": lm.placement()},
                            summary=results["summary"])
     return art, False
+
+
+def _check_protected(lm, src: MapsSource, source: str, model: str) -> None:
+    """Refuse, before anything is measured, a protected-token table with an id past the model's vocabulary (the
+    check a runtime makes of a release: `Release.check_model`)."""
+    vocab = lm.adapter.vocab_size
+    if src.protected and vocab is not None:
+        problem = protected_problem(max(src.protected), vocab, f"'{model}'")
+        if problem is not None:
+            raise BadInput(f"{source}: {problem}")
 
 
 def _check_corrections(lm, src: MapsSource, arms) -> None:

@@ -52,6 +52,7 @@ class Adapter:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size: int | None = getattr(cfg, "vocab_size", None)  # the token ids the model embeds: 0..vocab-1
         self.layer_kinds: list[str] = kinds_of(cfg)
 
     # -- modules -------------------------------------------------------------------------------------------

@@ -98,9 +98,9 @@ def load_release_maps(lm, folder, release=None) -> ReleaseMaps:
 
     BadInput (one line) when the folder does not verify (a configuration the format refuses, an impossible split or
     tail included), when it was made for another model (another fingerprint, layer count, width or KV shape than
-    `lm`'s: `Release.check_model`), when its terminal-state offsets do not match the model's layers, or when its
-    configuration's correction has no layers above the split on this model. Every fact comes from the reader's
-    `Release`, checked there once."""
+    `lm`'s, or a protected-token table past its vocabulary: `Release.check_model`), when its terminal-state offsets
+    do not match the model's layers, or when its configuration's correction has no layers above the split on this
+    model. Every fact comes from the reader's `Release`, checked there once."""
     from ridgefill.formats.release import read_release
     from ridgefill.runtime.corrections import check_corrections, check_state_offsets
 
@@ -108,7 +108,8 @@ def load_release_maps(lm, folder, release=None) -> ReleaseMaps:
     rel = read_release(folder) if release is None else release
     ref, ad = lm.ref, lm.adapter
     rel.check_model(fingerprint=ref.fingerprint, num_layers=ad.num_layers, hidden_size=ad.hidden_size,
-                    num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, name=ref.spec, where=str(folder))
+                    num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, vocab_size=ad.vocab_size, name=ref.spec,
+                    where=str(folder))
     split, L = rel.split, ad.num_layers
     late = {l: (rel.maps[l]["weight"], rel.maps[l]["bias"]) for l in range(split, L)}
     offsets = rel.state_offsets

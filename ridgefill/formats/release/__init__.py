@@ -5,8 +5,8 @@ as applied; a folder verifies if and only if it loads) and the folder swap
 
     from ridgefill.formats import release
     rel = release.read_release("release/smollm2-135m")   # verified first
-    rel.check_model(fingerprint=..., num_layers=..., hidden_size=..., num_kv_heads=..., head_dim=..., name=...,
-                    where=...)
+    rel.check_model(fingerprint=..., num_layers=..., hidden_size=..., num_kv_heads=..., head_dim=..., vocab_size=...,
+                    name=..., where=...)
     rel.split, rel.tail, rel.anchor, rel.exact_norm, rel.configuration, rel.map_kinds, rel.kv_width
 """
 

@@ -1,8 +1,9 @@
 """Every name of the release format `ridgefill-maps/2` (docs/format.md): files, tensors, manifest keys, metadata
 keys, and the facts that maps.safetensors records, and the rules on the facts that say how a release is applied
-(`applied_problem`, `maps_problem`, `width_problem`: phrases for one-line refusals, shared by the writer and the
-reader). The writer, the verifier and the loader import them from here; nothing else in the package repeats these
-literals. The writer writes `/2`; the reader reads `/1` too (every map of a `/1` release is an input map).
+(`applied_problem`, `tail_problem`, `maps_problem`, `width_problem`, `protected_problem`: phrases for one-line
+refusals, shared by the writer, the reader, export and the runtimes). The writer, the verifier and the loader
+import them from here; nothing else in the package repeats these literals. The writer writes `/2`; the reader
+reads `/1` too (every map of a `/1` release is an input map).
 
 A release folder holds exactly:
 
@@ -225,22 +226,46 @@ def _model_int(manifest: dict, key: str) -> tuple[int | None, str | None]:
     return n, None
 
 
+def tail_problem(value, context: int | None = None) -> str | None:
+    """What is wrong with a tail (a release's `tail_default`, `export --tail`, a recipe's [export] tail), as the
+    phrase that follows its name in a one-line refusal ("is 0, expected an integer from 1 to ..."); None when it is
+    an integer from 1 to MAX_TAIL and, where the model's context length is known (`context` positions), below it: a
+    tail that long leaves no prompt a prefix row to fill. One rule, so the reader, export and a recipe say the same."""
+    top = MAX_TAIL if context is None else min(MAX_TAIL, context - 1)
+    tail = integer(value)
+    if tail is not None and 1 <= tail <= top:
+        return None
+    why = "" if top == MAX_TAIL else f" (below the model's context of {context} positions)"
+    return f"is {_show(value)}, expected an integer from 1 to {top}{why}"
+
+
+def protected_problem(largest: int, vocab_size: int, model: str) -> str | None:
+    """What is wrong with a protected-token table whose largest id is `largest` for a model (`model`: how the
+    phrase names it) of `vocab_size` tokens, as a phrase for a one-line refusal; None when every id is within the
+    vocabulary (a table of another tokenizer names tokens the model is never given)."""
+    if largest < vocab_size:
+        return None
+    return (f"the protected-token table holds token id {largest}, past the vocabulary of {model} ({vocab_size} "
+            f"tokens: ids 0..{vocab_size - 1})")
+
+
 def applied_problem(manifest: dict) -> str | None:
     """What is wrong with the facts that say where and how a release is applied (docs/format.md, Verifying, rule 11),
     as a phrase for a one-line refusal; None when they are valid: `model.num_layers` a positive integer, `split` an
-    integer in [0, num_layers), `tail_default` an integer in [1, MAX_TAIL], `fit.skip_first_rows` an integer >= 0
-    (absent in a /1 release: DEFAULT_SKIP_FIRST_ROWS), and, in /2, `layers` indexed exactly split..num_layers-1 in
-    that order (/1 releases were never held to it). Integers as a JavaScript reader sees them (2.0 is 2)."""
+    integer in [1, num_layers) (at split 0 the maps would read the embeddings and fill every layer: no fit makes
+    such maps), `tail_default` a tail (`tail_problem`), `fit.skip_first_rows` an integer >= 0 (absent in a /1
+    release: DEFAULT_SKIP_FIRST_ROWS), and, in /2, `layers` indexed exactly split..num_layers-1 in that order (/1
+    releases were never held to it). Integers as a JavaScript reader sees them (2.0 is 2)."""
     num_layers, problem = _model_int(manifest, "num_layers")
     if problem is not None:
         return problem
     split = integer(manifest.get("split"))
-    if split is None or not 0 <= split < num_layers:
-        return (f"'split' is {_show(manifest.get('split'))}, expected an integer from 0 to {num_layers - 1} "
+    if split is None or not 1 <= split < num_layers:
+        return (f"'split' is {_show(manifest.get('split'))}, expected an integer from 1 to {num_layers - 1} "
                 f"(model.num_layers is {num_layers})")
-    tail = integer(manifest.get("tail_default"))
-    if tail is None or not 1 <= tail <= MAX_TAIL:
-        return f"'tail_default' is {_show(manifest.get('tail_default'))}, expected an integer from 1 to {MAX_TAIL}"
+    problem = tail_problem(manifest.get("tail_default"))
+    if problem is not None:
+        return f"'tail_default' {problem}"
     fit = manifest.get(FIT) if isinstance(manifest.get(FIT), dict) else {}
     if SKIP_FIRST_ROWS not in fit and manifest.get("format") != FORMAT_V1:
         return f"'{FIT}.{SKIP_FIRST_ROWS}' is missing, expected the number of leading rows the fit left out"

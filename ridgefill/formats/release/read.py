@@ -31,7 +31,8 @@ from ridgefill.formats.release.names import (BIAS, CODES, CORRECTIONS_FILE, DEFA
                                              PROJECTOR_DTYPES, PROTECTED_FILE, PROTECTED_IDS, SCALES, SKIP_FIRST_ROWS,
                                              STATE_OFFSET, WEIGHT, applied_problem, configuration_problem,
                                              exact_norm_problem, integer, kv_width, layer_indices, map_kinds,
-                                             maps_problem, parse_tensor_name, tensor_name, width_problem)
+                                             maps_problem, parse_tensor_name, protected_problem, tensor_name,
+                                             width_problem)
 from ridgefill.formats.release.manifest import ABSENT, check_format, verified_manifest
 from ridgefill.numerics import bf16_bits_to_f32
 
@@ -57,20 +58,21 @@ class Release:
     kv_width: int | None  # a kv map's d_out, 2 * model.num_kv_heads * model.head_dim; None in a /1 release
 
     def check_model(self, *, fingerprint: str | None, num_layers: int, hidden_size: int, num_kv_heads: int | None,
-                    head_dim: int | None, name: str, where: str) -> None:
+                    head_dim: int | None, vocab_size: int | None, name: str, where: str) -> None:
         """Refuse, with one line starting `where: `, a model (called `name`) the release was not made for: another
         fingerprint (None: not known, not compared), another layer count or hidden size than the release records,
         maps that do not cover its late layers split..num_layers-1 or whose widths are not the model's (an input
-        map [hidden_size, hidden_size], a kv map [2 * num_kv_heads * head_dim, hidden_size]), or, in a /2 release,
-        other KV heads or head size than it records (None: not known, not compared)."""
+        map [hidden_size, hidden_size], a kv map [2 * num_kv_heads * head_dim, hidden_size]), in a /2 release
+        other KV heads or head size than it records, or a protected-token table with an id past the model's
+        `vocab_size` tokens (None: not known, not compared)."""
         refusal = model_problem(self, fingerprint=fingerprint, num_layers=num_layers, hidden_size=hidden_size,
-                                num_kv_heads=num_kv_heads, head_dim=head_dim, name=name)
+                                num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size, name=name)
         if refusal is not None:
             raise BadInput(f"{where}: {refusal}")
 
 
 def model_problem(rel: Release, *, fingerprint: str | None, num_layers: int, hidden_size: int,
-                  num_kv_heads: int | None, head_dim: int | None, name: str) -> str | None:
+                  num_kv_heads: int | None, head_dim: int | None, vocab_size: int | None, name: str) -> str | None:
     """`Release.check_model`'s refusal, as a phrase; None when the model is the release's."""
     model = rel.manifest["model"]
     theirs = model.get("fingerprint")
@@ -95,6 +97,8 @@ def model_problem(rel: Release, *, fingerprint: str | None, num_layers: int, hid
         if tuple(got) != want:
             return (f"layer {l}'s {'kv' if kv else 'input'} map is {list(got)}, expected {list(want)} for "
                     f"'{name}'")
+    if vocab_size is not None and rel.protected is not None and len(rel.protected):
+        return protected_problem(int(rel.protected[-1]), vocab_size, f"'{name}'")  # ascending: the last is largest
     return None
 
 
