@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ridgefill.errors import BadInput
+from ridgefill.formats.release.names import tail_problem
 from ridgefill.output import Output
 
 SECTIONS = {"capture", "solve", "quantize", "export", "eval", "push", "sweep"}
@@ -174,6 +175,8 @@ def load_recipe(path: Path) -> Recipe:
     _typed(ev, {**_kinds_of(EvalConfig), "enabled": "boolean", "gate": "string"}, "eval")
     quant = _typed(_known(doc.get("quantize", {}), {"enabled"}, "quantize"), {"enabled": "boolean"}, "quantize")
     exp = _typed(_known(doc.get("export", {}), {"tail"}, "export"), {"tail": "integer"}, "export")
+    if "tail" in exp and tail_problem(exp["tail"]) is not None:  # export's own bound, before any stage runs
+        raise BadInput(f"recipe [export]: tail {tail_problem(exp['tail'])}")
     push = _typed(_known(doc["push"], PUSH_KEYS, "push"), PUSH_KINDS, "push") if "push" in doc else None
     sol = dict(_typed(_known(doc.get("solve", {}), set(SOLVE_KINDS), "solve"), SOLVE_KINDS, "solve"))
     if "state_data" in sol:

@@ -155,6 +155,8 @@ def test_a_solve_split_alone_is_what_the_capture_makes(tmp_path, tiny_llama):
     ("[capture]\ndata = 5", "recipe [capture]: data must be a string or an array of strings, got integer 5"),
     ("out = 5", "recipe [top level]: out must be a string, got integer 5"),
     ('[export]\ntail = "x"', "recipe [export]: tail must be an integer, got string 'x'"),
+    ("[export]\ntail = 0", "recipe [export]: tail is 0, expected an integer from 1 to 2147483647"),
+    ("[export]\ntail = 2147483648", "recipe [export]: tail is 2147483648, expected an integer from 1 to 2147483647"),
     ('[solve]\nsplit = "auto"\n[sweep]\nsplits = 2.5', "recipe [sweep]: splits must be an array of integers or a "
                                                         "string, got number 2.5"),
     ('[eval]\nenabled = "no"', "recipe [eval]: enabled must be a boolean, got string 'no'"),

@@ -225,7 +225,9 @@ def test_export_refusals_write_nothing(store_chain, tmp_path):
              "--row-share must be a number between 0 and 1 (exclusive), got 1.5"),
             (["--configuration", "ridgefill+kscale", "--sweep", "nosuch"], "no artifact 'nosuch' in store"),
             (["--configuration", "ridgefill+kscale", "--sweep", sol], f"artifact '{sol}' is a solve artifact, not "
-                                                                       "sweep")):
+                                                                       "sweep"),
+            (["--tail", "0"], "--tail is 0, expected an integer from 1 to 2147483647"),
+            (["--tail", "2147483648"], "--tail is 2147483648, expected an integer from 1 to 2147483647")):
         r, _ = export_cli(st, ids["quantize"], "--out", out, *args)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"Error: {message}"), r.stderr

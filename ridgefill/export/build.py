@@ -26,7 +26,7 @@ from ridgefill.quantize.artifact import group_size, load_quant
 from ridgefill.export.card import model_card
 from ridgefill.formats import release
 from ridgefill.formats.release.names import (CONFIGURATIONS, KSCALE_CONFIGURATION, PLAIN, PROTECTED_CONFIGURATION,
-                                             ROWS_CONFIGURATION)
+                                             ROWS_CONFIGURATION, tail_problem)
 from ridgefill.output import Output
 from ridgefill.runtime.rows import DEFAULT_TAIL
 from ridgefill.solve import artifact as solved
@@ -48,9 +48,10 @@ def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int 
     recorded as the release's `configuration` (`configuration_fact`). BadInput, before anything is written, for
     an unknown configuration, a row share that does not apply or is out of (0, 1), a sweep id that is not a sweep
     artifact, ridgefill+protected from a solve without a protected-token table, or ridgefill+kscale where every
-    layer above the split is linear attention."""
-    if tail < 1:
-        raise BadInput("--tail must be >= 1")
+    layer above the split is linear attention; and a tail the reader would refuse (`names.tail_problem`)."""
+    problem = tail_problem(tail)
+    if problem is not None:
+        raise BadInput(f"--tail {problem}")
     src = store.get(ref)
     if src.stage not in ("quantize", "solve"):
         raise BadInput(f"artifact {src.id} is a {src.stage} artifact; export takes a quantize or solve artifact")
