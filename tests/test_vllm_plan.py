@@ -216,7 +216,8 @@ def test_served_release_refusals(chain, tmp_path, monkeypatch):
     with pytest.raises(BadInput) as e:
         served.check_model(fill, config | {"max_position_embeddings": fill.tail})
     assert str(e.value) == (f"RIDGEFILL_RELEASE={fill.folder}: the release's 'tail_default' is {fill.tail}, expected "
-                            f"an integer from 1 to {fill.tail - 1} (below the model's context of {fill.tail} positions)")
+                            f"an integer from 1 to {fill.tail - 1} (below the model's context of {fill.tail} "
+                            "positions)")
     table = replace(fill, protected=np.array([3, 256], dtype=np.int64))
     served.check_model(table, config | {"vocab_size": 257})
     with pytest.raises(BadInput) as e:
