@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Bench, load, parser, positive  # noqa: E402
+from harness import Bench, load, parser, positive, release  # noqa: E402
 
 SCORED = 256  # tail tokens whose predictions are compared
 
@@ -28,7 +28,7 @@ SCORED = 256  # tail tokens whose predictions are compared
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("model")
-    ap.add_argument("release", type=Path)
+    ap.add_argument("release", type=release)
     ap.add_argument("--documents", type=positive, default=8)
     ap.add_argument("--doc-tokens", type=positive, default=2048)
     ap.add_argument("--needles", type=positive, default=4, help="samples per depth (depths 0.1, 0.3, 0.5)")

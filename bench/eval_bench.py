@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Bench, parser  # noqa: E402
+from harness import Bench, parser, release  # noqa: E402
 
 QUICK = {"lengths": (1024,), "tail": 256, "scored": 128, "depths": (0.5,), "tasks": ("single",), "samples": 1,
          "documents": 1, "doc_tokens": 1024, "bootstrap": 200}
@@ -30,7 +30,7 @@ QUICK = {"lengths": (1024,), "tail": 256, "scored": 128, "depths": (0.5,), "task
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("model")
-    ap.add_argument("release", type=Path)
+    ap.add_argument("release", type=release)
     ap.add_argument("--quick", action="store_true", help="a tiny eval: checks that the bench runs")
     args = ap.parse_args()
 

@@ -132,7 +132,7 @@ def vllm_arguments(doc: str, extra: dict | None = None) -> tuple[argparse.Namesp
     """The options of a vLLM figure (release, --length, --tail, --repeat, and `extra` {flag: default}, positive
     integers), checked, and the vLLM environment's python (scripts/setup-engines.sh vllm)."""
     ap = parser(doc)
-    ap.add_argument("release", type=Path, nargs="?", default=REPO / "release" / "smollm2-135m")
+    ap.add_argument("release", type=release, nargs="?", default=REPO / "release" / "smollm2-135m")
     for flag, default in {"--length": 2048, "--tail": 512, "--repeat": 3, **(extra or {})}.items():
         ap.add_argument(flag, type=positive, default=default)
     args = ap.parse_args()
@@ -141,6 +141,19 @@ def vllm_arguments(doc: str, extra: dict | None = None) -> tuple[argparse.Namesp
     if args.tail >= args.length:
         ap.error(f"--tail ({args.tail}) must be shorter than --length ({args.length})")
     return args, REPO / ".engines" / "vllm" / "bin" / "python"
+
+
+def release(text: str) -> Path:
+    """argparse type: a release named as everywhere (ridgefill.hub.releases.locate_release): a folder, or a Hub
+    release hf://owner/name[@rev] pulled and verified into the release cache once; a missing folder is a usage
+    error (exit 2), never looked up on the Hub."""
+    from ridgefill.errors import RidgefillError
+    from ridgefill.hub.releases import locate_release
+
+    try:
+        return locate_release(text)
+    except RidgefillError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def count(text: str) -> int:

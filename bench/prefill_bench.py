@@ -18,13 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Bench, load, parser, positive  # noqa: E402
+from harness import Bench, load, parser, positive, release  # noqa: E402
 
 
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("model")
-    ap.add_argument("release", type=Path)
+    ap.add_argument("release", type=release)
     ap.add_argument("--lengths", type=positive, nargs="+", default=[2048, 4096])
     ap.add_argument("--tail", type=positive, default=512)
     ap.add_argument("--repeat", type=positive, default=3)

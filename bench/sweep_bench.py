@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eval_bench import QUICK  # noqa: E402
-from harness import Bench, parser  # noqa: E402
+from harness import Bench, parser, release  # noqa: E402
 
 QUICK_SWEEP = {"length": 1024, "tail": 256, "scored": 128, "needles": 8, "documents": 1, "bootstrap": 200}
 
@@ -35,7 +35,7 @@ QUICK_SWEEP = {"length": 1024, "tail": 256, "scored": 128, "needles": 8, "docume
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("model")
-    ap.add_argument("release", type=Path)
+    ap.add_argument("release", type=release)
     ap.add_argument("--capture", required=True, help="a capture id in --store with every split swept")
     ap.add_argument("--splits", default=None, help="default: the sweep's own (8 over the middle half of the layers)")
     ap.add_argument("--no-exhaustive", action="store_true", help="skip the exhaustive sweep")

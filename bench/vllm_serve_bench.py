@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import REPO, Bench, Parser, count, env_threads, positive  # noqa: E402
+from harness import REPO, Bench, Parser, count, env_threads, positive, release  # noqa: E402
 
 MODEL = "builtin:smollm2-135m"
 VLLM = REPO / ".engines" / "vllm"
@@ -51,7 +51,7 @@ USER_TOKENS = 2048  # what a decoding user asks for: more than it streams before
 
 def arguments():
     ap = Parser(__doc__)
-    ap.add_argument("release", type=Path, nargs="?", default=REPO / "release" / "smollm2-135m")
+    ap.add_argument("release", type=release, nargs="?", default=REPO / "release" / "smollm2-135m")
     ap.add_argument("--lengths", type=positive, nargs="+", default=[2048, 4096, 8000])
     ap.add_argument("--repeat", type=positive, default=3)
     ap.add_argument("--users", type=count, default=3, help="decoding users of the multi-user figure (0: skip it)")

@@ -16,7 +16,7 @@ D = EvalConfig()  # each option's default
 @placed
 def eval_(
     model: ModelArg,
-    source: Annotated[str, typer.Argument(help="Release folder, or a solve / quantize artifact id.")],
+    source: Annotated[str, typer.Argument(help="Release folder, a Hub release hf://OWNER/NAME[@REV] (pulled into the release cache once), or a solve / quantize artifact id.")],
     arms: Annotated[Optional[list[str]], typer.Option("--arms", help="exact, ridgefill, identity, nofill, or a fill arm with +corrections (vscale, kscale, kshift, state) and a +selector (rows, protected; its :random and :tail controls are added); repeatable; default: the first four, and the release's configured arm.")] = None,
     tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = D.tail,
     lengths: Annotated[Optional[list[int]], typer.Option("--lengths", help="Needle context lengths (repeatable).")] = None,
@@ -34,9 +34,11 @@ def eval_(
     from ridgefill.errors import GateFailed
     from ridgefill.evaluate import check, evaluate, record
     from ridgefill.evaluate.gate import load_gate
-    from ridgefill.evaluate.source import configuration_of
+    from ridgefill.evaluate.source import configuration_of, locate_source
+    from ridgefill.hub.releases import HUB
 
     out = output()
+    named, source = source, locate_source(source)  # a Hub release pulled once; a missing folder refused, not fetched
     cfg = EvalConfig(arms=tuple(arms or DEFAULT_ARMS), tail=tail, lengths=tuple(lengths or D.lengths),
                      depths=tuple(depths or D.depths), tasks=tuple(tasks or D.tasks), samples=samples,
                      documents=documents, doc_tokens=doc_tokens, scored=scored, seed=seed)
@@ -53,7 +55,7 @@ def eval_(
     if s.get("pairs"):
         for line in pairs_lines(s):
             out.info(line)
-    verdict = record(source, art, rules, out)  # into the release folder, if it is one; then the gate
+    verdict = record(source, art, rules, out, keep=not named.startswith(HUB))  # into a release folder; the gate
     done(out, "eval", art, cached, {"gate": verdict})
     failed = verdict["failed"] if verdict else []
     if failed:

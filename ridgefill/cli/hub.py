@@ -1,4 +1,5 @@
-"""`ridgefill push DIR --repo OWNER/NAME` and `ridgefill pull OWNER/NAME[@REV] --out DIR` (Hugging Face Hub).
+"""`ridgefill push DIR --repo OWNER/NAME` and `ridgefill pull OWNER/NAME[@REV] --out DIR` (Hugging Face Hub). DIR,
+as everywhere a release is named, may be a Hub release `hf://OWNER/NAME[@REV]` (hub.releases.locate_release).
 
 Without --json, stdout carries only the commit sha; the commit URL and status go to stderr.
 """
@@ -21,7 +22,8 @@ TokenOpt = Annotated[
 
 
 def push(
-    folder: Annotated[Path, typer.Argument(help="Release folder (verified before anything is uploaded).")],
+    folder: Annotated[str, typer.Argument(help="Release folder (verified before anything is uploaded), or a Hub "
+                                               "release hf://OWNER/NAME[@REV] to copy.")],
     repo: Annotated[str, typer.Option("--repo", help="Hub model repo OWNER/NAME (created if missing).")],
     revision: Annotated[str, typer.Option("--revision", help="Branch to commit to (created if missing).")] = "main",
     private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,

@@ -108,15 +108,17 @@ def write(ec: EngineCache, out: Path, dtype: str) -> None:
     move_into_place(tmp, out)
 
 
-def make_prefix(store, model: str, release: Path, prompt: Path, out: Path, *, arm: str = "ridgefill",
+def make_prefix(store, model: str, release: str | Path, prompt: Path, out: Path, *, arm: str = "ridgefill",
                 tail: int | None = None, dtype: str = "float32", force: bool = False, place=None,
                 warn=None) -> EngineCache:
     """The prefix of `prompt` (a text file, tokenized with the tokenizer's default special tokens) computed by
     `arm` with the release's maps and options, all but the last `tail` tokens (default: the release's tail). A
     release configured ridgefill+rows or ridgefill+kscale is refused for the fill arms: both need the tail, which the
     engine computes (a ridgefill+protected release's protected rows run exactly in the prefix). `warn` is told of
-    bytes in the prompt that are not UTF-8."""
+    bytes in the prompt that are not UTF-8. `release` is a folder, or `hf://owner/name[@rev]`
+    (`hub.releases.locate_release`: pulled into the release cache; a missing folder refused, never fetched)."""
     from ridgefill.formats.release import read_release
+    from ridgefill.hub.releases import locate_release
     from ridgefill.models import load_model, resolve_model
     from ridgefill.models.device import where
     from ridgefill.runtime import load_release_maps
@@ -129,6 +131,7 @@ def make_prefix(store, model: str, release: Path, prompt: Path, out: Path, *, ar
         raise BadInput(tail_rule(tail))
     text = read_prompt_text(prompt, warn)
     # the release is verified, its configuration and model checked, before the model is loaded
+    release = locate_release(os.fspath(release))
     verified = read_release(release)
     conf = verified.configuration["arm"]
     if arm != "exact" and conf in (ROWS_CONFIGURATION, KSCALE_CONFIGURATION):

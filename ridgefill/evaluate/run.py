@@ -196,11 +196,12 @@ def _needles(lm, src: MapsSource, cfg: EvalConfig, arms, suite: list, out: Outpu
     return measure_needles(lm, suite, [src.split], jobs, out, row=row)
 
 
-def record(source: str, art: Artifact, rules: dict | None, out: Output) -> dict | None:
+def record(source: str, art: Artifact, rules: dict | None, out: Output, keep: bool = True) -> dict | None:
     """What follows an eval, for the CLI and a recipe alike: a release folder records the figures (its manifest's
-    `eval` and its model card, neither of them hashed) and still verifies; then the gate's thresholds, if any, are
-    checked, on the gate's arm or, when it names none, on the release's configured arm. Returns the gate's outcome
-    {"passed", "failed": [lines], "arm"} (None without a gate); the caller exits 3 when it failed."""
+    `eval` and its model card, neither of them hashed) and still verifies -- unless `keep` is False (a Hub
+    release's copy in the release cache, which stays the commit it was pulled from); then the gate's thresholds,
+    if any, are checked, on the gate's arm or, when it names none, on the release's configured arm. Returns the
+    gate's outcome {"passed", "failed": [lines], "arm"} (None without a gate); the caller exits 3 when it failed."""
     from ridgefill.evaluate.gate import check_gate, gate_arm
     from ridgefill.export.card import model_card
     from ridgefill.formats import release
@@ -208,7 +209,11 @@ def record(source: str, art: Artifact, rules: dict | None, out: Output) -> dict 
     s = art.manifest["summary"]
     folder = Path(source)
     configured = release.PLAIN
-    if (folder / release.MANIFEST).is_file():
+    if (folder / release.MANIFEST).is_file() and not keep:
+        configured = release.read_release(folder).configuration["arm"]
+        out.info(f"eval summary not written into {folder}, the cached copy of a Hub release (`ridgefill pull` it into "
+                 "a folder to keep the figures with it)")
+    elif (folder / release.MANIFEST).is_file():
         release.write_eval(folder, manifest_summary(s, art.id), model_card)
         configured = release.read_release(folder).configuration["arm"]  # verifies it again
         out.info(f"eval summary written into {folder / release.MANIFEST} and {release.CARD}")

@@ -1,10 +1,12 @@
-"""What eval and sweep measure: maps with the facts they need about them (`MapsSource`), from a release folder or
-a solve / quantize artifact of the store. One loader for both, so a sweep's split is measured exactly as eval
-would measure its release. A release's configuration (docs/format.md) comes with it: the arm it is applied with,
-which eval measures beside its default arms and gates by default, and the row share of ridgefill+rows."""
+"""What eval and sweep measure: maps with the facts they need about them (`MapsSource`), from a release (a folder,
+or a Hub release `hf://owner/name[@rev]`) or a solve / quantize artifact of the store. One loader for both, so a
+sweep's split is measured exactly as eval would measure its release. A release's configuration (docs/format.md)
+comes with it: the arm it is applied with, which eval measures beside its default arms and gates by default, and the
+row share of ridgefill+rows."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,22 +32,39 @@ class MapsSource:
     map_kinds: dict = field(default_factory=dict)  # {layer: "input" | "kv"}: what each map predicts
 
 
+def locate_source(source: str) -> str:
+    """What eval names (RELEASE_OR_MAPS) as what the loaders here read: a release named as everywhere a release is
+    (`hub.releases.locate_release`: `hf://owner/name[@rev]` pulled into the release cache, its folder returned), a
+    path that exists as it is, and a path that does not -- one written with a `/` that is not a store's
+    `stage/id` -- refused as a missing folder, never looked up on the Hub nor in the store; anything else is an
+    artifact id (or unique prefix) of the store."""
+    from ridgefill.artifacts.store import STAGES
+    from ridgefill.hub.releases import HUB, locate_release
+
+    path_like = "/" in source.replace(os.sep, "/") and source.partition("/")[0] not in STAGES
+    if source.startswith(HUB) or (path_like and not Path(source).expanduser().exists()):
+        return str(locate_release(source))
+    return source
+
+
 def configuration_of(source: str) -> str:
     """The configured arm of `source` (a release folder's `configuration.arm`, "ridgefill" for a release without one
     and for a store artifact), read from the manifest alone, before anything is loaded (BadInput for a configuration
     the format refuses); `load_source` verifies the release."""
     from ridgefill.formats import release
 
-    p = Path(source)
+    p = Path(locate_source(source))
     if not (p / release.MANIFEST).is_file():
         return release.PLAIN
     return release.release_configuration(release.read_manifest(p))["arm"]
 
 
 def load_source(store: Store, source: str) -> MapsSource:
-    """A release folder, or a solve / quantize artifact of the store."""
+    """A release (a folder, or `hf://owner/name[@rev]`: `locate_source`), or a solve / quantize artifact of the
+    store."""
     from ridgefill.formats import release
 
+    source = locate_source(source)
     p = Path(source)
     if (p / release.MANIFEST).is_file():
         rel = release.read_release(p)  # every fact below checked there, once

@@ -18,6 +18,12 @@ a damaged file) and only then renames it to `out`. A folder fetched with `hf dow
 unchanged. A fresh,
 throw-away download cache is used each time, so what is verified is what the Hub serves now.
 
+`locate_release(value)` is the one rule for naming a release wherever a release is named (eval, engine prefix, push,
+the Python loader `load_release_maps`, RIDGEFILL_RELEASE, the bench scripts): `hf://owner/name[@rev]` is a Hub
+release, pulled and verified once into `$RIDGEFILL_CACHE/releases` (`pull_cached`) and read from there after;
+anything else is a folder, and a missing one is refused without a request (`release/x` typed in the wrong folder is
+never fetched from whoever owns that name on the Hub).
+
 huggingface_hub is imported inside the functions (`import ridgefill` stays light). Hub failures become one-line
 errors through `ridgefill.hub.client.hub_errors`, the mapping model downloads use too (the token never appears in
 a message). The offline rule is theirs as well: with `HF_HUB_OFFLINE` set and nothing cached a model download is
@@ -39,15 +45,20 @@ from ridgefill.hub import client
 from ridgefill.hub.client import DEFAULT_REVISION, check_repo_id
 
 KEEP_REMOTE = frozenset({release.GITATTRIBUTES})  # never deleted by push, never downloaded by pull
+HUB = "hf://"  # the prefix that names a Hub release wherever a release is named; anything else is a folder
+FORMS = "a release folder, or a Hub release hf://owner/name[@rev]"
+CACHE_ENV = "RIDGEFILL_CACHE"  # the root of the cache `locate_release` pulls Hub releases into
 
 
 # ------------------------------------------------------------------------------------------------ push
 
 
-def push(folder: Path, repo_id: str, *, revision: str = DEFAULT_REVISION, private: bool = False,
+def push(folder: str | Path, repo_id: str, *, revision: str = DEFAULT_REVISION, private: bool = False,
          commit_message: str | None = None, token: str | None = None, out=None) -> dict:
-    """Upload a verified release folder as one commit; returns {repo, revision, commit, url, files, unchanged}."""
-    folder = Path(folder)
+    """Upload a verified release folder as one commit; returns {repo, revision, commit, url, files, unchanged}.
+    `folder` is named as everywhere (`locate_release`): a Hub release `hf://owner/name[@rev]` is pulled into the
+    release cache and pushed from there (a copy to another repo); a missing folder is refused before any request."""
+    folder = locate_release(os.fspath(folder), token=token)
     manifest = release.verify_release(folder)  # BadInput (exit 2) on the first problem; nothing sent yet
     check_repo_id(repo_id)
     _check_branch(revision)
@@ -161,7 +172,7 @@ def _default_message(manifest: dict) -> str:
 def parse_spec(spec: str) -> tuple[str, str]:
     """`owner/name[@rev]`, or `hf://owner/name[@rev]` as RIDGEFILL_RELEASE names one -> (repo_id, rev); rev defaults
     to main."""
-    repo_id, at, rev = spec.removeprefix("hf://").partition("@")
+    repo_id, at, rev = spec.removeprefix(HUB).partition("@")
     if at and not rev:
         raise BadInput(f"{spec!r}: empty revision after '@'")
     check_repo_id(repo_id)
@@ -249,6 +260,44 @@ def pull_cached(spec: str, root: Path, *, token: str | None = None) -> Path:
     tmp.write_text(sha + "\n")
     os.replace(tmp, ref)
     return folder
+
+
+def release_cache() -> Path:
+    """Where Hub releases named `hf://...` are kept: `$RIDGEFILL_CACHE/releases` (~/.cache/ridgefill/releases)."""
+    return Path(os.environ.get(CACHE_ENV) or "~/.cache/ridgefill").expanduser() / "releases"
+
+
+def locate_release(value: str, *, where: str | None = None, cache_root: Path | None = None,
+                   token: str | None = None) -> Path:
+    """The local folder that a release named by a user stands for, by one rule wherever a release is named (eval,
+    engine prefix, push, the Python loader, RIDGEFILL_RELEASE, the bench scripts): `hf://owner/name[@rev]` is pulled
+    and verified into `cache_root` (default `release_cache()`) by `pull_cached`, or found there; anything else is a
+    folder as written (`~` expanded). A folder that does not exist is refused, never looked up on the Hub
+    (`release/x` typed in the wrong folder is not someone's repo), with the hf:// spelling suggested when it reads
+    as owner/name. BadInput in one line starting with `where` (default: the value itself)."""
+    label = where or value
+    if not value.strip():
+        raise BadInput(f"{label}: empty; name {FORMS}")
+    if value.startswith(HUB):
+        spec = value[len(HUB):]
+        try:
+            parse_spec(spec)  # the Hub's own rule for a repo id, before any request
+        except BadInput:
+            raise BadInput(f"{label}: a Hub release is written {HUB}owner/name[@rev]") from None
+        try:
+            return pull_cached(spec, release_cache() if cache_root is None else Path(cache_root), token=token)
+        except RidgefillError as e:
+            if where is None:
+                raise  # the message names the repo already
+            raise type(e)(f"{where}: {e}") from None
+    path = Path(value).expanduser()
+    if not path.exists():
+        looks_hub = value.count("/") == 1 and not value.startswith((".", "/", "~"))
+        hint = f"; a Hub release is written {HUB}{value}" if looks_hub else ""
+        raise BadInput(f"{label}: no such folder ({path.absolute()}){hint}")
+    if not path.is_dir():
+        raise BadInput(f"{label}: not a folder ({FORMS})")
+    return path
 
 
 def _fetcher(api, repo_id: str, sha: str, cache: Path, stage: Path, token, where: str):

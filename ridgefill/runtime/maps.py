@@ -2,6 +2,7 @@
 
     from ridgefill.runtime import load_release_maps
     rel = load_release_maps(lm, "release/smollm2-135m")   # verified; refuses maps made for another model
+    rel = load_release_maps(lm, "hf://owner/name")        # a Hub release: pulled once into the release cache
     rel.maps    # {layer: (W float32 [d_out, d], b float32 [d_out])} on each late layer's device
     rel.map_kinds   # {layer: "input" (d_out = d) | "kv" (keys before RoPE and QK-norm, then values)}
     rel.split, rel.tail, rel.manifest
@@ -24,6 +25,7 @@ A release's `configuration` (docs/format.md) says how it is applied, and `rel.ar
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,6 +97,8 @@ def maps_on_devices(lm, maps: dict, layers) -> dict:
 def load_release_maps(lm, folder, release=None) -> ReleaseMaps:
     """Verify and load the release in `folder` for the loaded model `lm` (a `ridgefill.models.LoadedModel`); a caller
     that has read it already (`formats.release.read_release(folder)`) passes it as `release`, and it is not read again.
+    `folder` is named as everywhere a release is (`hub.releases.locate_release`): a folder, or the string
+    `hf://owner/name[@rev]`, pulled and verified into the release cache once and read from there after.
 
     BadInput (one line) when the folder does not verify (a configuration the format refuses, an impossible split or
     tail included), when it was made for another model (another fingerprint, layer count, width or KV shape than
@@ -102,10 +106,13 @@ def load_release_maps(lm, folder, release=None) -> ReleaseMaps:
     do not match the model's layers, or when its configuration's correction has no layers above the split on this
     model. Every fact comes from the reader's `Release`, checked there once."""
     from ridgefill.formats.release import read_release
+    from ridgefill.hub.releases import locate_release
     from ridgefill.runtime.corrections import check_corrections, check_state_offsets
 
-    folder = Path(folder)
-    rel = read_release(folder) if release is None else release
+    if release is None:  # hf://owner/name[@rev] pulled into the release cache; a missing folder refused, never fetched
+        folder = locate_release(os.fspath(folder))
+        release = read_release(folder)
+    folder, rel = Path(folder), release
     ref, ad = lm.ref, lm.adapter
     rel.check_model(fingerprint=ref.fingerprint, num_layers=ad.num_layers, hidden_size=ad.hidden_size,
                     num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, vocab_size=ad.vocab_size, name=ref.spec,

@@ -7,8 +7,9 @@
 
 `RIDGEFILL_RELEASE` is a release folder, or a Hub release written `hf://owner/name[@rev]`, pulled and verified as
 `ridgefill pull` does into `$RIDGEFILL_CACHE/releases` (default `~/.cache/ridgefill/releases`;
-`hub.releases.pull_cached`) and reused from there. A value without `hf://` is only ever a folder: a path that does
-not exist is refused, never looked up on the Hub (`release/x` typed in the wrong folder is not someone's repo).
+`hub.releases.locate_release`, the rule every command that takes a release has) and reused from there. A value
+without `hf://` is only ever a folder: a path that does not exist is refused, never looked up on the Hub
+(`release/x` typed in the wrong folder is not someone's repo).
 Imports: the standard library, numpy and ridgefill's numpy-only modules (no torch, no transformers), so the engine's
 own environment reads it.
 """
@@ -25,12 +26,10 @@ from ridgefill.errors import BadInput
 from ridgefill.formats.release import MAPS_FILE, read_release
 from ridgefill.formats.release.names import (PLAIN, PROTECTED_CONFIGURATION, integer, protected_problem,
                                              tail_problem)
+from ridgefill.hub.releases import FORMS, HUB, locate_release
 from ridgefill.models.kinds import FULL
 
 ENV = "RIDGEFILL_RELEASE"
-CACHE_ENV = "RIDGEFILL_CACHE"
-HUB = "hf://"  # the prefix that names a Hub release; anything else is a folder
-FORMS = "a release folder, or a Hub release hf://owner/name[@rev]"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 CAUSAL = (PLAIN, PROTECTED_CONFIGURATION)  # configurations decided row by row; +rows and +kscale read the tail
 
@@ -83,36 +82,11 @@ def setting() -> str | None:
 
 
 def locate(value: str) -> Path:
-    """The local folder RIDGEFILL_RELEASE names: `hf://owner/name[@rev]` pulled (or found in the cache), anything
-    else a folder as it is. BadInput / RidgefillError in one line otherwise."""
-    if value.startswith(HUB):
-        return _pulled(value)
-    path = Path(value).expanduser()
-    if not path.exists():
-        looks_hub = value.count("/") == 1 and not value.startswith((".", "/", "~"))
-        hint = f"; a Hub release is written {HUB}{value}" if looks_hub else ""
-        raise BadInput(f"{ENV}={value}: no such folder ({path.absolute()}){hint}")
-    if not path.is_dir():
-        raise BadInput(f"{ENV}={value}: not a folder ({FORMS})")
-    return path.resolve()
-
-
-def _pulled(value: str) -> Path:
-    """`hf://owner/name[@rev]`, pulled and verified into the release cache (or found there)."""
-    from ridgefill.errors import RidgefillError
-    from ridgefill.hub.releases import parse_spec, pull_cached
-
-    spec = value[len(HUB):]
-    try:
-        parse_spec(spec)  # the Hub's own rule for a repo id, before any request
-    except BadInput:
-        raise BadInput(f"{ENV}={value}: a Hub release is written hf://owner/name[@rev]") from None
-
-    root = Path(os.environ.get(CACHE_ENV) or "~/.cache/ridgefill").expanduser() / "releases"
-    try:
-        return pull_cached(spec, root)
-    except RidgefillError as e:
-        raise type(e)(f"{ENV}={value}: {e}") from None
+    """The local folder RIDGEFILL_RELEASE names, by the rule every command has (`hub.releases.locate_release`):
+    `hf://owner/name[@rev]` pulled into the release cache (or found there), anything else a folder as it is, a
+    missing one refused. BadInput / RidgefillError in one line, starting `RIDGEFILL_RELEASE=value:`."""
+    path = locate_release(value, where=f"{ENV}={value}")
+    return path if value.startswith(HUB) else path.resolve()
 
 
 def load(folder: Path) -> Fill:
