@@ -1,5 +1,5 @@
 """One spelling of a release wherever one is named (`ridgefill.hub.releases.locate_release`): eval, engine prefix,
-push, the Python loader `load_release_maps`, RIDGEFILL_RELEASE (tests/test_vllm_plan.py) and the bench scripts.
+push, verify, the Python loader `load_release_maps`, RIDGEFILL_RELEASE (tests/test_vllm_plan.py) and the bench scripts.
 
 `hf://owner/name[@rev]` is a Hub release, here served by the local Hub-compatible server (tests/hubserver.py),
 pulled and verified into $RIDGEFILL_CACHE/releases and run from there; anything else is a folder, and a missing
@@ -131,6 +131,14 @@ def test_push_copies_a_hub_release(chain, hub, tmp_path):
     assert all(hub.read("acme/copy", n) == (chain.release / n).read_bytes() for n in files)
     refused_without_a_request(hub, tmp_path / "bare", "push", "release/x", "--repo", "acme/other")
     assert "acme/other" not in hub.repos
+
+
+def test_verify_takes_a_hub_release(chain, hub, tmp_path):
+    r = cli("verify", "hf://acme/tiny", "--json", env=hub_env(hub, tmp_path))
+    assert r.returncode == 0, r.stderr
+    got, files = json.loads(r.stdout), verify_release(chain.release)["files"]
+    assert got["ok"] and got["folder"] == str(cached(tmp_path)) and got["files"] == files
+    refused_without_a_request(hub, tmp_path / "bare", "verify", "release/x")
 
 
 def test_python_loader_takes_a_hub_release(chain, hub, tmp_path):

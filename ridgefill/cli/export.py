@@ -55,13 +55,16 @@ def export(
 
 
 def verify(
-    folder: Annotated[Path, typer.Argument(help="Release folder.")],
+    release: Annotated[str, typer.Argument(help="Release folder, or a Hub release hf://owner/name[@rev].")],
 ) -> None:
     """Check every file of a release folder against its manifest, and the manifest against the facts
-    maps.safetensors records (exit 2 naming the bad file or field)."""
+    maps.safetensors records (exit 2 naming the bad file or field). A Hub release is pulled into the release cache
+    first (or found there), and its cached copy checked."""
     from ridgefill.formats.release import MAPS_FILE, verify_release
+    from ridgefill.hub.releases import locate_release
 
     out = output()
+    folder = locate_release(release)
     manifest = verify_release(folder)
     files = sorted(manifest["files"])
     out.info(f"[green]ok[/green] {folder}: {len(files)} file(s) match ridgefill.json ({', '.join(files)}), and its "
