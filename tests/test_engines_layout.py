@@ -399,3 +399,15 @@ def test_cli_engine_fold(tiny_llama, tmp_path):
     (line,) = r.stderr.strip().splitlines()
     assert r.returncode == 2 and line.startswith(f"Error: --out {store / 'served'} is inside the artifact store")
     assert not (store / "served").exists()
+
+
+def test_the_fields_the_fill_sets_are_the_ones_internals_lists():
+    """model.py's per-step CommonAttentionMetadata (dataclasses.replace(cam, ...)) sets exactly the fields
+    internals.COMMON_FIELDS lists, which the engine tests check against the installed vLLM."""
+    from ridgefill.engines.vllm import internals
+
+    tree = ast.parse((ENGINES / "vllm" / "model.py").read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "replace" and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id == "cam"]
+    assert len(calls) == 1
+    assert sorted(k.arg for k in calls[0].keywords) == sorted(internals.COMMON_FIELDS)

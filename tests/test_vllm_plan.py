@@ -111,6 +111,43 @@ def test_runs_let_every_exact_row_attend_to_exactly_the_positions_up_to_its_own(
     assert r.query_start.tolist() == [0, 5, 6] and r.seq_lens.tolist() == [105, 40] and r.owner.tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("limit", [1, 2, 3, 4, 7])
+def test_groups_run_every_sequence_once_in_order_within_the_limit(limit):
+    """Groups of at most `limit` sequences, in order, that together are the runs: each group a valid `Runs` whose
+    rows attend to what the whole runs' rows do (simulated kernel), and no row attends to a row of a later group
+    (the groups run one after another, so a later group's keys are not yet written)."""
+    rng = np.random.default_rng(limit)
+    for _ in range(200):
+        qsl, seq, _, _ = random_step(rng, int(rng.integers(1, 6)))
+        exact = rng.random(qsl[-1]) < rng.choice([0.05, 0.3, 0.9])
+        whole = plan.runs(exact, qsl, seq)
+        parts = plan.groups(whole, limit)
+        assert all(0 < g.owner.size <= limit for g in parts) and sum(g.owner.size for g in parts) == whole.owner.size
+        assert np.concatenate([g.rows for g in parts] or [whole.rows]).tolist() == whole.rows.tolist()
+        assert sum((simulate_kernel(g, qsl, seq) for g in parts), []) == simulate_kernel(whole, qsl, seq)
+        for g in parts:
+            assert g.query_start[0] == 0 and g.query_start[-1] == g.rows.size
+            assert (g.rows[g.query_start[1:] - 1] == g.last).all()
+        pos, owner = brute_positions(qsl, seq)
+        for i, g in enumerate(parts):  # every row of a later group of the same request sits at a later position
+            for later in parts[i + 1 :]:
+                for o in set(g.owner.tolist()) & set(later.owner.tolist()):
+                    assert pos[g.rows[owner[g.rows] == o]].max() < pos[later.rows[owner[later.rows] == o]].min()
+    with pytest.raises(ValueError, match="at least one sequence"):
+        plan.groups(plan.runs(np.ones(3, bool), [0, 3], [3]), 0)
+
+
+def test_a_request_is_served_exactly_by_its_own_parameters():
+    class Params:
+        def __init__(self, **kw):
+            self.prompt_logprobs, self.prompt_logprob_token_ids = kw.get("lp"), kw.get("ids")
+
+    assert plan.served_exactly(None)  # a pooling request: no sampling parameters
+    assert plan.served_exactly(Params(lp=0)) and plan.served_exactly(Params(lp=-1))
+    assert plan.served_exactly(Params(ids=[5]))
+    assert not plan.served_exactly(Params())
+
+
 def test_prefix_rows_in_block_counts_the_blocks_prefix_rows():
     for n in (1, 16, 100, 129, 300):
         for tail in (1, 16, 64):

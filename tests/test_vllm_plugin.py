@@ -58,22 +58,24 @@ def engine_env(release: Path | None, **extra) -> dict:
     return env | {"OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2")} | extra
 
 
-def run_engine(work: Path, name: str, model: Path, prompts: dict, runs: list, env: dict) -> dict:
+def run_engine(work: Path, name: str, model: Path, prompts: dict, runs: list, env: dict, timeout=None) -> dict:
     spec, out = work / f"jobs-{name}.json", work / f"results-{name}.json"
     spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "runs": runs}))
-    r = subprocess.run([vllm_python(), "-m", RUNNER, spec, out], capture_output=True, text=True, cwd=ROOT, env=env)
+    r = subprocess.run([vllm_python(), "-m", RUNNER, spec, out], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=timeout)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(out.read_text())["runs"]
 
 
-def reference(lm, ids, arm: str, **options) -> dict:
-    """The reference's greedy answer and margins after a prefill of the whole prompt, and its exact prefix rows."""
+def reference(lm, ids, arm: str, new: int = NEW, **options) -> dict:
+    """The reference's greedy answer (`new` tokens) and margins after a prefill of the whole prompt, and its exact
+    prefix rows."""
     import torch
 
     from ridgefill.runtime import prefill
 
     res = prefill(lm, torch.tensor(ids), arm, **options)
-    answer, margins = reference_path(lm, res.logits[-1], res.cache, len(ids), NEW)
+    answer, margins = reference_path(lm, res.logits[-1], res.cache, len(ids), new)
     return {"top1": answer, "margin": margins, "exact_rows": len(res.exact_rows)}
 
 
@@ -87,7 +89,7 @@ def agreement(outputs: list, refs: dict) -> dict:
         if t1 == ref["top1"][0]:
             firsts += 1
             worst = max(worst, abs((l1 - l2) - ref["margin"][0]))
-        tokens, want = out["tokens"], ref["top1"][:NEW]
+        tokens, want = out["tokens"], ref["top1"][: len(out["tokens"])]
         if tokens == want:
             greedy += 1
             continue
@@ -232,6 +234,132 @@ def test_requests_asking_for_prompt_logprobs_are_served_exactly(smol):
     assert abs((l1 - l2) - fill_ref) > MARGIN_TOL  # not the filled answer
 
 
+def stepwise_margin_diff(outputs: list, refs: dict) -> float:
+    """The largest difference between an output's top-2 margin and its reference's, over every generated token up to
+    the first that differs from the reference's answer."""
+    worst = 0.0
+    for out in outputs:
+        ref = refs[out["prompt"]]
+        for i, ((t1, l1), (_, l2)) in enumerate(out["top2"]):
+            if i >= len(ref["top1"]) or out["tokens"][:i] != ref["top1"][:i] or t1 != ref["top1"][i]:
+                break
+            worst = max(worst, abs((l1 - l2) - ref["margin"][i]))
+    return worst
+
+
+def test_a_preempted_prompt_logprobs_request_is_recomputed_exactly(smol_model, tmp_path):
+    """A request asking for prompt log-probabilities is served exactly however often it is scheduled. Prompts of
+    1,000 tokens (eight blocks less 24 rows) answering 40 tokens, in a KV space of 26 blocks: three run at once,
+    their decodes cross into a ninth block, and one gives way while it decodes, its prompt done; recomputed, its
+    prompt is computed exactly again, as its prefix-cache block hashes say. Every answer, and the last prompts sent
+    again with prompt log-probabilities reading the prefix cache (what the recomputed requests left there), equals
+    the exact model's at every generated token."""
+    lm, new, length = smol_model["lm"], 40, 1000
+    names = [f"p{i}" for i in range(6)]
+    prompts = {n: smol_model["prompts"][n][:length] for n in names}
+    refs = {n: reference(lm, prompts[n], "exact", new=new, split=0, tail=length) for n in names}
+    run = {"name": "preempted", "engine": TINY_KV | {"enable_prefix_caching": True}, "prompts": names,
+           "submit": "together", "max_new": new, "prompt_logprobs": names, "after": names[-2:]}  # fmt: skip
+    got = run_engine(tmp_path, "preempted-logprobs", smol_model["model"], prompts, [run],
+                     engine_env(RELEASE))["preempted"]  # fmt: skip
+    fig = agreement(got["outputs"], refs) | {"engine": got["stats"], "preemptions": got["preemptions"],
+                                             "margin_max_diff": stepwise_margin_diff(got["outputs"], refs),
+                                             "cached": [o["cached"] for o in got["outputs"]]}  # fmt: skip
+    report("preempted_prompt_logprobs", fig)
+    assert got["preemptions"] > 0, fig
+    assert got["stats"]["filled_rows"] == 0, fig
+    check(fig, len(names) + 2)
+    assert fig["margin_max_diff"] < MARGIN_TOL, fig
+
+
+BF16_PROMPTS = 8
+
+
+def distance(outputs: list, refs: dict) -> dict:
+    """How far an engine's outputs are from references: first tokens and greedy answers equal, and the first-token
+    margin's and every step's margin's absolute differences (mean and max, the steps up to each answer's first
+    difference)."""
+    first, steps = [], []
+    for out in outputs:
+        ref = refs[out["prompt"]]
+        for i, ((t1, l1), (_, l2)) in enumerate(out["top2"]):
+            if out["tokens"][:i] != ref["top1"][:i] or t1 != ref["top1"][i]:
+                break
+            (first if i == 0 else steps).append(abs((l1 - l2) - ref["margin"][i]))
+    fig = agreement(outputs, refs)
+    return {"first_token_equal": fig["first_token_equal"], "greedy_equal": fig["greedy_equal"],
+            "first_margin_mean_diff": float(np.mean(first)), "first_margin_max_diff": float(np.max(first)),
+            "margin_mean_diff": float(np.mean(first + steps)), "margin_max_diff": float(np.max(first + steps))}
+
+
+def test_the_fill_in_bfloat16_is_no_further_from_its_reference_than_stock_bfloat16(smol_model, tmp_path):
+    """bfloat16, the dtype a GPU server runs: the fill in vLLM in bfloat16 against the float32 reference fill,
+    beside stock vLLM in bfloat16 against the float32 exact model, on the same prompts. The rule: the fill is no
+    further from its reference than stock is from its own, on greedy answers (as many equal, less one: a near-tie
+    may part either way) and on the mean top-2 margin difference over every generated token (at most 1.5 x stock's:
+    bfloat16's rounding in the fill's own GEMMs, the maps' included, is of the same size as the model's)."""
+    lm, rel = smol_model["lm"], smol_model["rel"]
+    names = [f"p{i}" for i in range(BF16_PROMPTS)]
+    prompts = {n: smol_model["prompts"][n] for n in names}
+    fill_refs = {n: reference(lm, prompts[n], rel.arm, **rel.options()) for n in names}
+    exact_refs = {n: reference(lm, prompts[n], "exact", split=0, tail=N) for n in names}
+    run = {"name": "bf16", "engine": CHUNKED | {"max_num_batched_tokens": 512, "dtype": "bfloat16"}, "prompts": names,
+           "max_new": NEW}  # fmt: skip
+    fill = run_engine(tmp_path, "bf16-fill", smol_model["model"], prompts, [run], engine_env(RELEASE))["bf16"]
+    stock = run_engine(tmp_path, "bf16-stock", smol_model["model"], prompts, [run], engine_env(None))["bf16"]
+    fig = {"fill_vs_float32_fill": distance(fill["outputs"], fill_refs),
+           "stock_vs_float32_exact": distance(stock["outputs"], exact_refs),
+           "fill_vs_float32_exact": distance(fill["outputs"], exact_refs), "engine": fill["stats"]}  # fmt: skip
+    report("bfloat16", fig)
+    ours, theirs = fig["fill_vs_float32_fill"], fig["stock_vs_float32_exact"]
+    assert fill["stats"]["filled_rows"] > 0, fig
+    assert ours["greedy_equal"] >= theirs["greedy_equal"] - 1, fig
+    assert ours["margin_mean_diff"] <= 1.5 * theirs["margin_mean_diff"], fig
+
+
+def test_every_vllm_internal_the_fill_touches_is_in_the_installed_vllm():
+    """internals.INTERNALS resolves, entry by entry, in the installed vLLM, and CommonAttentionMetadata has every
+    field the fill sets: a vLLM that moved one is caught here, by name, not in a server."""
+    code = ("import dataclasses, json\nfrom ridgefill.engines.vllm import internals\nmissing = []\n"
+            "for where, _, _ in internals.INTERNALS:\n    try:\n        internals.resolve(where)\n"
+            "    except (ImportError, AttributeError) as e:\n        missing.append(f'{where}: {e}')\n"
+            "cam = internals.resolve('vllm.v1.attention.backend:CommonAttentionMetadata')\n"
+            "fields = {f.name for f in dataclasses.fields(cam)}\n"
+            "missing += [f'CommonAttentionMetadata.{f}' for f in internals.COMMON_FIELDS if f not in fields]\n"
+            "print(json.dumps([internals.version_problem(), missing]))")  # fmt: skip
+    r = subprocess.run([vllm_python(), "-c", code], capture_output=True, text=True, cwd=ROOT, env=engine_env(None))
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [None, []]
+
+
+SETTING_REFUSALS = {
+    "prompt_embeds": "ridgefill: the fill does not run with --enable-prompt-embeds (the fill decides rows by their "
+                     "token ids",
+    "stock_torch_compile": "ridgefill: the fill does not run with compilation mode STOCK_TORCH_COMPILE",
+    "breakable_cuda_graphs": "ridgefill: the fill does not run with VLLM_USE_BREAKABLE_CUDAGRAPH=1",
+    "kv_connector": "ridgefill: the fill does not run with a KV connector (kv_transfer_config",
+    "context_below_tail": "ridgefill: the fill does not run with a context of 512 tokens (max_model_len) and the "
+                          "release's tail of 512: no prompt row would ever be filled",
+    "decode_context_parallel": "ridgefill: the fill does not run with decode_context_parallel_size 2",
+    "prefill_context_parallel": "ridgefill: the fill does not run with prefill_context_parallel_size 2",
+}  # fmt: skip
+
+
+def test_settings_the_fill_cannot_honour_are_refused_at_startup(smol_model, tmp_path):
+    """Where vLLM makes its configuration, each setting under which the fill would not run as planned (skipped
+    silently, replayed as stock, or mixed with keys and values from elsewhere) stops startup with one line naming
+    it; the same engine without it starts."""
+    out = tmp_path / "refusals.json"
+    r = subprocess.run([smol_model["python"], str(ROOT / "tests" / "vllm_settings.py"), str(smol_model["model"]),
+                        str(out)], capture_output=True, text=True, cwd=ROOT, env=engine_env(RELEASE))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert got.pop("accepted") is None
+    assert set(got) == set(SETTING_REFUSALS)
+    for case, says in SETTING_REFUSALS.items():
+        assert got[case] is not None and got[case].startswith(says) and "\n" not in got[case], (case, got[case])
+
+
 def test_the_switch_off_is_vllm_without_the_plugin_bit_for_bit(smol):
     off, stock = smol["off"], smol["stock"]
     assert off["stats"] is None and stock["stats"] is None
@@ -369,29 +497,34 @@ def tiny(tmp_path_factory):
     from ridgefill.models import load_model, resolve_model
     from ridgefill.runtime import load_release_maps
 
-    captures, made = {}, {}
+    models, captures, made = {}, {}, {}
 
-    def make(arch: str, configuration: str, maps: str) -> dict:
+    def make(arch: str, configuration: str, maps: str, outlier_ratio: float | None = None, kv_heads: int = 2) -> dict:
         vllm_python()
-        if arch not in captures:
-            work = tmp_path_factory.mktemp(f"tiny-{arch}")
-            model = make_tiny_model(work / "model", arch=arch, layers=4, hidden=128)
+        arch_key, arch = (arch, kv_heads), arch
+        if arch_key not in models:
+            work = tmp_path_factory.mktemp(f"tiny-{arch}-{kv_heads}kv")
+            model = make_tiny_model(work / "model", arch=arch, layers=4, hidden=128, kv_heads=kv_heads)
             data, store = work / "data", work / "store"
             data.mkdir()
             for i, text in enumerate(CAT_TEXTS):
                 (data / f"d{i}.txt").write_text(text)
-            r = cli("capture", model, "--data", data, "--split", "2", "--chunk", "64", "--store", store)
-            assert r.returncode == 0, r.stderr
             lm = load_model(resolve_model(str(model), store_root=store), store_root=store)
-            captures[arch] = {"work": work, "model": model, "store": store, "capture": r.stdout.strip(), "lm": lm}
-        key = (arch, configuration, maps)
+            models[arch_key] = {"work": work, "model": model, "store": store, "data": data, "lm": lm}
+        c = models[arch_key]
+        if (arch_key, outlier_ratio) not in captures:
+            ratio = [] if outlier_ratio is None else ["--outlier-ratio", str(outlier_ratio)]
+            r = cli("capture", c["model"], "--data", c["data"], "--split", "2", "--chunk", "64", *ratio, "--store",
+                    c["store"])  # fmt: skip
+            assert r.returncode == 0, r.stderr
+            captures[(arch_key, outlier_ratio)] = r.stdout.strip()
+        key = (arch_key, configuration, maps, outlier_ratio)
         if key not in made:
-            c = captures[arch]
-            r = cli("solve", c["capture"], "--maps", maps, "--store", c["store"])
+            r = cli("solve", captures[(arch_key, outlier_ratio)], "--maps", maps, "--store", c["store"])
             assert r.returncode == 0, r.stderr
             r = cli("quantize", r.stdout.strip(), "--store", c["store"])
             assert r.returncode == 0, r.stderr
-            release = c["work"] / f"release-{configuration}-{maps}"
+            release = c["work"] / f"release-{configuration}-{maps}-{outlier_ratio or 'default'}"
             r = cli("export", r.stdout.strip(), "--out", release, "--tail", TINY_TAIL, "--configuration",
                     configuration, "--store", c["store"])  # fmt: skip
             assert r.returncode == 0, r.stderr
@@ -437,31 +570,123 @@ def test_the_fill_in_vllm_on_qwen2_and_qwen3(tiny, arch, configuration, maps, tm
             assert got[run]["stats"]["exact_prefix_rows"] > PROMPTS, fig  # protected rows amid the prefix
 
 
-def test_key_value_maps_on_two_tensor_parallel_ranks(tiny, tmp_path):
-    """The tiny Qwen2's key/value release on two tensor-parallel ranks on the CPU (2 KV heads: one per rank, each
-    rank's map cut to its own head's key and value rows): the answers equal one rank's and the reference's, and the
-    fill (rank 0's counters) fills the reference's rows."""
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("two tensor-parallel ranks need two CPUs")
-    t = tiny("qwen2", "ridgefill", "kv")
+def test_more_exact_runs_than_the_backend_has_room_for_run_in_groups(tiny, tmp_path):
+    """A release whose exact-row norm is barely above the median (a capture at outlier ratio 1.05: about a third of
+    the prefix rows run exactly, most of them alone) gives a step many more exact runs than `max_num_seqs`. With the
+    CPU builder failing as FlashInfer's and FlashAttention 3's would past their buffers (plugin_runner's
+    gpu_seq_limits), max_num_seqs 1 to 4: the late layers run the runs in groups the backend takes, and the answers
+    equal the reference fill's."""
+    t = tiny("qwen2", "ridgefill", "input", outlier_ratio=1.05)
     names = [f"p{i}" for i in range(8)]
     prompts, refs = {n: t["prompts"][n] for n in names}, {n: t["refs"][n] for n in names}
-    engine = {"max_model_len": 256, "enable_prefix_caching": False, "max_num_batched_tokens": 128, "max_num_seqs": 4}
-    runs = [{"name": "one", "engine": engine, "prompts": names, "submit": "together", "max_new": NEW},
-            {"name": "two", "engine": engine | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+    runs = [{"name": f"seqs{k}", "engine": {"max_model_len": 256, "enable_prefix_caching": False,
+                                            "max_num_batched_tokens": 128, "max_num_seqs": k},
+             "prompts": names, "submit": "together", "max_new": NEW, "gpu_seq_limits": True}
+            for k in (1, 2, 3, 4)]  # fmt: skip
+    got = run_engine(tmp_path, "groups", t["model"], prompts, runs, engine_env(t["release"]))
+    for k in (1, 2, 3, 4):
+        g = got[f"seqs{k}"]
+        fig = agreement(g["outputs"], refs) | {"engine": g["stats"], "max_batch_seqs": g["max_batch_seqs"]}
+        report(f"groups_max_num_seqs_{k}", fig)
+        check(fig, len(names))
+        stats = g["stats"]
+        assert stats["filled_rows"] == tiny_filled_rows(prompts, refs), fig
+        assert stats["exact_prefix_rows"] > 10 * len(names), fig  # many exact rows amid the prefix
+        assert stats["groups"] > stats["fill_steps"] and 1 <= stats["max_group_seqs"] <= k, fig
+        assert g["max_batch_seqs"] <= k, fig
+
+
+TP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1",
+          "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # fmt: skip
+TP_ENGINE = {"max_model_len": 256, "enable_prefix_caching": False, "max_num_batched_tokens": 128, "max_num_seqs": 4}
+
+
+@pytest.mark.parametrize("maps, kv_heads", [("kv", 2), ("input", 2), ("kv", 1), ("input", 1)])
+def test_the_fill_on_two_tensor_parallel_ranks(tiny, maps, kv_heads, tmp_path):
+    """The tiny Qwen2 on two tensor-parallel ranks on the CPU, with 2 KV heads (one per rank) and with 1 (replicated
+    on both), with key/value maps (each rank holding its own heads' rows) and input maps (column-parallel: each rank
+    holding half the rows, the prediction all-gathered): the answers equal one rank's and the reference's, both
+    ranks fill the reference's rows, and each holds its share of the maps."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("two tensor-parallel ranks need two CPUs")
+    t = tiny("qwen2", "ridgefill", maps, kv_heads=kv_heads)
+    names = [f"p{i}" for i in range(8)]
+    prompts, refs = {n: t["prompts"][n] for n in names}, {n: t["refs"][n] for n in names}
+    runs = [{"name": "one", "engine": TP_ENGINE, "prompts": names, "submit": "together", "max_new": NEW},
+            {"name": "two", "engine": TP_ENGINE | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
              "prompts": names, "submit": "together", "max_new": NEW}]  # fmt: skip
     # As the connector's two-rank test runs vLLM: its engine core in a process of its own, one core per rank; the
     # runner's reading of the fill's counters (`LLM.apply_model`, a function sent to the engine core) needs vLLM's
     # pickle fallback across processes.
-    env = engine_env(t["release"], VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
-                     VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # fmt: skip
-    got = run_engine(tmp_path, "tp", t["model"], prompts, runs, env)
+    got = run_engine(tmp_path, "tp", t["model"], prompts, runs, engine_env(t["release"], **TP_ENV))
     for run in ("one", "two"):
-        fig = agreement(got[run]["outputs"], refs) | {"engine": got[run]["stats"]}
-        report(f"qwen2_kv_tp_{run}", fig)
+        fig = agreement(got[run]["outputs"], refs) | {"engine": got[run]["rank_stats"]}
+        report(f"qwen2_{maps}_{kv_heads}kv_tp_{run}", fig)
         check(fig, len(names))
-        assert got[run]["stats"]["filled_rows"] == tiny_filled_rows(prompts, refs), fig
+        for stats in got[run]["rank_stats"]:
+            assert stats["filled_rows"] == tiny_filled_rows(prompts, refs), fig
     one = {o["prompt"]: o for o in got["one"]["outputs"]}
     for o in got["two"]["outputs"]:
         assert o["tokens"] == one[o["prompt"]]["tokens"], o["prompt"]
         assert abs(o["top2"][0][0][1] - one[o["prompt"]]["top2"][0][0][1]) < 1e-4, o["prompt"]
+    whole = got["one"]["rank_stats"][0]["map_bytes"]
+    ranks = got["two"]["rank_stats"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    # input maps: half the rows each; key/value maps: the rank's KV heads' rows (all of them when one is replicated)
+    share = whole // 2 if maps == "input" or kv_heads == 2 else whole
+    assert [r["map_bytes"] for r in ranks] == [share, share], (whole, ranks)
+
+
+FAULT_PLUGIN = """
+import os
+
+
+def register():
+    rank = int(os.environ["RIDGEFILL_FAULT_RANK"])
+    import torch
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from ridgefill.engines.vllm import model
+
+    norm_rows = model.norm_rows
+
+    def disagreeing(h, limit):
+        rows = norm_rows(h, limit)
+        if get_tensor_model_parallel_rank() == rank:
+            rows = rows | (torch.arange(rows.shape[0], device=rows.device) % 5 == 3)
+        return rows
+
+    model.norm_rows = disagreeing
+"""
+
+
+def test_ranks_that_would_decide_differently_agree_on_the_exact_rows(tiny, tmp_path):
+    """Rank 1 made to see every fifth row as norm-exact while rank 0 does not (a test-only vLLM plugin, installed
+    beside ridgefill's for this engine only): the ranks agree (one all-reduce, MIN of "fill") before either uses the
+    mask, so both run the same rows, each fills exactly what the other does, and the engine answers every request;
+    rank 0 runs rank 1's extra exact rows too."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("two tensor-parallel ranks need two CPUs")
+    t = tiny("qwen2", "ridgefill", "kv")
+    names = [f"p{i}" for i in range(4)]
+    prompts = {n: t["prompts"][n] for n in names}
+    site = tmp_path / "site"
+    (site / "ridgefill_fault-0.dist-info").mkdir(parents=True)
+    (site / "ridgefill_fault-0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: ridgefill-fault\n"
+                                                                   "Version: 0\n")  # fmt: skip
+    (site / "ridgefill_fault-0.dist-info" / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nridgefill_fault = ridgefill_fault:register\n")
+    (site / "ridgefill_fault.py").write_text(FAULT_PLUGIN)
+    runs = [{"name": name, "engine": TP_ENGINE | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+             "prompts": names, "submit": "together", "max_new": NEW} for name in ("agreed",)]  # fmt: skip
+    plain = run_engine(tmp_path, "plain", t["model"], prompts, [runs[0] | {"name": "plain"}],
+                       engine_env(t["release"], **TP_ENV))["plain"]  # fmt: skip
+    env = engine_env(t["release"], **TP_ENV, RIDGEFILL_FAULT_RANK="1",
+                     PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    got = run_engine(tmp_path, "fault", t["model"], prompts, runs, env, timeout=900)["agreed"]
+    r0, r1 = got["rank_stats"]
+    assert all(o["finish"] == "length" and len(o["tokens"]) == NEW for o in got["outputs"]), got["outputs"]
+    assert r0["filled_rows"] == r1["filled_rows"] and r0["exact_prefix_rows"] == r1["exact_prefix_rows"], (r0, r1)
+    p0 = plain["rank_stats"][0]
+    assert r0["exact_prefix_rows"] > p0["exact_prefix_rows"] and r0["filled_rows"] < p0["filled_rows"], (r0, p0)
+    assert r0["exact_prefix_rows"] + r0["filled_rows"] == p0["exact_prefix_rows"] + p0["filled_rows"], (r0, p0)
+    report("tp_fault_agreement", {"plain": plain["rank_stats"], "rank1_disagrees": got["rank_stats"]})

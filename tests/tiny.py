@@ -65,9 +65,9 @@ def make_tiny_tokenizer():
     )
 
 
-def tiny_config(arch: str, *, layers: int, hidden: int, vocab_size: int, context: int = 256):
-    """A small config of `arch`: 4 query heads, 2 KV heads (GQA), head_dim = hidden / 4, a context of `context`
-    positions."""
+def tiny_config(arch: str, *, layers: int, hidden: int, vocab_size: int, context: int = 256, kv_heads: int = 2):
+    """A small config of `arch`: 4 query heads, `kv_heads` KV heads (GQA), head_dim = hidden / 4, a context of
+    `context` positions."""
     from transformers import (Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3_5Config, Qwen3_5TextConfig,
                               Qwen3Config, Qwen3NextConfig)
 
@@ -77,7 +77,7 @@ def tiny_config(arch: str, *, layers: int, hidden: int, vocab_size: int, context
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         head_dim=hidden // 4,
         max_position_embeddings=context,
         tie_word_embeddings=True,
@@ -115,7 +115,7 @@ def tiny_config(arch: str, *, layers: int, hidden: int, vocab_size: int, context
 
 
 def make_tiny_model(dirpath, arch: str = "llama", layers: int = 4, hidden: int = 64, seed: int = 0,
-                    context: int = 256) -> Path:
+                    context: int = 256, kv_heads: int = 2) -> Path:
     """Save a random-weight `arch` model with a tokenizer to `dirpath`; return the path. `context`: its
     max_position_embeddings (the weights do not depend on it)."""
     import torch
@@ -123,7 +123,8 @@ def make_tiny_model(dirpath, arch: str = "llama", layers: int = 4, hidden: int =
 
     dirpath = Path(dirpath)
     tokenizer = make_tiny_tokenizer()
-    config = tiny_config(arch, layers=layers, hidden=hidden, vocab_size=len(tokenizer), context=context)
+    config = tiny_config(arch, layers=layers, hidden=hidden, vocab_size=len(tokenizer), context=context,
+                         kv_heads=kv_heads)
     torch.manual_seed(seed)
     if arch == "qwen3_5":  # the whole vision-language model, as the Hub has it; ridgefill loads its text part
         from transformers import Qwen3_5ForConditionalGeneration

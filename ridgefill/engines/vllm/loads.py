@@ -154,3 +154,14 @@ def rank_map_rows(heads: slice, width: int, head_dim: int) -> list[int]:
     half = width // 2
     keys = list(range(heads.start * head_dim, heads.stop * head_dim))
     return keys + [half + r for r in keys]
+
+
+def rank_input_rows(width: int, rank: int, world: int) -> slice:
+    """The output rows of an input map [width = d, d] that tensor-parallel rank `rank` of `world` holds, as vLLM's
+    ColumnParallelLinear shards a layer's output: the rank's contiguous d / world rows."""
+    if world <= 0 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} of {world}")
+    if width % world:
+        raise ValueError(f"a map of {width} rows does not split over {world} ranks")
+    n = width // world
+    return slice(rank * n, (rank + 1) * n)

@@ -8,16 +8,18 @@ Per step (the plan is `ridgefill.engines.vllm.plan`'s, made where vLLM builds th
    and graph-captured as vLLM does it;
 2. otherwise layers 0..S-1 run every scheduled token; the split state h_S is vLLM's two residual summands added;
    the prefix rows whose split state's norm is above the release's exact-row norm (or, in a ridgefill+protected
-   release, whose token is protected) join the exact rows: this is the step's one host synchronization;
-3. in each late layer l the filled rows' keys and values are computed and written to their cache slots through the
-   backend's own `do_kv_cache_update`: with a key/value map, `[k; v] = M_l h_S + c_l` (one GEMM of width 2 x the
-   KV heads' size), then the key norm (Qwen3) and the rotary embedding; with an input map, the input `W_l h_S + b_l`
-   (one d x d GEMM), then the layer's input norm, a copy of its key/value projection rows, key norm and rotary
-   embedding;
-4. the exact rows run the whole late layer, attending through the late layers' attention metadata, built for
+   release, whose token is protected) join the exact rows; under tensor parallelism the ranks agree on them first
+   (one all-reduce, MIN of the fill mask). Reading the mask is the step's one host synchronization;
+3. in every late layer l the filled rows' keys and values are computed and written to their cache slots through
+   the backend's own `do_kv_cache_update`: with a key/value map, `[k; v] = M_l h_S + c_l` (one GEMM of the rank's
+   KV heads' rows), then the key norm (Qwen3) and the rotary embedding; with an input map, the input
+   `W_l h_S + b_l` (column-parallel: d / tp rows per rank, all-gathered), then the layer's input norm, a copy of its
+   key/value projection rows, key norm and rotary embedding;
+4. then the exact rows run the whole late layers, attending through the late layers' attention metadata, built for
    those rows by the backend's own metadata builder from vLLM's common attention metadata (each run of
    consecutive exact rows of a request a sequence of its own), swapped into the forward context for the late
-   layers only;
+   layers only: in groups of at most `max_num_seqs` sequences (`plan.groups`), one after another, each through
+   every late layer, so that no backend meets more sequences than its buffers hold;
 5. the final norm runs on the exact rows; filled rows' outputs are zero (no logits are read from them: vLLM
    samples each request's last scheduled row, which is a tail or decode row, or discards a partial prefill's).
 
@@ -39,9 +41,9 @@ from torch import nn
 from ridgefill.engines.vllm import loads, plan, served
 from ridgefill.runtime.rows import norm_rows
 from vllm.config import CompilationMode
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear
+from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
@@ -90,7 +92,9 @@ def _plan_step(builder, cam, meta) -> Step | None:
     qsl = cam.query_start_loc_cpu[: n + 1].numpy().astype(np.int64)
     seq = cam.seq_lens_cpu_upper_bound if cam.seq_lens_cpu_upper_bound is not None else cam.seq_lens.cpu()
     seq = seq[:n].numpy().astype(np.int64)
-    exact = [rid in runner.num_prompt_logprobs for rid in batch.req_ids[:n]]  # prompt log-probs need every row
+    # Served exactly by the request's own parameters (vLLM's `num_prompt_logprobs` forgets a request once its
+    # prompt is done, and a request preempted later is recomputed).
+    exact = [plan.served_exactly(runner.requests[rid].sampling_params) for rid in batch.req_ids[:n]]
     prefix = plan.prefix_rows(qsl, seq, batch.num_prompt_tokens[:n], exact, tail=fill.tail, anchor=fill.anchor)
     if not prefix.any():
         return None
@@ -115,9 +119,13 @@ class EngineFill(nn.Module):
         self.heads = loads.rank_heads(first.total_num_kv_heads, get_tensor_model_parallel_rank(),
                                       get_tensor_model_parallel_world_size())
         local = 2 * (self.heads.stop - self.heads.start) * first.head_dim
+        # An input map is column-parallel: each rank holds and multiplies d / tp of its output rows, then one
+        # all-gather per late layer and step gives every rank the whole prediction its input norm needs.
         self.maps = nn.ModuleList(
-            ReplicatedLinear(d, local if kv else d, bias=True, quant_config=None, prefix=f"ridgefill.maps.{l}")
+            ReplicatedLinear(d, local, bias=True, quant_config=None, prefix=f"ridgefill.maps.{l}") if kv else
+            ColumnParallelLinear(d, d, bias=True, gather_output=True, quant_config=None, prefix=f"ridgefill.maps.{l}")
             for l, kv in zip(self.late, self.kv_maps))  # fmt: skip
+        self.tp = get_tensor_model_parallel_world_size()
         # For an input map, the key/value rows of the layer's qkv projection, as a projection of their own: the
         # filled rows compute no query. Copied from the loaded weights (load), before vLLM repacks them for its
         # kernels. A key/value map needs none (None in its place).
@@ -136,7 +144,11 @@ class EngineFill(nn.Module):
             attn = layers[l].self_attn.attn
             attn.attn_backend = fill_backend(attn.attn_backend)
             self.late_names.append(attn.layer_name)
-        self.stats = {"fill_steps": 0, "stock_steps": 0, "filled_rows": 0, "exact_prefix_rows": 0}
+        self.stats = {"fill_steps": 0, "stock_steps": 0, "filled_rows": 0, "exact_prefix_rows": 0, "groups": 0,
+                      "max_group_seqs": 0, "rank": get_tensor_model_parallel_rank(), "map_bytes": 0}
+        # The most attention sequences one late-layer pass may hold: the scheduler's max_num_seqs, the size of the
+        # builders' per-sequence buffers (FlashInfer's indptr, FA3's scheduler metadata under full graphs).
+        self.max_seqs = vllm_config.scheduler_config.max_num_seqs
         # The early layers run every scheduled token: compiled like vLLM's own forward when vLLM compiles it (not
         # with --enforce-eager), by torch.compile with a dynamic token count; compiled on the first step that fills.
         compiling = vllm_config.compilation_config.mode != CompilationMode.NONE
@@ -151,7 +163,9 @@ class EngineFill(nn.Module):
             W, b = self.release.maps[l]
             if self.kv_maps[i]:
                 rows = loads.rank_map_rows(self.heads, W.shape[0], layers[l].self_attn.head_dim)
-                W, b = W[rows], b[rows]
+            else:
+                rows = loads.rank_input_rows(W.shape[0], get_tensor_model_parallel_rank(), self.tp)
+            W, b = W[rows], b[rows]
             self.maps[i].weight.data.copy_(torch.from_numpy(np.ascontiguousarray(W)))
             self.maps[i].bias.data.copy_(torch.from_numpy(np.ascontiguousarray(b)))
             if self.kv_maps[i]:
@@ -162,6 +176,7 @@ class EngineFill(nn.Module):
             if self.kv[i].bias is not None:
                 self.kv[i].bias.data.copy_(sa.qkv_proj.bias.data[rows])
         self.release = dataclasses.replace(self.release, maps={})  # the float32 copies are no longer needed
+        self.stats["map_bytes"] = sum(p.numel() * p.element_size() for p in self.maps.parameters())
         return {f"ridgefill.{name}" for name, _ in self.named_parameters()}
 
     def memory(self) -> int:
@@ -187,34 +202,41 @@ class EngineFill(nn.Module):
         fill &= ~norm_rows(h_split, self.exact_norm)
         if self.protected is not None and input_ids is not None:
             fill &= ~torch.isin(input_ids, self.protected)
+        if self.tp > 1:  # every rank runs the same rows: a row fills only where every rank would fill it
+            agreed = fill.to(torch.int32)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().device_group)
+            fill = agreed.bool()
         filled = fill[:num].cpu().numpy()  # the step's one host synchronization
         self.stats["exact_prefix_rows"] += int(step.prefix.sum() - filled.sum())
-        runs = plan.runs(~filled, step.query_start, step.seq_lens)
         f_rows = torch.from_numpy(np.flatnonzero(filled)).to(h.device)
-        q_rows = torch.from_numpy(runs.rows).to(h.device)
         slots = ctx.slot_mapping[self.late_names[0]]
-        late_meta = self._late_metadata(step, runs, positions, slots, q_rows) if runs.rows.size else None
-        hq, pos_q = h[q_rows], positions[q_rows]
-        rq = None if residual is None else residual[q_rows]
-        x_split, pos_f, slots_f = h_split[f_rows], positions[f_rows], slots[f_rows]
+        if f_rows.numel():  # every late layer's filled keys and values first: they depend on h_S alone
+            x_split, pos_f, slots_f = h_split[f_rows], positions[f_rows], slots[f_rows]
+            for i, l in enumerate(self.late):
+                self._write_filled(i, m.layers[l], x_split, pos_f, slots_f)
+        # The exact rows through the late layers, in groups of at most as many sequences as the backend has room
+        # for (plan.groups), one after another in position order.
+        out = torch.zeros_like(h)
+        parts = plan.groups(plan.runs(~filled, step.query_start, step.seq_lens), self.max_seqs)
         saved = {name: (meta[name], ctx.slot_mapping[name]) for name in self.late_names}
         try:
-            for name in self.late_names:
-                meta[name], ctx.slot_mapping[name] = late_meta, slots[q_rows]
-            for i, l in enumerate(self.late):
-                layer = m.layers[l]
-                if f_rows.numel():
-                    self._write_filled(i, layer, x_split, pos_f, slots_f)
-                if late_meta is not None:
-                    hq, rq = layer(pos_q, hq, rq)
+            for runs in parts:
+                q_rows = torch.from_numpy(runs.rows).to(h.device)
+                late_meta = self._late_metadata(step, runs, positions, slots, q_rows)
+                for name in self.late_names:
+                    meta[name], ctx.slot_mapping[name] = late_meta, slots[q_rows]
+                hq, pos_q = h[q_rows], positions[q_rows]
+                rq = None if residual is None else residual[q_rows]
+                for l in self.late:
+                    hq, rq = m.layers[l](pos_q, hq, rq)
+                out[q_rows] = m.norm(hq, rq)[0] if rq is not None else m.norm(hq)
         finally:
             for name, (old_meta, old_slots) in saved.items():
                 meta[name], ctx.slot_mapping[name] = old_meta, old_slots
-        out = torch.zeros_like(h)
-        if late_meta is not None:
-            out[q_rows] = m.norm(hq, rq)[0] if rq is not None else m.norm(hq)
         self.stats["fill_steps"] += 1
         self.stats["filled_rows"] += int(f_rows.numel())
+        self.stats["groups"] += len(parts)
+        self.stats["max_group_seqs"] = max(self.stats["max_group_seqs"], *(g.owner.size for g in parts), 0)
         return out
 
     def _early(self, m, h, positions):

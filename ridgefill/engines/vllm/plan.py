@@ -77,6 +77,34 @@ def runs(exact: np.ndarray, query_start, seq_lens) -> Runs:
                 seq_lens=pos[last] + 1, owner=owner[last], last=last)  # fmt: skip
 
 
+def groups(r: Runs, limit: int) -> list[Runs]:
+    """`r` cut into consecutive groups of at most `limit` sequences each, in order: what the late layers run one
+    after another when a step's runs outnumber the sequences the attention backend has room for. Every row of a
+    group attends only to positions before it, which are filled rows (written before any group runs) or exact rows
+    of an earlier sequence of its request, in this group or an earlier one: the groups run in position order, each
+    through every late layer, so each writes its keys and values before a later group reads them."""
+    if limit < 1:
+        raise ValueError(f"a group holds at least one sequence, not {limit}")
+    out = []
+    for a in range(0, r.owner.size, limit):
+        b = min(a + limit, r.owner.size)
+        lo, hi = r.query_start[a], r.query_start[b]
+        out.append(Runs(rows=r.rows[lo:hi], query_start=r.query_start[a : b + 1] - lo, seq_lens=r.seq_lens[a:b],
+                        owner=r.owner[a:b], last=r.last[a:b]))  # fmt: skip
+    return out
+
+
+def served_exactly(sampling_params) -> bool:
+    """Whether a request is served exactly (no prefix rows): one that asks for prompt log-probabilities, which need
+    every prompt row's logits, and a request without sampling parameters (a pooling request). Read from the
+    request's own parameters wherever it is decided (the worker's plan, the scheduler's block hashes), so that every
+    time it is scheduled, after preemption too, it is decided the same way."""
+    if sampling_params is None:
+        return True
+    return (getattr(sampling_params, "prompt_logprobs", None) is not None
+            or getattr(sampling_params, "prompt_logprob_token_ids", None) is not None)  # fmt: skip
+
+
 def prefix_rows_in_block(prompt_len: int, start: int, end: int, *, tail: int, exact_request: bool) -> int:
     """How many of the rows start..end-1 of a request's cache block were prefix rows for it (the leading ones: the
     rows below N - T). Two requests whose blocks agree in this count, their tokens and everything before them (a

@@ -6,18 +6,20 @@
 
 Registered as the `vllm.general_plugins` entry point `ridgefill` (pyproject.toml), which vLLM calls in every
 process it starts (the API server, the engine core, each worker). With RIDGEFILL_RELEASE unset or empty,
-`register` does nothing: vLLM runs untouched. Set, it reads the release (a folder, or a Hub repo id pulled and
-verified once, then read from the cache), and
+`register` does nothing: vLLM runs untouched. Set, it reads the release (a folder, or a Hub release
+hf://owner/name[@rev] pulled and verified once, then read from the cache), and
 
 - registers ridgefill's Llama, Qwen2 and Qwen3 (`ridgefill.engines.vllm.model`) under vLLM's own architecture
   names, so the user's model folder or Hub id is served as it is;
 - checks the engine's configuration against the release where vLLM makes it (`EngineArgs.create_engine_config`):
   the served model's architecture, layer count, hidden size and, for a local folder, fingerprint; and the features
-  the fill does not serve (pipeline parallelism, speculative decoding, full CUDA graphs of mixed batches, dual-batch
-  overlap, quantized checkpoints, LoRA, model runner V2). A problem stops startup with one line (`Refused`);
+  the fill does not serve (pipeline parallelism, speculative decoding, full CUDA graphs of mixed batches, breakable
+  CUDA graphs, stock torch.compile, dual-batch overlap, context parallelism, prompt embeddings, a KV connector,
+  quantized checkpoints, LoRA, model runner V2, a context not above the release's tail). A problem stops startup
+  with one line (`Refused`);
 - gives the late layers' metadata builder the step's requests (`GPUModelRunner.execute_model` runs inside
-  `vllm_model.RUNNER`): their prompt lengths and whether each is served exactly (prompt log-probabilities need
-  every row's logits, so such a request runs stock);
+  `model.RUNNER`): their prompt lengths and whether each is served exactly (`plan.served_exactly`: prompt
+  log-probabilities need every row's logits, so such a request has no prefix rows);
 - adds the plan to every prefix-cache block's hash (`generate_block_hash_extra_keys`): the release's maps sha256
   and how many of the block's rows were prefix rows for the request that computed it (`plan.prefix_rows_in_block`),
   so a cached block is reused only where it holds what the plan would write.
@@ -95,6 +97,8 @@ def _one_line(previous):
 
 def check_engine(config) -> None:
     """Refused naming the first reason the engine configuration `config` (a VllmConfig) cannot serve the fill."""
+    from vllm.config import CompilationMode
+
     fill = _STATE["fill"]
     mc = config.model_config
     problems = []
@@ -117,6 +121,25 @@ def check_engine(config) -> None:
     if graphs is not None and graphs.mixed_mode().name == "FULL":
         problems.append(f"cudagraph_mode {graphs.name} (a step with prompt rows must run the Python forward: use "
                         f"FULL_AND_PIECEWISE, PIECEWISE or FULL_DECODE_ONLY)")  # fmt: skip
+    if os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH", "0") == "1":
+        problems.append("VLLM_USE_BREAKABLE_CUDAGRAPH=1 (it replays vLLM's own graph for the steps the fill runs)")
+    if config.compilation_config.mode == CompilationMode.STOCK_TORCH_COMPILE:
+        problems.append("compilation mode STOCK_TORCH_COMPILE (it compiles the whole forward as one graph, which the "
+                        "fill's per-step plan cannot be part of: use VLLM_COMPILE, the default)")
+    if getattr(mc, "enable_prompt_embeds", False):
+        problems.append("--enable-prompt-embeds (the fill decides rows by their token ids, which prompt embeddings "
+                        "do not carry)")
+    parallel = config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, name, 1) > 1:
+            problems.append(f"{name} {getattr(parallel, name)} (context parallelism: each rank holds a part of a "
+                            f"request's keys and values)")  # fmt: skip
+    if config.kv_transfer_config is not None:
+        problems.append("a KV connector (kv_transfer_config; keys and values loaded from outside would stand in for "
+                        "rows the fill plans)")
+    if fill.tail >= mc.max_model_len:
+        problems.append(f"a context of {mc.max_model_len} tokens (max_model_len) and the release's tail of "
+                        f"{fill.tail}: no prompt row would ever be filled; export the release with a shorter tail")
     if problems:
         raise Refused(f"ridgefill: the fill does not run with {problems[0]}")
     from ridgefill.engines.vllm.model import CLASSES
@@ -136,9 +159,8 @@ def check_engine(config) -> None:
 
 def block_key(fill, request, start: int, end: int) -> tuple:
     """The plan's part of the hash of a request's cache block holding rows start..end-1."""
-    from ridgefill.engines.vllm.plan import prefix_rows_in_block
+    from ridgefill.engines.vllm.plan import prefix_rows_in_block, served_exactly
 
-    params = getattr(request, "sampling_params", None)
-    exact = params is None or params.prompt_logprobs is not None
+    exact = served_exactly(getattr(request, "sampling_params", None))
     rows = prefix_rows_in_block(request.num_prompt_tokens, start, end, tail=fill.tail, exact_request=exact)
     return ("ridgefill", f"{fill.sha256}:{rows}")
