@@ -198,7 +198,7 @@ class EngineFill(nn.Module):
         h_split = h if residual is None else h + residual  # the residual stream entering layer S
         num = step.prefix.shape[0]  # scheduled tokens; rows past them are padding
         fill = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
-        fill[:num] = torch.from_numpy(step.prefix).to(h.device)
+        fill[:num] = to_device(step.prefix, h.device)
         fill &= ~norm_rows(h_split, self.exact_norm)
         if self.protected is not None and input_ids is not None:
             fill &= ~torch.isin(input_ids, self.protected)
@@ -206,9 +206,9 @@ class EngineFill(nn.Module):
             agreed = fill.to(torch.int32)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().device_group)
             fill = agreed.bool()
-        filled = fill[:num].cpu().numpy()  # the step's one host synchronization
+        filled = fill[:num].cpu().numpy()  # the step's one host synchronization: every other copy is to the device
         self.stats["exact_prefix_rows"] += int(step.prefix.sum() - filled.sum())
-        f_rows = torch.from_numpy(np.flatnonzero(filled)).to(h.device)
+        f_rows = to_device(np.flatnonzero(filled), h.device)
         slots = ctx.slot_mapping[self.late_names[0]]
         if f_rows.numel():  # every late layer's filled keys and values first: they depend on h_S alone
             x_split, pos_f, slots_f = h_split[f_rows], positions[f_rows], slots[f_rows]
@@ -221,7 +221,7 @@ class EngineFill(nn.Module):
         saved = {name: (meta[name], ctx.slot_mapping[name]) for name in self.late_names}
         try:
             for runs in parts:
-                q_rows = torch.from_numpy(runs.rows).to(h.device)
+                q_rows = to_device(runs.rows, h.device)
                 late_meta = self._late_metadata(step, runs, positions, slots, q_rows)
                 for name in self.late_names:
                     meta[name], ctx.slot_mapping[name] = late_meta, slots[q_rows]
@@ -267,21 +267,27 @@ class EngineFill(nn.Module):
     def _late_metadata(self, step: Step, runs: plan.Runs, positions, slots, q_rows):
         """The late layers' attention metadata for the exact rows, from the backend's own builder."""
         cam, dev = step.common, positions.device
-        owner = torch.from_numpy(runs.owner).to(cam.block_table_tensor.device)
-        qsl = torch.from_numpy(runs.query_start.astype(np.int32))
-        last = torch.from_numpy(runs.last).to(dev)
-        seq_cpu = torch.from_numpy(runs.seq_lens.astype(np.int32))
+        owner = to_device(runs.owner, cam.block_table_tensor.device)
+        qsl, seq = runs.query_start.astype(np.int32), runs.seq_lens.astype(np.int32)
         sub = dataclasses.replace(
-            cam, query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl,
-            seq_lens=(positions[last] + 1).to(cam.seq_lens.dtype), seq_lens_cpu_upper_bound=seq_cpu,
+            cam, query_start_loc=to_device(qsl, dev), query_start_loc_cpu=torch.from_numpy(qsl),
+            seq_lens=to_device(seq, dev), seq_lens_cpu_upper_bound=torch.from_numpy(seq),
             num_reqs=int(runs.owner.size), num_actual_tokens=int(runs.rows.size), max_query_len=runs.max_query_len,
             max_seq_len=int(runs.seq_lens.max()), block_table_tensor=cam.block_table_tensor[owner],
             slot_mapping=slots[q_rows], causal=True, positions=positions[q_rows],
-            is_prefilling=None if cam.is_prefilling is None else cam.is_prefilling[owner.cpu()],
+            is_prefilling=None if cam.is_prefilling is None else cam.is_prefilling[torch.from_numpy(runs.owner)],
             logits_indices_padded=None, num_logits_indices=None, max_logits_per_req=None, req_idx=None,
             dcp_local_seq_lens=None, dcp_local_seq_lens_cpu_upper_bound=None, mm_req_doc_ranges=None,
             rswa_prefix_lens=None, _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)  # fmt: skip
         return step.builder.build(0, sub)
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` without a host synchronization: on an accelerator, copied from pinned memory with
+    `non_blocking` (ordered on the stream before the kernels that read it; PyTorch's pinned-memory cache keeps the
+    buffer until the copy is done); on the CPU, the array itself."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 class FillMixin:
