@@ -21,6 +21,8 @@ INTERNALS = (
     ("vllm.v1.core.block_pool:generate_block_hash_extra_keys", "engine core", "patched: the same, where imported"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model", "worker",
      "patched: the step's model runner, for the plan (model.RUNNER)"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._determine_batch_execution_and_padding", "worker",
+     "patched: no full decode graph for a step that holds a prefix row (model.keep_off_decode_graph)"),
     ("vllm.v1.worker.gpu_input_batch:InputBatch", "worker",
      "read: req_ids, num_reqs, num_prompt_tokens of the step's requests"),
     ("vllm.v1.attention.backend:subclass_attention_backend", "worker",

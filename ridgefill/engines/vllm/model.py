@@ -101,6 +101,21 @@ def _plan_step(builder, cam, meta) -> Step | None:
     return Step(meta, builder, cam, prefix, qsl, seq)
 
 
+def keep_off_decode_graph(runner, num_reqs: int) -> bool:
+    """Whether a step of one scheduled token per request (what vLLM may replay as a full decode graph) holds a
+    prefix row to fill, a one-token prompt chunk among decodes, and so must run the Python forward; counted in the
+    fill's `decode_graph_vetoes`."""
+    if not _ACTIVE or num_reqs == 0:
+        return False
+    fill, batch = _ACTIVE[0], runner.input_batch
+    computed = np.asarray(batch.num_computed_tokens_cpu[:num_reqs], np.int64)
+    exact = [plan.served_exactly(runner.requests[rid].sampling_params) for rid in batch.req_ids[:num_reqs]]
+    fills = plan.prefix_rows(np.arange(num_reqs + 1), computed + 1, batch.num_prompt_tokens[:num_reqs], exact,
+                             tail=fill.tail, anchor=fill.anchor).any()  # fmt: skip
+    fill.stats["decode_graph_vetoes"] += int(fills)
+    return bool(fills)
+
+
 class EngineFill(nn.Module):
     """The release on the model: maps, key/value projection copies, and the fill's forward."""
 
@@ -145,7 +160,8 @@ class EngineFill(nn.Module):
             attn.attn_backend = fill_backend(attn.attn_backend)
             self.late_names.append(attn.layer_name)
         self.stats = {"fill_steps": 0, "stock_steps": 0, "filled_rows": 0, "exact_prefix_rows": 0, "groups": 0,
-                      "max_group_seqs": 0, "rank": get_tensor_model_parallel_rank(), "map_bytes": 0}
+                      "max_group_seqs": 0, "rank": get_tensor_model_parallel_rank(), "map_bytes": 0,
+                      "decode_graph_vetoes": 0}
         # The most attention sequences one late-layer pass may hold: the scheduler's max_num_seqs, the size of the
         # builders' per-sequence buffers (FlashInfer's indptr, FA3's scheduler metadata under full graphs).
         self.max_seqs = vllm_config.scheduler_config.max_num_seqs

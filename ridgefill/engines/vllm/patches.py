@@ -40,10 +40,14 @@ def engine_config(check_engine) -> None:
 
 def model_runner() -> None:
     """Worker: `GPUModelRunner.execute_model` (the CPU runner is its subclass) runs inside `model.RUNNER`, so the
-    late layers' metadata builder reads the step's requests from the runner that schedules them."""
+    late layers' metadata builder reads the step's requests from the runner that schedules them; and
+    `_determine_batch_execution_and_padding` never calls a step a uniform decode (which a full CUDA graph replays,
+    skipping the fill's forward) when it holds a prefix row: a one-token prompt chunk among decodes."""
+    import inspect
+
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from ridgefill.engines.vllm.model import RUNNER
+    from ridgefill.engines.vllm.model import RUNNER, keep_off_decode_graph
 
     execute = GPUModelRunner.execute_model
     if getattr(execute, "_ridgefill", False):
@@ -57,7 +61,20 @@ def model_runner() -> None:
         finally:
             RUNNER.reset(token)
 
+    determine = GPUModelRunner._determine_batch_execution_and_padding
+    signature = inspect.signature(determine)
+
+    @_marked
+    def determine_batch_execution_and_padding(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        a = bound.arguments
+        if (a.get("force_uniform_decode") is None and a["max_num_scheduled_tokens"] == 1
+                and a["num_tokens"] == a["num_reqs"] and keep_off_decode_graph(self, a["num_reqs"])):
+            a["force_uniform_decode"] = False
+        return determine(*bound.args, **bound.kwargs)
+
     GPUModelRunner.execute_model = execute_model
+    GPUModelRunner._determine_batch_execution_and_padding = determine_batch_execution_and_padding
 
 
 def block_hashes(block_key) -> None:
