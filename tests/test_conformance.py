@@ -114,6 +114,18 @@ def test_loader_and_second_reader(corpus, name):
             assert w.dtype == b.dtype == np.float32
 
 
+@pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.verdict != "ok"))
+def test_the_engine_refuses_what_verify_refuses(corpus, name):
+    """The vLLM plugin reads RIDGEFILL_RELEASE with the same reader (`served.load`): each refused case stops it at
+    startup with the reader's own line (the plugin prints it after `ridgefill: `)."""
+    from ridgefill.engines.vllm import served
+
+    with pytest.raises(BadInput) as e:
+        served.load(corpus / name)
+    assert "\n" not in str(e.value)
+    _agrees(name, str(e.value))
+
+
 def test_the_scripts_run_as_documented(corpus, tmp_path):
     """`conformance.py OUT` writes the corpus; `ridgefill_reader.py FOLDER` prints its verdict (exit 0 or 2)."""
     out = subprocess.run([sys.executable, READER_DIR / "conformance.py", tmp_path / "c"], capture_output=True,
