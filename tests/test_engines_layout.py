@@ -118,9 +118,9 @@ def test_connectors_import_only_what_an_engine_has():
     model fingerprint and layer kinds, the runtime's row rules); of ridgefill's requirements, only numpy, torch,
     safetensors (and huggingface_hub, which the engines require themselves). Checked in the source, and by importing
     the ones that need no engine in a fresh interpreter, which must load none of ridgefill's other requirements."""
-    allowed = {"__future__", "ast", "contextvars", "ctypes", "dataclasses", "functools", "gc", "importlib", "json",
-               "logging", "os", "re", "struct", "sys", "time", "typing", "pathlib", "numpy", "torch", "safetensors",
-               "huggingface_hub", "vllm", "llama_cpp"}  # fmt: skip
+    allowed = {"__future__", "ast", "contextvars", "ctypes", "dataclasses", "functools", "gc", "importlib", "inspect",
+               "json", "logging", "os", "re", "struct", "sys", "time", "typing", "pathlib", "numpy", "torch",
+               "safetensors", "huggingface_hub", "vllm", "llama_cpp"}  # fmt: skip
     below = ("ridgefill.formats", "ridgefill.artifacts", "ridgefill.errors", "ridgefill.numerics", "ridgefill.hub",
              "ridgefill.models.fingerprint", "ridgefill.models.kinds", "ridgefill.runtime.rows")  # fmt: skip
     engine_side = {"layout", "jobs", "request", "llamacpp", "llamacpp_runner", "identity", "vllm", "vllm.loads",
