@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from clirun import cli_here
-from tiny import CHAT_TEMPLATE, TEXT, make_tiny_gguf, make_tiny_model
+from tiny import TEXT, make_tiny_gguf
 
 from ridgefill.engines.identity import (MARKER, folder_fingerprint, served_config_problem,
                                         served_fingerprint_problem)
