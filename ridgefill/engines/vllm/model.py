@@ -92,13 +92,17 @@ def _plan_step(builder, cam, meta) -> Step | None:
     qsl = cam.query_start_loc_cpu[: n + 1].numpy().astype(np.int64)
     seq = cam.seq_lens_cpu_upper_bound if cam.seq_lens_cpu_upper_bound is not None else cam.seq_lens.cpu()
     seq = seq[:n].numpy().astype(np.int64)
-    # Served exactly by the request's own parameters (vLLM's `num_prompt_logprobs` forgets a request once its
-    # prompt is done, and a request preempted later is recomputed).
-    exact = [plan.served_exactly(runner.requests[rid].sampling_params) for rid in batch.req_ids[:n]]
-    prefix = plan.prefix_rows(qsl, seq, batch.num_prompt_tokens[:n], exact, tail=fill.tail, anchor=fill.anchor)
+    prefix = plan.prefix_rows(qsl, seq, batch.num_prompt_tokens[:n], _served_exactly(runner, n), tail=fill.tail,
+                              anchor=fill.anchor)  # fmt: skip
     if not prefix.any():
         return None
     return Step(meta, builder, cam, prefix, qsl, seq)
+
+
+def _served_exactly(runner, n: int) -> list[bool]:
+    """Whether each of the step's first n requests is served exactly, by its own parameters (vLLM's
+    `num_prompt_logprobs` forgets a request once its prompt is done, and a request preempted later is recomputed)."""
+    return [plan.served_exactly(runner.requests[rid].sampling_params) for rid in runner.input_batch.req_ids[:n]]
 
 
 def keep_off_decode_graph(runner, num_reqs: int) -> bool:
@@ -109,9 +113,8 @@ def keep_off_decode_graph(runner, num_reqs: int) -> bool:
         return False
     fill, batch = _ACTIVE[0], runner.input_batch
     computed = np.asarray(batch.num_computed_tokens_cpu[:num_reqs], np.int64)
-    exact = [plan.served_exactly(runner.requests[rid].sampling_params) for rid in batch.req_ids[:num_reqs]]
-    fills = plan.prefix_rows(np.arange(num_reqs + 1), computed + 1, batch.num_prompt_tokens[:num_reqs], exact,
-                             tail=fill.tail, anchor=fill.anchor).any()  # fmt: skip
+    fills = plan.prefix_rows(np.arange(num_reqs + 1), computed + 1, batch.num_prompt_tokens[:num_reqs],
+                             _served_exactly(runner, num_reqs), tail=fill.tail, anchor=fill.anchor).any()  # fmt: skip
     fill.stats["decode_graph_vetoes"] += int(fills)
     return bool(fills)
 
