@@ -23,6 +23,15 @@ Per step (the plan is `ridgefill.engines.vllm.plan`'s, made where vLLM builds th
 5. the final norm runs on the exact rows; filled rows' outputs are zero (no logits are read from them: vLLM
    samples each request's last scheduled row, which is a tail or decode row, or discards a partial prefill's).
 
+The three parts of a filling step that run on the device, the early layers (`Early`), the filled rows' keys and
+values (`Filled`) and the exact rows' late layers (`Late`), are compiled the way vLLM compiles its own forward:
+`support_torch_compile` with vLLM's backend, compile cache and dynamic token count, each under a model tag of its
+own (as vLLM's draft models are), so the pointwise work of a layer is fused and a late layer runs a handful of
+kernels rather than dozens. vLLM's start-up runs (memory profiling, warm-up) run all three once (`warm_up`), so no
+request pays a compile and the profiled peak includes the fill's. A filling step runs them outside CUDA graphs (its
+row counts are its own); the python between them is the plan: the step's one host synchronization, the groups and
+their attention metadata, and the cache writes (one backend call per late layer).
+
 The maps and the key/value projection copies (input maps only) are vLLM linear layers created with the model, so
 vLLM's memory profiling counts them and each platform's own GEMM kernels run them (the CPU backend's oneDNN packing
 included). The int8 codes are decoded once at load and held in the model's dtype.
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from contextvars import ContextVar
 
 import numpy as np
@@ -40,7 +50,9 @@ from torch import nn
 
 from ridgefill.engines.vllm import loads, plan, served
 from ridgefill.runtime.rows import norm_rows
-from vllm.config import CompilationMode
+from vllm.compilation.backends import set_model_tag
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import CompilationMode, CUDAGraphMode
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
@@ -119,40 +131,113 @@ def keep_off_decode_graph(runner, num_reqs: int) -> bool:
     return bool(fills)
 
 
+@support_torch_compile(dynamic_arg_dims={"h": 0, "positions": 0})
+class Early(nn.Module):
+    """Layers 0..S-1 on every scheduled token, from its embedding: (hidden, residual) entering layer S, vLLM's two
+    summands. The layers are the model's own (registered here too; their weights are loaded once, as the model's)."""
+
+    def __init__(self, *, vllm_config, prefix: str = "", layers=()):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor):
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual)
+        return h, residual
+
+
+@support_torch_compile(dynamic_arg_dims={"h": 0, "residual": 0, "positions": 0})
+class Late(nn.Module):
+    """Layers S..L-1 and the final norm on the exact rows (attending through whatever late-layer metadata the
+    forward context holds: the fill swaps in the exact rows' own)."""
+
+    def __init__(self, *, vllm_config, prefix: str = "", layers=(), norm=None):
+        super().__init__()
+        self.layers, self.norm = nn.ModuleList(layers), norm
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor):
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual)
+        return self.norm(h, residual)[0]
+
+
+@support_torch_compile(dynamic_arg_dims={"x": 0, "positions": 0})
+class Filled(nn.Module):
+    """Every late layer's keys (normed where the model norms them, rotated) and values for the filled rows, from
+    their split states: a key/value map gives them directly, `[k; v] = M_l h_S + c_l` (the rank's KV heads' rows);
+    an input map predicts the input `W_l h_S + b_l` (column-parallel: d / tp rows per rank, all-gathered), then the
+    layer's input norm and a copy of its key/value projection rows. Returns per-layer keys and values, [F, kv_size]
+    each, as the backend's cache update takes them."""
+
+    def __init__(self, *, vllm_config, prefix: str = "", layers=(), kv_maps=(), local: int = 0):
+        super().__init__()
+        d = vllm_config.model_config.hf_config.hidden_size
+        self.layers, self.kv_maps = nn.ModuleList(layers), list(kv_maps)
+        first = layers[0].self_attn
+        # What each late layer's map predicts: its input (d wide), or its keys and values. A key/value map is cut to
+        # this tensor-parallel rank's KV heads (vLLM's sharding, `loads.rank_heads`): each rank holds and multiplies
+        # only the rows of the keys and values it caches, with no communication. An input map is column-parallel:
+        # each rank holds and multiplies d / tp of its output rows, then one all-gather per late layer and step
+        # gives every rank the whole prediction its input norm needs.
+        self.maps = nn.ModuleList(
+            ReplicatedLinear(d, local, bias=True, quant_config=None, prefix=f"{prefix}.maps.{i}") if kv else
+            ColumnParallelLinear(d, d, bias=True, gather_output=True, quant_config=None, prefix=f"{prefix}.maps.{i}")
+            for i, kv in enumerate(self.kv_maps))  # fmt: skip
+        # For an input map, the key/value rows of the layer's qkv projection, as a projection of their own: the
+        # filled rows compute no query. Copied from the loaded weights (EngineFill.load), before vLLM repacks them
+        # for its kernels. A key/value map needs none (an identity in its place).
+        biased = [layer.self_attn.qkv_proj.bias is not None for layer in layers]
+        self.kv = nn.ModuleList(
+            nn.Identity() if kv else
+            QKVParallelLinear(d, first.head_dim, 0, first.total_num_kv_heads, bias=bias, quant_config=None,
+                              prefix=f"{prefix}.kv.{i}")
+            for i, (kv, bias) in enumerate(zip(self.kv_maps, biased)))  # fmt: skip
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor):
+        keys, values = [], []
+        for layer, kv_map, map_, proj in zip(self.layers, self.kv_maps, self.maps, self.kv):
+            sa = layer.self_attn
+            if kv_map:
+                kv = map_(x)[0]  # [F, 2 * kv_size]: keys before the key norm and RoPE, then values
+            else:
+                kv = proj(layer.input_layernorm(map_(x)[0]))[0]  # W_l h_S + b_l, its norm, its keys and values
+            k, v = kv.split([sa.kv_size, sa.kv_size], dim=-1)
+            if hasattr(sa, "k_norm"):  # Qwen3: RMSNorm per head before the rotary embedding
+                k = sa.k_norm(k.reshape(k.shape[0], -1, sa.head_dim)).reshape(k.shape)
+            keys.append(sa.rotary_emb(positions, k.contiguous(), None)[0])  # rotated as a query would be
+            values.append(v)
+        return tuple(keys), tuple(values)
+
+
 class EngineFill(nn.Module):
     """The release on the model: maps, key/value projection copies, and the fill's forward."""
 
     def __init__(self, causal_lm, vllm_config, release: served.Fill):
         super().__init__()
         layers = causal_lm.model.layers
-        L, d = len(layers), vllm_config.model_config.hf_config.hidden_size
+        L = len(layers)
         self.release, self.split = release, release.split
         self.late = list(range(release.split, L))
         self.tail, self.anchor, self.exact_norm = release.tail, release.anchor, release.exact_norm
         first = layers[self.split].self_attn
-        # What each late layer's map predicts: its input (d wide), or its keys and values. A key/value map is cut to
-        # this tensor-parallel rank's KV heads (vLLM's sharding, `loads.rank_heads`): each rank holds and multiplies
-        # only the rows of the keys and values it caches, with no communication.
         self.kv_maps = [release.map_kinds.get(l) == "kv" for l in self.late]
         self.heads = loads.rank_heads(first.total_num_kv_heads, get_tensor_model_parallel_rank(),
                                       get_tensor_model_parallel_world_size())
         local = 2 * (self.heads.stop - self.heads.start) * first.head_dim
-        # An input map is column-parallel: each rank holds and multiplies d / tp of its output rows, then one
-        # all-gather per late layer and step gives every rank the whole prediction its input norm needs.
-        self.maps = nn.ModuleList(
-            ReplicatedLinear(d, local, bias=True, quant_config=None, prefix=f"ridgefill.maps.{l}") if kv else
-            ColumnParallelLinear(d, d, bias=True, gather_output=True, quant_config=None, prefix=f"ridgefill.maps.{l}")
-            for l, kv in zip(self.late, self.kv_maps))  # fmt: skip
         self.tp = get_tensor_model_parallel_world_size()
-        # For an input map, the key/value rows of the layer's qkv projection, as a projection of their own: the
-        # filled rows compute no query. Copied from the loaded weights (load), before vLLM repacks them for its
-        # kernels. A key/value map needs none (None in its place).
-        self.kv = nn.ModuleList(
-            nn.Identity() if kv else
-            QKVParallelLinear(d, first.head_dim, 0, first.total_num_kv_heads,
-                              bias=layers[l].self_attn.qkv_proj.bias is not None, quant_config=None,
-                              prefix=f"ridgefill.kv.{l}")
-            for l, kv in zip(self.late, self.kv_maps))  # fmt: skip
+        # Compiled as vLLM compiles its own forward (not under --enforce-eager), each part under a tag of its own.
+        self.compiled = vllm_config.compilation_config.mode != CompilationMode.NONE
+        self.warm = False
+        late_layers = [layers[l] for l in self.late]
+        with set_model_tag("ridgefill_early"):
+            self.early = Early(vllm_config=vllm_config, prefix="ridgefill.early", layers=layers[: self.split])
+        with set_model_tag("ridgefill_filled"):
+            self.filled = Filled(vllm_config=vllm_config, prefix="ridgefill.filled", layers=late_layers,
+                                 kv_maps=self.kv_maps, local=local)  # fmt: skip
+        with set_model_tag("ridgefill_late"):
+            self.late_layers = Late(vllm_config=vllm_config, prefix="ridgefill.late", layers=late_layers,
+                                    norm=causal_lm.model.norm)  # fmt: skip
         if release.protected is not None:
             self.register_buffer("protected", torch.as_tensor(release.protected), persistent=False)
         else:
@@ -164,20 +249,21 @@ class EngineFill(nn.Module):
             self.late_names.append(attn.layer_name)
         self.stats = {"fill_steps": 0, "stock_steps": 0, "filled_rows": 0, "exact_prefix_rows": 0, "groups": 0,
                       "max_group_seqs": 0, "rank": get_tensor_model_parallel_rank(), "map_bytes": 0,
-                      "decode_graph_vetoes": 0}
+                      "decode_graph_vetoes": 0, "warm_up_s": None}
         # The most attention sequences one late-layer pass may hold: the scheduler's max_num_seqs, the size of the
         # builders' per-sequence buffers (FlashInfer's indptr, FA3's scheduler metadata under full graphs).
         self.max_seqs = vllm_config.scheduler_config.max_num_seqs
-        # The early layers run every scheduled token: compiled like vLLM's own forward when vLLM compiles it (not
-        # with --enforce-eager), by torch.compile with a dynamic token count; compiled on the first step that fills.
-        compiling = vllm_config.compilation_config.mode != CompilationMode.NONE
-        self.early = torch.compile(self._early, dynamic=True) if compiling else self._early
         _ACTIVE[:] = [self]
+
+    def own(self) -> list[tuple[str, nn.Parameter]]:
+        """The fill's own parameters (the maps and the key/value copies; the layers it runs are the model's)."""
+        return [(f"filled.{n}", p) for n, p in self.filled.named_parameters() if n.startswith(("maps.", "kv."))]
 
     def load(self, causal_lm) -> set[str]:
         """Fill the maps (decoded, in the model's dtype) and the key/value copies (from the qkv weights just loaded);
         the parameter names it loaded, as vLLM's loader counts them."""
         layers = causal_lm.model.layers
+        maps, kv = self.filled.maps, self.filled.kv
         for i, l in enumerate(self.late):
             W, b = self.release.maps[l]
             if self.kv_maps[i]:
@@ -185,23 +271,39 @@ class EngineFill(nn.Module):
             else:
                 rows = loads.rank_input_rows(W.shape[0], get_tensor_model_parallel_rank(), self.tp)
             W, b = W[rows], b[rows]
-            self.maps[i].weight.data.copy_(torch.from_numpy(np.ascontiguousarray(W)))
-            self.maps[i].bias.data.copy_(torch.from_numpy(np.ascontiguousarray(b)))
+            maps[i].weight.data.copy_(torch.from_numpy(np.ascontiguousarray(W)))
+            maps[i].bias.data.copy_(torch.from_numpy(np.ascontiguousarray(b)))
             if self.kv_maps[i]:
                 continue
             sa = layers[l].self_attn
             rows = slice(sa.q_size, sa.q_size + 2 * sa.kv_size)
-            self.kv[i].weight.data.copy_(sa.qkv_proj.weight.data[rows])
-            if self.kv[i].bias is not None:
-                self.kv[i].bias.data.copy_(sa.qkv_proj.bias.data[rows])
+            kv[i].weight.data.copy_(sa.qkv_proj.weight.data[rows])
+            if kv[i].bias is not None:
+                kv[i].bias.data.copy_(sa.qkv_proj.bias.data[rows])
         self.release = dataclasses.replace(self.release, maps={})  # the float32 copies are no longer needed
-        self.stats["map_bytes"] = sum(p.numel() * p.element_size() for p in self.maps.parameters())
-        return {f"ridgefill.{name}" for name, _ in self.named_parameters()}
+        self.stats["map_bytes"] = sum(p.numel() * p.element_size() for n, p in self.own() if n.startswith("filled.maps"))
+        return {f"ridgefill.{name}" for name, _ in self.own()}
 
     def memory(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        return sum(p.numel() * p.element_size() for _, p in self.own())
 
     # -- the forward -----------------------------------------------------------------------------------------------
+
+    def warm_up(self, causal_lm, input_ids, positions, inputs_embeds) -> None:
+        """In vLLM's first start-up run (memory profiling or warm-up, with no request and no attention metadata):
+        run the fill's three compiled parts once on its tokens, so they compile now rather than in a request, and
+        vLLM's profiled peak memory includes theirs. Nothing is written to the cache."""
+        started = time.perf_counter()
+        m = causal_lm.model
+        h = inputs_embeds if inputs_embeds is not None else m.embed_input_ids(input_ids)
+        h, residual = self.early(h, positions)
+        self.filled(h + residual, positions)
+        self.late_layers(h, residual, positions)
+        self.warm = True
+        self.stats["warm_up_s"] = round(time.perf_counter() - started, 3)
+        log.info("ridgefill: the fill's compiled parts (layers 0..%d, the filled keys and values, layers %d..%d) "
+                 "ran at start-up on %d tokens in %.1f s", self.split - 1, self.split, self.late[-1],
+                 positions.shape[-1], self.stats["warm_up_s"])  # fmt: skip
 
     def forward(self, causal_lm, input_ids, positions, inputs_embeds):
         """The fill's forward of this step, or None when the step is vLLM's own (no plan, or nothing to fill)."""
@@ -210,11 +312,18 @@ class EngineFill(nn.Module):
         if step is None or not isinstance(meta, dict) or meta.get(self.late_names[0]) is not step.meta:
             self.stats["stock_steps"] += 1
             return None
-        m = causal_lm.model
+        graphs = ctx.cudagraph_runtime_mode
+        ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE  # the fill's parts run outside CUDA graphs
+        try:
+            return self._fill(causal_lm.model, step, ctx, input_ids, positions, inputs_embeds)
+        finally:
+            ctx.cudagraph_runtime_mode = graphs
+
+    def _fill(self, m, step: Step, ctx, input_ids, positions, inputs_embeds):
+        meta = ctx.attn_metadata
         h = inputs_embeds if inputs_embeds is not None else m.embed_input_ids(input_ids)
-        # Fresh tensors (the runner's are views of its persistent buffers, and dynamo would guard on the buffers).
-        h, residual = self.early(m, h.clone(), positions.clone())
-        h_split = h if residual is None else h + residual  # the residual stream entering layer S
+        h, residual = self.early(h, positions)
+        h_split = h + residual  # the residual stream entering layer S
         num = step.prefix.shape[0]  # scheduled tokens; rows past them are padding
         fill = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
         fill[:num] = to_device(step.prefix, h.device)
@@ -230,11 +339,15 @@ class EngineFill(nn.Module):
         f_rows = to_device(np.flatnonzero(filled), h.device)
         slots = ctx.slot_mapping[self.late_names[0]]
         if f_rows.numel():  # every late layer's filled keys and values first: they depend on h_S alone
-            x_split, pos_f, slots_f = h_split[f_rows], positions[f_rows], slots[f_rows]
-            for i, l in enumerate(self.late):
-                self._write_filled(i, m.layers[l], x_split, pos_f, slots_f)
+            keys, values = self.filled(h_split[f_rows], positions[f_rows])
+            slots_f = slots[f_rows]
+            for l, k, v in zip(self.late, keys, values):
+                attn = m.layers[l].self_attn.attn
+                attn.impl.do_kv_cache_update(attn, k.view(-1, attn.num_kv_heads, attn.head_size),
+                                             v.view(-1, attn.num_kv_heads, attn.head_size_v), attn.kv_cache,
+                                             slots_f)  # fmt: skip
         # The exact rows through the late layers, in groups of at most as many sequences as the backend has room
-        # for (plan.groups), one after another in position order.
+        # for (plan.groups), one after another in position order (planned while the device writes the filled rows).
         out = torch.zeros_like(h)
         parts = plan.groups(plan.runs(~filled, step.query_start, step.seq_lens), self.max_seqs)
         saved = {name: (meta[name], ctx.slot_mapping[name]) for name in self.late_names}
@@ -244,11 +357,7 @@ class EngineFill(nn.Module):
                 late_meta = self._late_metadata(step, runs, positions, slots, q_rows)
                 for name in self.late_names:
                     meta[name], ctx.slot_mapping[name] = late_meta, slots[q_rows]
-                hq, pos_q = h[q_rows], positions[q_rows]
-                rq = None if residual is None else residual[q_rows]
-                for l in self.late:
-                    hq, rq = m.layers[l](pos_q, hq, rq)
-                out[q_rows] = m.norm(hq, rq)[0] if rq is not None else m.norm(hq)
+                out[q_rows] = self.late_layers(h[q_rows], residual[q_rows], positions[q_rows])
         finally:
             for name, (old_meta, old_slots) in saved.items():
                 meta[name], ctx.slot_mapping[name] = old_meta, old_slots
@@ -257,31 +366,6 @@ class EngineFill(nn.Module):
         self.stats["groups"] += len(parts)
         self.stats["max_group_seqs"] = max(self.stats["max_group_seqs"], *(g.owner.size for g in parts), 0)
         return out
-
-    def _early(self, m, h, positions):
-        """Layers 0..S-1 on every scheduled token, from its embedding: (hidden, residual) entering layer S, vLLM's
-        two summands."""
-        residual = None
-        for layer in m.layers[: self.split]:
-            h, residual = layer(positions, h, residual)
-        return h, residual
-
-    def _write_filled(self, i, layer, x_split, pos, slots) -> None:
-        """Late layer `layer`'s keys and values for the filled rows, from the map's prediction, into their slots."""
-        sa = layer.self_attn
-        if self.kv_maps[i]:
-            kv = self.maps[i](x_split)[0]  # [F, 2 * kv_size]: keys before the key norm and RoPE, then values
-        else:
-            x = self.maps[i](x_split)[0]  # [F, d]: W_l h_S + b_l
-            kv = self.kv[i](layer.input_layernorm(x))[0]  # [F, 2 * kv_size]
-        k, v = kv.split([sa.kv_size, sa.kv_size], dim=-1)
-        if hasattr(sa, "k_norm"):  # Qwen3: RMSNorm per head before the rotary embedding
-            k = sa.k_norm(k.reshape(k.shape[0], -1, sa.head_dim)).reshape(k.shape)
-        k = sa.rotary_emb(pos, k.contiguous(), None)[0]  # rotated as a query would be: the same per-head rotation
-        attn = sa.attn
-        attn.impl.do_kv_cache_update(attn, k.reshape(-1, attn.num_kv_heads, attn.head_size),
-                                     v.reshape(-1, attn.num_kv_heads, attn.head_size_v).contiguous(), attn.kv_cache,
-                                     slots)  # fmt: skip
 
     def _late_metadata(self, step: Step, runs: plan.Runs, positions, slots, q_rows):
         """The late layers' attention metadata for the exact rows, from the backend's own builder."""
@@ -299,6 +383,15 @@ class EngineFill(nn.Module):
             dcp_local_seq_lens=None, dcp_local_seq_lens_cpu_upper_bound=None, mm_req_doc_ranges=None,
             rswa_prefix_lens=None, _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)  # fmt: skip
         return step.builder.build(0, sub)
+
+
+def starting_up() -> bool:
+    """Whether this model call is one of vLLM's start-up runs the fill may warm up in: outside any request
+    (`RUNNER` unset, checked by the caller) and outside CUDA graph capture, whose stream would record the fill's
+    kernels into vLLM's graph."""
+    ctx = get_forward_context()
+    return ctx.cudagraph_runtime_mode == CUDAGraphMode.NONE and not (
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -327,12 +420,16 @@ class FillMixin:
         names = self.ridgefill.load(self)
         fill = self.ridgefill
         held = "maps" if all(fill.kv_maps) else "maps and key/value copies"  # a key/value map needs no copy
+        param = fill.own()[0][1]
         log.info("ridgefill: %s; %s %.1f MiB in %s on %s", fill.release.describe(), held, fill.memory() / 2**20,
-                 next(fill.parameters()).dtype, next(fill.parameters()).device)
+                 param.dtype, param.device)
         return None if loaded is None else set(loaded) | names
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
-        out = self.ridgefill.forward(self, input_ids, positions, inputs_embeds)
+        fill = self.ridgefill
+        if not fill.warm and fill.compiled and RUNNER.get() is None and starting_up():
+            fill.warm_up(self, input_ids, positions, inputs_embeds)  # vLLM's first start-up run
+        out = fill.forward(self, input_ids, positions, inputs_embeds)
         if out is None:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
         return out
