@@ -79,6 +79,9 @@ FIGURES = {
     "vllm_fill": Figure("vllm_serve_bench.py", "time to first token of `vllm serve`, stock / with RIDGEFILL_RELEASE "
                         "(vLLM's defaults: chunked prefill, prefix caching), as a share of the compute ceiling, per "
                         "prompt length", "share", "share_8000 >= 0.90"),
+    "vllm_fill_profile": Figure("vllm_fill_profile.py", "one filling step of the vLLM fill on the CPU backend, now and "
+                                "at an earlier commit, eager and compiled: ops launched per late layer, host syncs, "
+                                "step seconds", "launches", None),
     "gpu": Figure("gpu_check.py", "on one GPU, Llama-3.1-8B's shape in bfloat16 (random weights): the runtime's "
                   "ridgefill prefill speed-up over exact as a share of the compute ceiling per prompt length (split 16, "
                   "tail 512) and their minimum; capture tok/s / decoder-stack forward tok/s", "share",

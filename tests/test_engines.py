@@ -226,7 +226,7 @@ def test_llamacpp_flash_attention_layout(served):
 def test_vllm_connector_serves_a_batch_with_preempted_and_bad_requests(served):
     """As in a server: prefix caching on, 8 requests at once in a KV space that preempts them, the connector reading
     from one cache_dir. Good requests (6 RidgeFill caches, and the control cache over the first one's ids) must
-    answer as each does alone, and two caches over the same ids never share a block; bad ones (a missing file, a
+    answer as each does alone (near-ties apart: `same_answer`), and two caches over the same ids never share a block; bad ones (a missing file, a
     file outside cache_dir, another model's cache, a salt that is not the cache's sha256, no salt) must end with
     an error while the others are served. With prefix caching off, the preempted requests are loaded again when
     they resume and answer as alone."""
@@ -283,8 +283,8 @@ def test_vllm_connector_serves_a_batch_with_preempted_and_bad_requests(served):
     report("vllm_connector", fig)
     assert fig["preemptions"] > 0 and fig["resumed_preemptions"] > 0 and fig["loaded_again"] > 0, fig
     for j in good:
-        assert batch[j["name"]]["finish"] == "length" and batch[j["name"]]["tokens"] == alone[j["name"]]["tokens"], j
-        assert resumed[j["name"]]["tokens"] == alone[j["name"]]["tokens"], j
+        assert batch[j["name"]]["finish"] == "length" and same_answer(batch[j["name"]], alone[j["name"]]), j
+        assert same_answer(resumed[j["name"]], alone[j["name"]]), j
     assert alone["control0"]["top2"][0] != alone["ridgefill0"]["top2"][0]  # same ids, another cache: its own blocks
     for name in bad:
         assert batch[name]["finish"] == "error", (name, batch[name])
@@ -292,6 +292,17 @@ def test_vllm_connector_serves_a_batch_with_preempted_and_bad_requests(served):
                        ("other-model", "a cache for another model"), ("wrong-salt", "not the cache's sha256"),
                        ("no-salt", "no cache_salt")):  # fmt: skip
         assert any("fails: " in line and says in line for line in log.splitlines()), (name, log[-3000:])
+
+
+def same_answer(got: dict, alone: dict) -> bool:
+    """A request's greedy answer in a batch is its answer alone, or parts from it only where the alone run's own
+    top-2 margin is a near-tie (a batch's matrix shapes round differently)."""
+    a, b = got["tokens"], alone["tokens"]
+    part = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if part is None:
+        return len(a) == len(b)
+    (_, l1), (_, l2) = alone["top2"][part]
+    return l1 - l2 < NEAR_TIE
 
 
 CONNECTOR_STARTUP = """
