@@ -460,6 +460,10 @@ def test_vllm_serve_with_the_switch_on_answers_as_the_offline_engine(smol_model)
     text = (smol["work"] / f"serve-{port}.log").read_text()
     on = [line for line in text.splitlines() if "ridgefill: release" in line]
     assert len(on) == 1 and f"split {smol['rel'].split} of 30" in on[0], on
+    # vLLM compiles (no --enforce-eager here): the fill's compiled parts ran once in its start-up, before any request
+    warm = [i for i, line in enumerate(text.splitlines()) if "the fill's compiled parts (layers 0..19" in line]
+    first = next(i for i, line in enumerate(text.splitlines()) if "/v1/completions" in line)
+    assert len(warm) == 1 and warm[0] < first, text[-3000:]
 
 
 @pytest.mark.parametrize("setting, says", [
