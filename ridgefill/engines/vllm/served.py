@@ -24,8 +24,7 @@ import numpy as np
 
 from ridgefill.errors import BadInput
 from ridgefill.formats.release import MAPS_FILE, read_release
-from ridgefill.formats.release.names import (PLAIN, PROTECTED_CONFIGURATION, integer, protected_problem,
-                                             tail_problem)
+from ridgefill.formats.release.names import PLAIN, PROTECTED_CONFIGURATION, integer, protected_problem
 from ridgefill.hub.releases import FORMS, HUB, locate_release
 from ridgefill.models.kinds import FULL
 
@@ -121,10 +120,11 @@ def from_environment() -> Fill | None:
 
 def check_model(fill: Fill, config: dict, path: str | Path | None = None) -> None:
     """BadInput naming the first way the served model is not the release's: its architecture (one the engine
-    fills), layer count and hidden size from its config, a release tail at or past its context
-    (`max_position_embeddings`: every prompt would run exactly) or a protected-token table past its vocabulary
+    fills), layer count and hidden size from its config, or a protected-token table past its vocabulary
     (`vocab_size`), each compared where the config states it, then, when `path` is a local model folder (or a
-    cached Hub snapshot), its fingerprint (`identity.served_fingerprint_problem`)."""
+    cached Hub snapshot), its fingerprint (`identity.served_fingerprint_problem`). The tail is checked against the
+    context the engine serves (the plugin's `max_model_len` check), not the config's `max_position_embeddings`,
+    which rope scaling lets a server exceed."""
     from ridgefill.engines import identity
 
     model_type = config.get("model_type")
@@ -132,10 +132,7 @@ def check_model(fill: Fill, config: dict, path: str | Path | None = None) -> Non
         raise BadInput(f"{ENV}: the served model is '{model_type}'; the fill runs in {sorted(ARCHITECTURES)} models")
     problem = identity.served_config_problem(config, fill.manifest)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    context, vocab = integer(text.get("max_position_embeddings")), integer(text.get("vocab_size"))
-    if problem is None and context is not None and context > 0:
-        tail = tail_problem(fill.tail, context)
-        problem = None if tail is None else f"the release's 'tail_default' {tail}"
+    vocab = integer(text.get("vocab_size"))
     if problem is None and vocab is not None and fill.protected is not None and len(fill.protected):
         problem = protected_problem(int(fill.protected[-1]), vocab, "the served model")  # ascending: last is largest
     if problem is None and path is not None and Path(path).is_dir():
