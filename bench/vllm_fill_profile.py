@@ -52,7 +52,7 @@ def arguments():
     ap.add_argument("release", type=release, nargs="?", default=REPO / "release" / "smollm2-135m")
     ap.add_argument("--length", type=positive, default=2048)
     ap.add_argument("--repeat", type=positive, default=3)
-    ap.add_argument("--before", default="HEAD~1", help="the git commit whose fill is profiled beside the working tree's")
+    ap.add_argument("--before", default="HEAD~1", help="the commit whose fill is profiled beside the working tree's")
     ap.add_argument("--store", type=Path, default=None, help="ridgefill store (default: a fresh temporary one)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--worker", type=Path, default=None, help=argparse_hidden())
@@ -245,7 +245,8 @@ def main() -> None:
                 table[f"{side}_{mode}"] = {
                     "launches_per_late_layer": round((run["fill_launches"] - early) / (L - S), 1),
                     "launches_per_early_layer": round(early / S, 1),
-                    "stock_launches_per_layer": round(stock / L, 1), "step_launches": fill, "stock_step_launches": stock,
+                    "stock_launches_per_layer": round(stock / L, 1), "step_launches": fill,
+                    "stock_step_launches": stock,
                     "host_syncs": got[f"{side}_{mode}"]["syncs"], "step_s": got[f"{side}_{mode}"]["seconds"],
                     "stock_step_s": got[f"stock_{mode}"]["seconds"]}  # fmt: skip
         value = {k: v["launches_per_late_layer"] for k, v in table.items()}

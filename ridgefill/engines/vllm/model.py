@@ -281,7 +281,8 @@ class EngineFill(nn.Module):
             if kv[i].bias is not None:
                 kv[i].bias.data.copy_(sa.qkv_proj.bias.data[rows])
         self.release = dataclasses.replace(self.release, maps={})  # the float32 copies are no longer needed
-        self.stats["map_bytes"] = sum(p.numel() * p.element_size() for n, p in self.own() if n.startswith("filled.maps"))
+        maps_only = [p for n, p in self.own() if n.startswith("filled.maps.")]
+        self.stats["map_bytes"] = sum(p.numel() * p.element_size() for p in maps_only)
         return {f"ridgefill.{name}" for name, _ in self.own()}
 
     def memory(self) -> int:
