@@ -626,7 +626,8 @@ def test_the_fill_on_two_tensor_parallel_ranks(tiny, maps, kv_heads, tmp_path):
     """The tiny Qwen2 on two tensor-parallel ranks on the CPU, with 2 KV heads (one per rank) and with 1 (replicated
     on both), with key/value maps (each rank holding its own heads' rows) and input maps (column-parallel: each rank
     holding half the rows, the prediction all-gathered): the answers equal one rank's and the reference's, both
-    ranks fill the reference's rows, and each holds its share of the maps."""
+    ranks fill the reference's rows, and each holds its share of the maps. The input maps with 2 KV heads run
+    compiled, as vLLM runs by default."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("two tensor-parallel ranks need two CPUs")
     t = tiny("qwen2", "ridgefill", maps, kv_heads=kv_heads)
@@ -636,6 +637,9 @@ def test_the_fill_on_two_tensor_parallel_ranks(tiny, maps, kv_heads, tmp_path):
              "prompts": names, "submit": "together", "max_new": NEW}]  # fmt: skip
     if (maps, kv_heads) == ("kv", 2):  # one rank beside it, once: the other cases are held to the reference
         runs.insert(0, {"name": "one", "engine": TP_ENGINE, "prompts": names, "submit": "together", "max_new": NEW})
+    compiled = (maps, kv_heads) == ("input", 2)  # once, as vLLM runs by default: the fill's parts compiled (the
+    if compiled:  # input maps' all-gather inside one of them) and warmed up at start-up
+        runs[-1]["engine"] = runs[-1]["engine"] | {"enforce_eager": False}
     # As the connector's two-rank test runs vLLM: its engine core in a process of its own, one core per rank; the
     # runner's reading of the fill's counters (`LLM.apply_model`, a function sent to the engine core) needs vLLM's
     # pickle fallback across processes.
@@ -653,6 +657,7 @@ def test_the_fill_on_two_tensor_parallel_ranks(tiny, maps, kv_heads, tmp_path):
             assert abs(o["top2"][0][0][1] - one[o["prompt"]]["top2"][0][0][1]) < 1e-4, o["prompt"]
     ranks = got["two"]["rank_stats"]
     assert [r["rank"] for r in ranks] == [0, 1]
+    assert all((r["warm_up_s"] is not None) == compiled for r in ranks), ranks
     # input maps: half the rows each; key/value maps: the rank's KV heads' rows (all of them when one is replicated)
     d = 128  # the tiny model's hidden size; its heads are 32 wide
     width = d if maps == "input" else 2 * kv_heads * 32
