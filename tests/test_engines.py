@@ -228,8 +228,8 @@ def test_vllm_connector_serves_a_batch_with_preempted_and_bad_requests(served):
     from one cache_dir. Good requests (6 RidgeFill caches, and the control cache over the first one's ids) must
     answer as each does alone (near-ties apart: `same_answer`), and two caches over the same ids never share a
     block; bad ones (a missing file, a file outside cache_dir, another model's cache, a salt that is not the cache's
-    sha256, no salt) must end with an error while the others are served. With prefix caching off, the preempted requests are loaded again when
-    they resume and answer as alone."""
+    sha256, no salt) must end with an error while the others are served. With prefix caching off, the preempted
+    requests are loaded again when they resume and answer as alone."""
     import shutil
 
     from ridgefill.artifacts import sha256_file

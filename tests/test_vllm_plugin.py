@@ -637,8 +637,10 @@ def test_the_fill_on_two_tensor_parallel_ranks(tiny, maps, kv_heads, tmp_path):
              "prompts": names, "submit": "together", "max_new": NEW}]  # fmt: skip
     if (maps, kv_heads) == ("kv", 2):  # one rank beside it, once: the other cases are held to the reference
         runs.insert(0, {"name": "one", "engine": TP_ENGINE, "prompts": names, "submit": "together", "max_new": NEW})
-    compiled = (maps, kv_heads) == ("input", 2)  # once, as vLLM runs by default: the fill's parts compiled (the
-    if compiled:  # input maps' all-gather inside one of them) and warmed up at start-up
+    # Once, as vLLM runs by default: the fill's parts compiled (the input maps' all-gather inside one of them) and
+    # warmed up at start-up.
+    compiled = (maps, kv_heads) == ("input", 2)
+    if compiled:
         runs[-1]["engine"] = runs[-1]["engine"] | {"enforce_eager": False}
     # As the connector's two-rank test runs vLLM: its engine core in a process of its own, one core per rank; the
     # runner's reading of the fill's counters (`LLM.apply_model`, a function sent to the engine core) needs vLLM's
