@@ -427,6 +427,17 @@ def corpus_for(model: str, tokens: int, doc_tokens: int, tok=None) -> Path:
 # ------------------------------------------------------------------------------------------------ child processes
 
 
+def engine_model(bench: "Bench", model: str) -> Path:
+    """`ridgefill engine model MODEL` into the bench's scratch folder (its store): the folder vLLM serves. A failure
+    ends the script with ridgefill's message."""
+    folder = bench.scratch / "model"
+    r = subprocess.run([sys.executable, "-m", "ridgefill", "engine", "model", model, "--out", str(folder), "--store",
+                        str(bench.store), "-q"], capture_output=True, text=True)  # fmt: skip
+    if r.returncode:
+        raise SystemExit(f"{bench.figure}: ridgefill engine model failed: {r.stderr}")
+    return folder
+
+
 def run_measured(cmd: list[str], env: dict | None = None, cwd: Path | None = None, check: bool = True) -> dict:
     """Run `cmd`; its wall seconds, peak RSS in MiB (ru_maxrss from os.wait4: the largest of the process and its
     waited-for descendants), exit code, stdout and the tail of stderr. With `check`, a failure ends this script

@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import REPO, Bench, Parser, positive, release  # noqa: E402
+from harness import REPO, Bench, Parser, engine_model, positive, release  # noqa: E402
 
 MODEL = "builtin:smollm2-135m"
 VLLM = REPO / ".engines" / "vllm"
@@ -221,11 +221,7 @@ def main() -> None:
             raise SystemExit(f"vllm_fill_profile: --before {args.before}: not a commit")
         subprocess.run(f"git archive {commit.stdout.strip()} ridgefill | tar -x -C {before}", shell=True, check=True,
                        cwd=REPO)  # fmt: skip
-        folder = bench.scratch / "model"
-        r = subprocess.run([sys.executable, "-m", "ridgefill", "engine", "model", MODEL, "--out", str(folder),
-                            "--store", str(bench.store), "-q"], capture_output=True, text=True)  # fmt: skip
-        if r.returncode:
-            raise SystemExit(f"vllm_fill_profile: ridgefill engine model failed: {r.stderr}")
+        folder = engine_model(bench, MODEL)
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = prose_prompts(tok, args.length, args.repeat + 1)
         got = {}

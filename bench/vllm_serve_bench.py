@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import REPO, Bench, Parser, count, env_threads, positive, release  # noqa: E402
+from harness import REPO, Bench, Parser, engine_model, count, env_threads, positive, release  # noqa: E402
 
 MODEL = "builtin:smollm2-135m"
 VLLM = REPO / ".engines" / "vllm"
@@ -217,11 +217,7 @@ def main() -> None:
 
         rel = load_release(args.release)
         L, S, T = rel.model["num_layers"], rel.split, rel.tail
-        folder = bench.scratch / "model"
-        r = subprocess.run([sys.executable, "-m", "ridgefill", "engine", "model", MODEL, "--out", str(folder),
-                            "--store", str(bench.store), "-q"], capture_output=True, text=True)  # fmt: skip
-        if r.returncode:
-            raise SystemExit(f"vllm_fill: ridgefill engine model failed: {r.stderr}")
+        folder = engine_model(bench, MODEL)
         tok = AutoTokenizer.from_pretrained(folder)
         rounds = args.repeat + 1  # round 0 warms up
         needed = rounds * (len(args.lengths) + (1 + args.users if args.users else 0))
