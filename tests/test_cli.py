@@ -191,7 +191,7 @@ def test_unknown_builtin_is_bad_input(tmp_path):
     assert r.returncode == 2
     # one line naming the problem and the built-ins there are; nothing written
     assert r.stderr == ("Error: unknown built-in model 'builtin:nope' (known: builtin:smollm2-135m, "
-                        "builtin:gemma3-270m)\n")
+                        "builtin:gemma3-270m, builtin:qwen2.5-coder-1.5b)\n")
     assert r.stdout == "" and not any(tmp_path.iterdir())
 
 

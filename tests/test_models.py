@@ -480,7 +480,8 @@ def test_refuses_hub_id_not_in_local_cache_when_offline(tiny_llama, tmp_path, mo
 
 def test_refuses_unknown_builtin(tmp_path):
     message = refuse("builtin:llama-70b", tmp_path)
-    assert message == "unknown built-in model 'builtin:llama-70b' (known: builtin:smollm2-135m, builtin:gemma3-270m)"
+    assert message == ("unknown built-in model 'builtin:llama-70b' (known: builtin:smollm2-135m, builtin:gemma3-270m, "
+                       "builtin:qwen2.5-coder-1.5b)")
 
 
 @pytest.mark.parametrize(
