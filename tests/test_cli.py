@@ -253,3 +253,15 @@ def test_artifacts_ls_show_verify_gc(store_with_capture):
     r = cli("artifacts", "gc", "--store", store, "--json")
     assert json.loads(r.stdout)["removed"] == [str(store / "capture" / ".tmp-deadbeef-1")]
     assert (store / "capture" / cid).is_dir()
+
+
+def test_help_shows_the_optional_revision_of_a_hub_name():
+    """`[@REV]` in a help text is shown, not read as rich markup and dropped."""
+    import os
+
+    env = dict(os.environ, COLUMNS="200")
+    for args, want in ((["eval"], "hf://OWNER/NAME[@REV]"), (["verify"], "hf://owner/name[@rev]"),
+                       (["push"], "hf://OWNER/NAME[@REV]"), (["engine", "prefix"], "hf://OWNER/NAME[@REV]"),
+                       (["capture"], "a hub id OWNER/NAME[@REV]")):  # fmt: skip
+        r = cli(*args, "--help", env=env)
+        assert r.returncode == 0 and want in r.stdout, (args, r.stdout)

@@ -96,7 +96,7 @@ def output():
 ModelArg = Annotated[
     str,
     typer.Argument(help="builtin:smollm2-135m, builtin:gemma3-270m, builtin:qwen2.5-coder-1.5b (the qwen extra), a "
-                        "transformers dir, a .gguf file, or a hub id OWNER/NAME[@REV]."),
+                        "transformers dir, a .gguf file, or a hub id OWNER/NAME\\[@REV]."),
 ]
 
 

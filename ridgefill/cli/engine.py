@@ -31,7 +31,7 @@ def _report(out, ec, folder: Path, seconds: bool) -> None:
 def prefix(
     model: ModelArg,
     release: Annotated[str, typer.Argument(help="Release folder (ridgefill export) for this model, or a Hub release "
-                                                "hf://OWNER/NAME[@REV] (pulled into the release cache once).")],
+                                                "hf://OWNER/NAME\\[@REV] (pulled into the release cache once).")],
     prompt: Annotated[Path, typer.Option("--prompt", help="Text file: the whole prompt.")],
     out: Out,
     arm: Annotated[str, typer.Option("--arm", help="ridgefill (the release's fill), identity, or exact.")] = "ridgefill",

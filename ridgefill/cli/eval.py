@@ -16,7 +16,7 @@ D = EvalConfig()  # each option's default
 @placed
 def eval_(
     model: ModelArg,
-    source: Annotated[str, typer.Argument(help="Release folder, a Hub release hf://OWNER/NAME[@REV] (pulled into the release cache once), or a solve / quantize artifact id.")],
+    source: Annotated[str, typer.Argument(help="Release folder, a Hub release hf://OWNER/NAME\\[@REV] (pulled into the release cache once), or a solve / quantize artifact id.")],
     arms: Annotated[Optional[list[str]], typer.Option("--arms", help="exact, ridgefill, identity, nofill, or a fill arm with +corrections (vscale, kscale, kshift, state) and a +selector (rows, protected; its :random and :tail controls are added); repeatable; default: the first four, and the release's configured arm.")] = None,
     tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = D.tail,
     lengths: Annotated[Optional[list[int]], typer.Option("--lengths", help="Needle context lengths (repeatable).")] = None,

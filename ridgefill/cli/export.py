@@ -55,7 +55,7 @@ def export(
 
 
 def verify(
-    release: Annotated[str, typer.Argument(help="Release folder, or a Hub release hf://owner/name[@rev].")],
+    release: Annotated[str, typer.Argument(help="Release folder, or a Hub release hf://owner/name\\[@rev].")],
 ) -> None:
     """Check every file of a release folder against its manifest, and the manifest against the facts
     maps.safetensors records (exit 2 naming the bad file or field). A Hub release is pulled into the release cache

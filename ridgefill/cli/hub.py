@@ -23,7 +23,7 @@ TokenOpt = Annotated[
 
 def push(
     folder: Annotated[str, typer.Argument(help="Release folder (verified before anything is uploaded), or a Hub "
-                                               "release hf://OWNER/NAME[@REV] to copy.")],
+                                               "release hf://OWNER/NAME\\[@REV] to copy.")],
     repo: Annotated[str, typer.Option("--repo", help="Hub model repo OWNER/NAME (created if missing).")],
     revision: Annotated[str, typer.Option("--revision", help="Branch to commit to (created if missing).")] = "main",
     private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
