@@ -2,7 +2,9 @@
 time.
 
     .venv/bin/python bench/capture_bench.py --model builtin:smollm2-135m --tokens 8192 --repeat 3 \
-        [--doc-tokens 2048] [--chunk 1024] [--profile-docs 2] [--store DIR] [--out FILE]
+        [--doc-tokens 2048] [--chunk 1024] [--profile-docs 2] [--dtype float32] [--store DIR] [--out FILE]
+
+`--dtype bfloat16` runs the model (both arms) in bfloat16, as capture does on a GPU; its statistics stay float64.
 
 One process, one loaded model, the same documents (a corpus of equal-length documents, bench/harness.py), fed
 the same way: each document chunk by chunk (`--chunk`) through a DynamicCache, stopped before the last decoder
@@ -45,6 +47,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=positive, default=1024)
     ap.add_argument("--repeat", type=positive, default=3, help="interleaved rounds of both arms")
     ap.add_argument("--profile-docs", type=count, default=2, help="documents in the profile pass (0: none)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
     args = ap.parse_args()
 
     with Bench("capture", args, args.model) as bench:
@@ -57,9 +60,10 @@ def main() -> None:
         from ridgefill.capture.corpus import read_corpus
         from ridgefill.capture.forward import document_chunks, exact_float32
         from ridgefill.capture.units import make_units
+        from ridgefill.models.device import where
         from ridgefill.output import Output
 
-        ref, lm = load(args.model, bench.store)
+        ref, lm = load(args.model, bench.store, args.dtype)
         corpus_dir = corpus_for(args.model, args.tokens, args.doc_tokens, tok=lm.tokenizer)
         corpus = read_corpus([str(corpus_dir)])
         cfg = CaptureConfig(chunk=args.chunk, held_out=0, held_out_rows=0)
@@ -87,7 +91,8 @@ def main() -> None:
             runs += 1
             st = Store(bench.fresh_store(f"store-{runs}"))
             t = time.perf_counter()
-            art, cached = capture(st, args.model, [str(data_dir)], cfg, Output(quiet=True))
+            art, cached = capture(st, args.model, [str(data_dir)], cfg, Output(quiet=True),
+                                  place=where(device="cpu", dtype=args.dtype))
             wall = time.perf_counter() - t
             assert not cached
             tm = art.manifest["timings"]
@@ -124,7 +129,7 @@ def main() -> None:
             "capture_end_to_end_tok_s": round(n_tok / wall_s, 1),
             "capture_over_stack_paired_median": round(med([x["ratio_unit"] for x in rounds]), 4),
             "capture_end_to_end_over_stack": round(stack_s / wall_s, 4),
-            "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads(), "dtype": args.dtype,
         }
         if args.profile_docs:
             details["profile"] = profile(lm, docs[: args.profile_docs], layers, cfg)

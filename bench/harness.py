@@ -345,12 +345,12 @@ def fresh_store(path: Path) -> Path:
     return path
 
 
-def load(model: str, store: Path):
-    """(ref, LoadedModel) from `store`, the way capture loads it on a CPU (float32)."""
+def load(model: str, store: Path, dtype: str = "float32"):
+    """(ref, LoadedModel) from `store`, the way capture loads it on a CPU (float32, or `dtype`)."""
     from ridgefill.models import load_model
 
     ref = model_cache(store, model)
-    return ref, load_model(ref, store_root=Path(store))
+    return ref, load_model(ref, store_root=Path(store), dtype=dtype)
 
 
 def tokenizer(model: str):
