@@ -31,6 +31,7 @@ Value: launches per late layer, now and before, compiled.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -55,14 +56,8 @@ def arguments():
     ap.add_argument("--before", default="HEAD~1", help="the commit whose fill is profiled beside the working tree's")
     ap.add_argument("--store", type=Path, default=None, help="ridgefill store (default: a fresh temporary one)")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--worker", type=Path, default=None, help=argparse_hidden())
+    ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     return ap.parse_args()
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 # ------------------------------------------------------------------------------------------------ in the engine

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 
@@ -92,9 +93,8 @@ def test_qwen_builtin_facts_and_model_card():
     assert upstream("builtin:qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m", None) == {
         "base_model": "Qwen/Qwen2.5-Coder-1.5B-Instruct", "license": "apache-2.0",
         "source": "Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF", "spec": "builtin:qwen2.5-coder-1.5b"}
-    extra = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text().split("\nqwen = [", 1)[1]
-    pinned = extra.split("]", 1)[0]
-    assert [f'"{p}==0.2.0"' for p in QWEN.parts.packages()] == [x.strip() for x in pinned.split(",") if x.strip()]
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["qwen"] == [f"{p}==0.2.0" for p in QWEN.parts.packages()]
 
 
 def installed() -> bool:

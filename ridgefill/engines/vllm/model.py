@@ -125,6 +125,8 @@ def keep_off_decode_graph(runner, num_reqs: int) -> bool:
         return False
     fill, batch = _ACTIVE[0], runner.input_batch
     computed = np.asarray(batch.num_computed_tokens_cpu[:num_reqs], np.int64)
+    if not (computed < np.asarray(batch.num_prompt_tokens[:num_reqs], np.int64) - fill.tail).any():
+        return False  # every request is past its prefix (steady decoding): no per-request check needed
     fills = plan.prefix_rows(np.arange(num_reqs + 1), computed + 1, batch.num_prompt_tokens[:num_reqs],
                              _served_exactly(runner, num_reqs), tail=fill.tail, anchor=fill.anchor).any()  # fmt: skip
     fill.stats["decode_graph_vetoes"] += int(fills)
