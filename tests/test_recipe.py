@@ -204,6 +204,10 @@ def test_example_recipes_load():
     assert r.sweep == {"max_needle_drop": SweepConfig.max_needle_drop, "max_key_dnll": SweepConfig.max_key_dnll,
                        "tail": DEFAULT_TAIL}  # the sweep measures with the release's [export] tail
     assert r.place == {"device": "auto", "dtype": "auto"} and r.out == root / "release" / "my-model"
+    # the 1.5B built-in's recipe: bfloat16 wherever it runs (the practical dtype on an AMX CPU as on a GPU)
+    r = load_recipe(root / "examples" / "recipes" / "qwen2.5-coder-1.5b.toml")
+    assert r.model == "builtin:qwen2.5-coder-1.5b" and r.place == {"device": "auto", "dtype": "bfloat16"}
+    assert r.out == root / "release" / "qwen2.5-coder-1.5b" and r.eval is not None
 
 
 def test_sample_ci_workflow():
