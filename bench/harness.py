@@ -86,6 +86,9 @@ FIGURES = {
                   "ridgefill prefill speed-up over exact as a share of the compute ceiling per prompt length (split 16, "
                   "tail 512) and their minimum; capture tok/s / decoder-stack forward tok/s", "share",
                   "share_min >= 0.90"),
+    "capture_dtype": Figure("capture_dtype.py", "maps fitted from a bfloat16 capture vs a float32 capture: held-out "
+                            "K/V cosine on the same rows, the maps' relative difference, eval figures (model in "
+                            "float32), paired differences", "difference", None),
     "sweep": Figure("sweep_bench.py", "adaptive and exhaustive `ridgefill sweep` (given its capture) / one default "
                     "eval: wall, CPU; whether they recommend the same", "ratio", "adaptive_cpu <= 4"),
 }
