@@ -719,6 +719,19 @@ def test_load_gguf_builds_then_reuses_the_dequantized_cache(tmp_path):
     assert first.tokenizer.chat_template == second.tokenizer.chat_template is not None
 
 
+def test_building_the_gguf_cache_draws_no_progress_bar(tmp_path, capfd):
+    """layer_kinds builds the cache before any load: transformers' save_pretrained bar ("Writing model shards")
+    stays off stderr there too."""
+    from ridgefill.models.load import layer_kinds
+
+    path = make_tiny_gguf(tmp_path / "src" / "tiny.gguf", layers=2)
+    ref = resolve_model(str(path), store_root=tmp_path / "store")
+    capfd.readouterr()
+    assert layer_kinds(ref, store_root=tmp_path / "store") == ["full_attention"] * 2
+    err = capfd.readouterr().err
+    assert "Writing model shards" not in err and "it/s" not in err, err
+
+
 # -- real built-in models (slow) ------------------------------------------------------------------------------
 
 

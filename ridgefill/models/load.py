@@ -343,6 +343,7 @@ def _dequantize_gguf(ref: ModelRef, out: Path) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+    _quiet_transformers()  # the cache may be built before any load (layer_kinds): save_pretrained draws a bar too
     where, name = ref.path.parent, ref.path.name
     tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, local_files_only=True)
     # dequantize=True asks for a plain dense model even where transformers could keep GGUF blocks packed (with
