@@ -433,12 +433,14 @@ def corpus_for(model: str, tokens: int, doc_tokens: int, tok=None) -> Path:
 # ------------------------------------------------------------------------------------------------ child processes
 
 
-def engine_model(bench: "Bench", model: str) -> Path:
-    """`ridgefill engine model MODEL` into the bench's scratch folder (its store): the folder vLLM serves. A failure
-    ends the script with ridgefill's message."""
+def engine_model(bench: "Bench", model: str, dtype: str = "auto") -> Path:
+    """`ridgefill engine model MODEL` into the bench's scratch folder (its store): the folder vLLM serves, its weights
+    in bfloat16 when `dtype` is (half the folder and the load; otherwise as fitted, float32). A failure ends the
+    script with ridgefill's message."""
     folder = bench.scratch / "model"
+    weights = ["--dtype", "bfloat16"] if dtype == "bfloat16" else []
     r = subprocess.run([sys.executable, "-m", "ridgefill", "engine", "model", model, "--out", str(folder), "--store",
-                        str(bench.store), "-q"], capture_output=True, text=True)  # fmt: skip
+                        str(bench.store), "-q", *weights], capture_output=True, text=True)  # fmt: skip
     if r.returncode:
         raise SystemExit(f"{bench.figure}: ridgefill engine model failed: {r.stderr}")
     return folder

@@ -1,13 +1,13 @@
 """The fill in a vLLM server (figure "vllm_fill"): time to first token of `vllm serve` with RIDGEFILL_RELEASE set
 against the same server without it, side by side in one run, and the multi-user figure.
 
-    .venv/bin/python bench/vllm_serve_bench.py [RELEASE_DIR] [--lengths 2048 4096 8192] [--repeat 3]
-        [--users 3] [--user-prompt 1024] [--arriving 4096] [--dtype auto] [--threads 0] [--out FILE]
+    .venv/bin/python bench/vllm_serve_bench.py [RELEASE_DIR] [--model builtin:smollm2-135m] [--lengths 2048 4096 8192]
+        [--repeat 3] [--users 3] [--user-prompt 1024] [--arriving 4096] [--dtype auto] [--threads 0] [--out FILE]
 
 (8000, not 8192: SmolLM2's context is 8192 positions, the prompt and its first token included.)
 
-Needs the vLLM environment (scripts/setup-engines.sh vllm, which installs the plugin) and a SmolLM2 release
-(default release/smollm2-135m, the main job's). Two OpenAI-compatible servers run at once on this machine with
+Needs the vLLM environment (scripts/setup-engines.sh vllm, which installs the plugin) and a release of `--model`
+(default release/smollm2-135m, the main job's, of builtin:smollm2-135m). Two OpenAI-compatible servers run at once on this machine with
 vLLM's defaults (chunked prefill with the server's default budget, prefix caching, the compiled forward): "stock"
 and "fill" (RIDGEFILL_RELEASE=RELEASE), both serving the folder `ridgefill engine model` writes. Only one of them
 is sent work at any moment; their requests alternate.
@@ -52,6 +52,7 @@ USER_TOKENS = 2048  # what a decoding user asks for: more than it streams before
 def arguments():
     ap = Parser(__doc__)
     ap.add_argument("release", type=release, nargs="?", default=REPO / "release" / "smollm2-135m")
+    ap.add_argument("--model", default=MODEL, help="the model the release is for (a built-in, Hub id or path)")
     ap.add_argument("--lengths", type=positive, nargs="+", default=[2048, 4096, 8000])
     ap.add_argument("--repeat", type=positive, default=3)
     ap.add_argument("--users", type=count, default=3, help="decoding users of the multi-user figure (0: skip it)")
@@ -59,7 +60,7 @@ def arguments():
     ap.add_argument("--arriving", type=positive, default=4096)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--store", type=Path, default=None, help="ridgefill store (default: a fresh temporary one)")
-    ap.add_argument("--out", type=Path, default=None, help="result JSON (default bench/out/vllm_fill-smollm2-135m.json)")
+    ap.add_argument("--out", type=Path, default=None, help="result JSON (default bench/out/vllm_fill-<model>.json)")
     ap.set_defaults(threads=0)
     args = ap.parse_args()
     if not (VLLM / ".done").is_file():
@@ -208,7 +209,7 @@ def spread(xs) -> dict:
 
 def main() -> None:
     args = arguments()
-    with Bench("vllm_fill", args, MODEL) as bench:
+    with Bench("vllm_fill", args, args.model) as bench:
         from ridgefill.engines.vllm.served import load as load_release
         from ridgefill.evaluate.texts import prose_prompts
         from ridgefill.runtime import ceiling
@@ -217,7 +218,7 @@ def main() -> None:
 
         rel = load_release(args.release)
         L, S, T = rel.model["num_layers"], rel.split, rel.tail
-        folder = engine_model(bench, MODEL)
+        folder = engine_model(bench, args.model, args.dtype)
         tok = AutoTokenizer.from_pretrained(folder)
         rounds = args.repeat + 1  # round 0 warms up
         needed = rounds * (len(args.lengths) + (1 + args.users if args.users else 0))
