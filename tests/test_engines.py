@@ -31,14 +31,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_refs import margin, reference_path
+from engine_refs import NEAR_TIE, margin, reference_path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = {"vllm": "ridgefill.engines.vllm.runner", "llamacpp": "ridgefill.engines.llamacpp_runner"}
 RELEASE = Path(os.environ.get("RIDGEFILL_ENGINE_RELEASE", ROOT / "release" / "smollm2-135m"))
 PROMPTS, N, T, NEW = 20, 512, 128, 16
 FOLD_CONTEXTS, QUESTIONS = 4, 5
-NEAR_TIE = 0.05  # nats: the reference's own top-2 margin below which a top-1 disagreement is a near-tie
 CONTROL_MAX = 0.8
 QUESTION_TEXTS = ["\n\nQuestion: What is the text above about?\nAnswer:", "\n\nSummary of the text above:",
                   "\n\nQuestion: Which keyword does the text above describe?\nAnswer:",

@@ -31,13 +31,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_refs import reference_path
+import engine_refs
+from engine_refs import agreement, distance
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM = ROOT / ".engines" / "vllm"
 RELEASE = Path(os.environ.get("RIDGEFILL_ENGINE_RELEASE", ROOT / "release" / "smollm2-135m"))
 PROMPTS, N, NEW, EXTEND, BLOCK = 12, 1536, 16, 256, 128
-NEAR_TIE = 0.05  # nats: the reference's own top-2 margin below which parting ways is a near-tie
 MARGIN_TOL = 1e-3  # nats: the engine's first-token margin against the reference's (float32 on both sides)
 RUNNER = "ridgefill.engines.vllm.plugin_runner"
 
@@ -67,38 +67,7 @@ def run_engine(work: Path, name: str, model: Path, prompts: dict, runs: list, en
 
 
 def reference(lm, ids, arm: str, new: int = NEW, **options) -> dict:
-    """The reference's greedy answer (`new` tokens) and margins after a prefill of the whole prompt, and its exact
-    prefix rows."""
-    import torch
-
-    from ridgefill.runtime import prefill
-
-    res = prefill(lm, torch.tensor(ids), arm, **options)
-    answer, margins = reference_path(lm, res.logits[-1], res.cache, len(ids), new)
-    return {"top1": answer, "margin": margins, "exact_rows": len(res.exact_rows)}
-
-
-def agreement(outputs: list, refs: dict) -> dict:
-    """Each output against the reference of its prompt: first token, first margin, greedy answer."""
-    firsts = ties = misses = greedy = 0
-    worst = 0.0
-    for out in outputs:
-        ref = refs[out["prompt"]]
-        (t1, l1), (_, l2) = out["top2"][0]
-        if t1 == ref["top1"][0]:
-            firsts += 1
-            worst = max(worst, abs((l1 - l2) - ref["margin"][0]))
-        tokens, want = out["tokens"], ref["top1"][: len(out["tokens"])]
-        if tokens == want:
-            greedy += 1
-            continue
-        part = next(i for i, (a, b) in enumerate(zip(tokens, want)) if a != b)
-        if ref["margin"][part] < NEAR_TIE:
-            ties += 1
-        else:
-            misses += 1
-    return {"prompts": len(outputs), "first_token_equal": firsts, "first_margin_max_diff": worst,
-            "greedy_equal": greedy, "near_ties": ties, "misses": misses}  # fmt: skip
+    return engine_refs.reference(lm, ids, arm, new, **options)
 
 
 def check(fig: dict, count: int = PROMPTS) -> None:
@@ -271,23 +240,6 @@ def test_a_preempted_prompt_logprobs_request_is_recomputed_exactly(smol_model, t
 
 
 BF16_PROMPTS = 8
-
-
-def distance(outputs: list, refs: dict) -> dict:
-    """How far an engine's outputs are from references: first tokens and greedy answers equal, and the first-token
-    margin's and every step's margin's absolute differences (mean and max, the steps up to each answer's first
-    difference)."""
-    first, steps = [], []
-    for out in outputs:
-        ref = refs[out["prompt"]]
-        for i, ((t1, l1), (_, l2)) in enumerate(out["top2"]):
-            if out["tokens"][:i] != ref["top1"][:i] or t1 != ref["top1"][i]:
-                break
-            (first if i == 0 else steps).append(abs((l1 - l2) - ref["margin"][i]))
-    fig = agreement(outputs, refs)
-    return {"first_token_equal": fig["first_token_equal"], "greedy_equal": fig["greedy_equal"],
-            "first_margin_mean_diff": float(np.mean(first)), "first_margin_max_diff": float(np.max(first)),
-            "margin_mean_diff": float(np.mean(first + steps)), "margin_max_diff": float(np.max(first + steps))}
 
 
 def test_the_fill_in_bfloat16_is_no_further_from_its_reference_than_stock_bfloat16(smol_model, tmp_path):
