@@ -7,10 +7,10 @@ against the same server without it, side by side in one run, and the multi-user 
 (8000, not 8192: SmolLM2's context is 8192 positions, the prompt and its first token included.)
 
 Needs the vLLM environment (scripts/setup-engines.sh vllm, which installs the plugin) and a release of `--model`
-(default release/smollm2-135m, the main job's, of builtin:smollm2-135m). Two OpenAI-compatible servers run at once on this machine with
-vLLM's defaults (chunked prefill with the server's default budget, prefix caching, the compiled forward): "stock"
-and "fill" (RIDGEFILL_RELEASE=RELEASE), both serving the folder `ridgefill engine model` writes. Only one of them
-is sent work at any moment; their requests alternate.
+(default release/smollm2-135m, the main job's, of builtin:smollm2-135m). Two OpenAI-compatible servers run at once
+on this machine with vLLM's defaults (chunked prefill with the server's default budget, prefix caching, the compiled
+forward): "stock" and "fill" (RIDGEFILL_RELEASE=RELEASE), both serving the folder `ridgefill engine model` writes
+(in bfloat16 with `--dtype bfloat16`). Only one of them is sent work at any moment; their requests alternate.
 
 - Time to first token: for each length N, --repeat rounds after a warm-up round; in each round both servers get
   the same new prose prompt (its own per round, so no prefix-cache hit) as a streamed one-token completion, stock
