@@ -13,7 +13,8 @@ from ridgefill.models.spec import BUILTINS
 from ridgefill.runtime.rows import DEFAULT_TAIL
 
 ROOT = Path(__file__).resolve().parent.parent
-TITLES = {"smollm2-135m": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}  # the README's results headings
+TITLES = {"smollm2-135m": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M",
+          "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B-Instruct"}  # the README's results headings
 SHIPPED = sorted(name for name, b in BUILTINS.items() if b.split is not None)  # the built-ins with a chosen split
 
 

