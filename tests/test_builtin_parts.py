@@ -35,7 +35,8 @@ def fake_parts(tmp_path: Path, monkeypatch, count: int = 3) -> tuple[bytes, Buil
     monkeypatch.syspath_prepend(str(site))
     parts = Parts(f"fake-part{{n}}-{tag}", f"rf_fake_{tag}_{{n}}", "data/part{n:02d}.bin", count=count,
                   size=len(whole), sha256=hashlib.sha256(whole).hexdigest())
-    builtin = replace(QWEN, pip_name=".[fake]", module=f"rf_fake_{tag}_1", file_name="fake.gguf", parts=parts)
+    builtin = replace(QWEN, pip_name=".[fake]", module=f"rf_fake_{tag}_1", file_name="fake.gguf", parts=parts,
+                      split=None)
     monkeypatch.setitem(BUILTINS, "fake-parts", builtin)
     return whole, builtin
 
