@@ -79,6 +79,9 @@ FIGURES = {
     "vllm_fill": Figure("vllm_serve_bench.py", "time to first token of `vllm serve`, stock / with RIDGEFILL_RELEASE "
                         "(vLLM's defaults: chunked prefill, prefix caching), as a share of the compute ceiling, per "
                         "prompt length", "share", "share_8000 >= 0.90"),
+    "vllm_agreement": Figure("vllm_agreement.py", "the fill in vLLM (bfloat16) against the reference fill, beside stock "
+                             "vLLM against the exact reference, on prose and code prompts: first token, greedy answer, "
+                             "margin differences; the engine tests' rule", "verdict", None),
     "vllm_fill_profile": Figure("vllm_fill_profile.py", "one filling step of the vLLM fill on the CPU backend, now and "
                                 "at an earlier commit, eager and compiled: ops launched per late layer, host syncs, "
                                 "step seconds", "launches", None),
