@@ -126,6 +126,14 @@ class Work:
         tmp.replace(self.path)
 
 
+def digest(ids) -> str:
+    import hashlib
+
+    import numpy as np
+
+    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
 def documents(lm, n: int, per_kind: int, calibration) -> list:
     """`per_kind` windows of n tokens of code (long stdlib modules, one window each, the first n tokens) and of prose
     (pydoc's topics joined in order, cut into disjoint windows), each checked against the calibration corpus."""
@@ -163,7 +171,7 @@ def measure_length(lm, src, n: int, tail: int, needles: int, per_kind: int, args
     suite = needle_suite(lm, SweepConfig(length=n, tail=tail, needles=needles))
     rows = []
     for i, (hay, s) in enumerate(suite):
-        key = f"{n}/needle/{i}"
+        key = f"{n}/needle/{digest(s.prompt_ids)}"  # by content: a run with other counts reuses what matches
         row = work.get(key)
         if row is None:
             t = time.perf_counter()
