@@ -88,10 +88,13 @@ def main() -> None:
         lengths = {}
         for n, needles, docs in zip(args.lengths, args.needles, args.documents):
             lengths[str(n)] = measure_length(lm, src, n, tail, needles, docs, args, work)
-        value = {n: {"needle_drop_ridgefill": f["needles"]["drop"]["ridgefill"]["mean"],
-                     "edge_over_identity": f["needles"]["ridgefill_minus_identity"]["mean"],
-                     "key_dnll_ridgefill": f["documents"]["all"]["ridgefill"]["dnll_key"]["mean"],
-                     "key_dnll_identity": f["documents"]["all"]["identity"]["dnll_key"]["mean"]}
+        def mean(v):  # a bootstrap's mean; None where nothing was measured (no prompt, no key token)
+            return v["mean"] if isinstance(v, dict) else None
+
+        value = {n: {"needle_drop_ridgefill": mean(f["needles"]["drop"]["ridgefill"]),
+                     "edge_over_identity": mean(f["needles"]["ridgefill_minus_identity"]),
+                     "key_dnll_ridgefill": mean(f["documents"]["all"]["ridgefill"]["dnll_key"]),
+                     "key_dnll_identity": mean(f["documents"]["all"]["identity"]["dnll_key"])}
                  for n, f in lengths.items()}
         details = {"settings": settings, "release": str(args.release), "lengths": lengths,
                    "ceiling": {n: ceiling(lm.adapter.num_layers, src.split, int(n), tail) for n in lengths},
