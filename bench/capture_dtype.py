@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Bench, parser, positive  # noqa: E402
-from map_kinds import QUICK_EVAL, cli, paired, pick, shared_eval  # noqa: E402
+from map_kinds import cli, eval_config, paired, pick, shared_eval  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 
@@ -85,23 +85,6 @@ def _store(bench):
     from ridgefill.artifacts import Store
 
     return Store(bench.store)
-
-
-def eval_config(args):
-    """The EvalConfig both maps are measured with (arms exact and ridgefill), and what it shrank from eval's
-    defaults ({setting: {"default", "used"}})."""
-    from dataclasses import asdict, replace
-
-    from ridgefill.evaluate import EvalConfig
-
-    default = EvalConfig()
-    cfg = replace(default, arms=("exact", "ridgefill"), tail=args.tail)
-    if args.quick:
-        cfg = replace(cfg, **QUICK_EVAL)
-    given = {"lengths": args.eval_lengths, "documents": args.eval_documents, "bootstrap": args.bootstrap}
-    cfg = replace(cfg, **{k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None})
-    a, b = asdict(default), asdict(cfg)
-    return cfg, {k: {"default": a[k], "used": b[k]} for k in a if a[k] != b[k]}
 
 
 def chain(bench, args, split: int, dtype: str) -> dict:

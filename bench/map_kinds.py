@@ -164,9 +164,11 @@ def eval_config(args):
     cfg = replace(default, arms=("exact", "ridgefill"), tail=args.tail)
     if args.quick:
         cfg = replace(cfg, **QUICK_EVAL)
-    given = {"lengths": args.eval_lengths, "depths": args.eval_depths, "tasks": args.eval_tasks,
-             "samples": args.eval_samples, "documents": args.eval_documents, "doc_tokens": args.eval_doc_tokens,
-             "bootstrap": args.bootstrap}
+    # the --eval-* options a script has (capture_dtype.py has some of them)
+    given = {"lengths": getattr(args, "eval_lengths", None), "depths": getattr(args, "eval_depths", None),
+             "tasks": getattr(args, "eval_tasks", None), "samples": getattr(args, "eval_samples", None),
+             "documents": getattr(args, "eval_documents", None), "doc_tokens": getattr(args, "eval_doc_tokens", None),
+             "bootstrap": getattr(args, "bootstrap", None)}
     cfg = replace(cfg, **{k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None})
     a, b = asdict(default), asdict(cfg)
     shrunk = {k: {"default": a[k], "used": b[k]} for k in a if a[k] != b[k]}
