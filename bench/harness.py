@@ -22,6 +22,7 @@ inside `with Bench(figure, args, model) as bench:` and ends with `bench.finish(v
 from __future__ import annotations
 
 import argparse
+import json
 import operator
 import os
 import platform
@@ -471,3 +472,31 @@ def run_measured(cmd: list[str], env: dict | None = None, cwd: Path | None = Non
 def dir_bytes(path: Path) -> int:
     """Bytes of the regular files under `path` (symlinks not followed)."""
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file() and not p.is_symlink())
+
+
+class Work:
+    """Per-prompt results kept in a JSON file, rewritten by rename after each prompt; begun again when the settings
+    differ."""
+
+    def __init__(self, path: Path, settings: dict):
+        self.path = Path(path)
+        data = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.data = data if data.get("settings") == settings else {"settings": settings, "rows": {}}
+
+    def get(self, key: str):
+        return self.data["rows"].get(key)
+
+    def put(self, key: str, row: dict) -> None:
+        self.data["rows"][key] = row
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
+        tmp.replace(self.path)
+
+
+def digest(ids) -> str:
+    import hashlib
+
+    import numpy as np
+
+    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()[:16]

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import OUT, Bench, parser, positive, release, short  # noqa: E402
+from harness import OUT, Bench, Work, digest, parser, positive, release, short  # noqa: E402
 
 ARMS = ("exact", "ridgefill", "identity")
 FILLS = ("ridgefill", "identity")
@@ -107,34 +107,6 @@ def main() -> None:
 def ceiling(layers: int, split: int, n: int, tail: int) -> float:
     """The compute ceiling L N / (S (N - T) + L T)."""
     return round(layers * n / (split * (n - tail) + layers * tail), 4)
-
-
-class Work:
-    """Per-prompt results kept in a JSON file, rewritten by rename after each prompt; begun again when the settings
-    differ."""
-
-    def __init__(self, path: Path, settings: dict):
-        self.path = Path(path)
-        data = json.loads(self.path.read_text()) if self.path.is_file() else {}
-        self.data = data if data.get("settings") == settings else {"settings": settings, "rows": {}}
-
-    def get(self, key: str):
-        return self.data["rows"].get(key)
-
-    def put(self, key: str, row: dict) -> None:
-        self.data["rows"][key] = row
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
-        tmp.replace(self.path)
-
-
-def digest(ids) -> str:
-    import hashlib
-
-    import numpy as np
-
-    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
 def documents(lm, n: int, per_kind: int, calibration) -> list:

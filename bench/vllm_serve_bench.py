@@ -2,7 +2,8 @@
 against the same server without it, side by side in one run, and the multi-user figure.
 
     .venv/bin/python bench/vllm_serve_bench.py [RELEASE_DIR] [--model builtin:smollm2-135m] [--lengths 2048 4096 8192]
-        [--repeat 3] [--users 3] [--user-prompt 1024] [--arriving 4096] [--dtype auto] [--threads 0] [--out FILE]
+        [--repeat 3] [--users 3] [--user-prompt 1024] [--arriving 4096] [--dtype auto] [--tp 1] [--threads 0]
+        [--out FILE]
 
 (8000, not 8192: SmolLM2's context is 8192 positions, the prompt and its first token included.)
 
@@ -12,15 +13,18 @@ on this machine with vLLM's defaults (chunked prefill with the server's default 
 forward): "stock" and "fill" (RIDGEFILL_RELEASE=RELEASE), both serving the folder `ridgefill engine model` writes
 (in bfloat16 with `--dtype bfloat16`). Only one of them is sent work at any moment; their requests alternate.
 
-- Time to first token: for each length N, --repeat rounds after a warm-up round; in each round both servers get
-  the same new prose prompt (its own per round, so no prefix-cache hit) as a streamed one-token completion, stock
+- Time to first token: for each length N, --repeat rounds after a warm-up round (one prompt of the shortest length
+  per server: vLLM preallocates its cache and runs every length with the same kernels, so a warm-up at each length
+  would only cost time, 25 % more on the 1.5B model at 32K); in each round both servers get the same new prose prompt (its own per round, so no prefix-cache hit) as a streamed one-token completion, stock
   first in even rounds and fill first in odd ones. Speed-up = median stock / median fill; `share_N` = speed-up /
   compute ceiling, the ceiling being 1 / ((S(N-T) + LT) / (LN)) with the release's split S and tail T.
 - Multi-user (the paper's serving figure): --users streamed completions of --user-prompt prompt tokens decode
   (`ignore_eos`); once each has streamed 8 tokens, a new --arriving-token request arrives. Measured: the new
   request's time to first token, the decoding users' tokens per second between its arrival and its first token,
   and their longest stall (the largest gap between two of a user's tokens in that window), stock vs fill, median
-  over --repeat interleaved rounds. `--users 0` skips it (time to first token only).
+  over --repeat interleaved rounds after a warm-up round (its new request cut to the shortest length). `--users 0`
+  skips it (time to first token only).
+- `--tp N` serves with vLLM's tensor_parallel_size N (the ranks share this machine's cores).
 
 Value: share_N and speed-up per length; the multi-user figures are in the details (and the README's table).
 """
@@ -59,6 +63,7 @@ def arguments():
     ap.add_argument("--user-prompt", type=positive, default=1024)
     ap.add_argument("--arriving", type=positive, default=4096)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--tp", type=positive, default=1, help="vLLM's tensor_parallel_size")
     ap.add_argument("--store", type=Path, default=None, help="ridgefill store (default: a fresh temporary one)")
     ap.add_argument("--out", type=Path, default=None, help="result JSON (default bench/out/vllm_fill-<model>.json)")
     ap.set_defaults(threads=0)
@@ -89,7 +94,8 @@ class Server:
         multi = [args.arriving, args.user_prompt + USER_TOKENS] if args.users else []
         longest = max([*args.lengths, *multi]) + 16
         cmd = [VLLM / "bin" / "python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--port", str(self.port), "--dtype", args.dtype, "--max-model-len", str(longest), "--seed", "0"]
+               "--port", str(self.port), "--dtype", args.dtype, "--max-model-len", str(longest), "--seed", "0",
+               "--tensor-parallel-size", str(args.tp)]
         self.name, self.model, self.log = name, str(model), log
         # A process group of its own: the idle server is paused (SIGSTOP) while the other one is timed. vLLM's
         # processes poll their queues while idle, which on a 2-core machine would take cores from the other.
@@ -221,7 +227,7 @@ def main() -> None:
         folder = engine_model(bench, args.model, args.dtype)
         tok = AutoTokenizer.from_pretrained(folder)
         rounds = args.repeat + 1  # round 0 warms up
-        needed = rounds * (len(args.lengths) + (1 + args.users if args.users else 0))
+        needed = 1 + args.repeat * len(args.lengths) + (rounds * (1 + args.users) if args.users else 0)
         longest = max([*args.lengths, *([args.arriving, args.user_prompt] if args.users else [])])
         pool = iter(prose_prompts(tok, longest, min(needed, 79)))
         servers = {"stock": Server("stock", folder, None, args, bench.scratch / "stock.log"),
@@ -242,7 +248,7 @@ def main() -> None:
             ttft = {n: {k: [] for k in servers} for n in args.lengths}
             for rnd in range(rounds):
                 order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
-                for n in args.lengths:
+                for n in args.lengths if rnd else [min(args.lengths)]:
                     ids = next(pool)[:n]
                     for k in order:
                         with running(k) as server:
@@ -255,7 +261,7 @@ def main() -> None:
             for rnd in range(rounds if args.users else 0):
                 order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
                 group = [next(pool)[: args.user_prompt] for _ in range(args.users)]
-                arriving = next(pool)[: args.arriving]
+                arriving = next(pool)[: args.arriving if rnd else min(args.lengths)]
                 for k in order:
                     with running(k) as server:
                         got = multi_user(server, group, arriving)
@@ -279,7 +285,7 @@ def main() -> None:
                  for k, v in users.items()} if args.users else None  # fmt: skip
         filled = [line for line in logs["fill"].splitlines() if "ridgefill: release" in line]
         details = {"release": str(args.release), "split": S, "tail": T, "layers": L, "repeat": args.repeat,
-                   "dtype": args.dtype, "threads": args.threads, "ttft": table, "multi_user": multi,
+                   "dtype": args.dtype, "tp": args.tp, "threads": args.threads, "ttft": table, "multi_user": multi,
                    "users": args.users, "user_prompt": args.user_prompt, "arriving": args.arriving,
                    "fill_log": filled}  # fmt: skip
         checks = {"the fill server says once what is on": len(filled) == 1,
