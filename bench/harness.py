@@ -79,7 +79,8 @@ FIGURES = {
                         "default", "verdict", None),
     "vllm_fill": Figure("vllm_serve_bench.py", "time to first token of `vllm serve`, stock / with RIDGEFILL_RELEASE "
                         "(vLLM's defaults: chunked prefill, prefix caching), as a share of the compute ceiling, per "
-                        "prompt length", "share", "share_8000 >= 0.90"),
+                        "prompt length; share_long: the least share from 8,000 tokens up", "share",
+                        "share_long >= 0.90"),
     "vllm_agreement": Figure("vllm_agreement.py", "the fill in vLLM (bfloat16) against the reference fill, beside stock "
                              "vLLM against the exact reference, on prose and code prompts: first token, greedy answer, "
                              "margin differences; the engine tests' rule", "verdict", None),
