@@ -13,10 +13,11 @@ on this machine with vLLM's defaults (chunked prefill with the server's default 
 forward): "stock" and "fill" (RIDGEFILL_RELEASE=RELEASE), both serving the folder `ridgefill engine model` writes
 (in bfloat16 with `--dtype bfloat16`). Only one of them is sent work at any moment; their requests alternate.
 
-- Time to first token: for each length N, --repeat rounds after a warm-up round (one prompt of the shortest length
-  per server: vLLM preallocates its cache and runs every length with the same kernels, so a warm-up at each length
-  would only cost time, 25 % more on the 1.5B model at 32K); in each round both servers get the same new prose prompt (its own per round, so no prefix-cache hit) as a streamed one-token completion, stock
-  first in even rounds and fill first in odd ones. Speed-up = median stock / median fill; `share_N` = speed-up /
+- Time to first token: for each length N, --repeat rounds after a warm-up (one prompt of the shortest length per
+  server: vLLM preallocates its cache and runs every length with the same kernels, so a warm-up round of every
+  length would add a third to a 3-round run); in each round both servers get the same new prose prompt (its own per
+  round, so no prefix-cache hit) as a streamed one-token completion, stock first in even rounds and fill first in
+  odd ones. Speed-up = median stock / median fill; `share_N` = speed-up /
   compute ceiling, the ceiling being 1 / ((S(N-T) + LT) / (LN)) with the release's split S and tail T.
 - Multi-user (the paper's serving figure): --users streamed completions of --user-prompt prompt tokens decode
   (`ignore_eos`); once each has streamed 8 tokens, a new --arriving-token request arrives. Measured: the new
@@ -25,7 +26,8 @@ forward): "stock" and "fill" (RIDGEFILL_RELEASE=RELEASE), both serving the folde
   over --repeat interleaved rounds after a warm-up round (its new request cut to the shortest length). `--users 0`
   skips it (time to first token only).
 - `--tp N` serves with vLLM's tensor_parallel_size N, each rank's threads bound to its share of this machine's
-  cores (harness.vllm_ranks_env). Set VLLM_CPU_KVCACHE_SPACE lower then (it is per rank; default 4 GiB here).
+  cores (harness.vllm_ranks_env). Set VLLM_CPU_KVCACHE_SPACE lower then (it is per rank; default 4 GiB here). With
+  one rank vLLM binds the threads itself, keeping a core for its scheduler: on 2 cores the forward runs on one.
 
 Value: share_N and speed-up per length, and share_long, the least share at 8,000 tokens and beyond (the target's
 figure: filled rows are worth most on long prompts); the multi-user figures are in the details.
