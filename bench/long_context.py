@@ -30,7 +30,6 @@ mean nothing).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path

@@ -165,10 +165,8 @@ def eval_config(args):
     if args.quick:
         cfg = replace(cfg, **QUICK_EVAL)
     # the --eval-* options a script has (capture_dtype.py has some of them)
-    given = {"lengths": getattr(args, "eval_lengths", None), "depths": getattr(args, "eval_depths", None),
-             "tasks": getattr(args, "eval_tasks", None), "samples": getattr(args, "eval_samples", None),
-             "documents": getattr(args, "eval_documents", None), "doc_tokens": getattr(args, "eval_doc_tokens", None),
-             "bootstrap": getattr(args, "bootstrap", None)}
+    names = ("lengths", "depths", "tasks", "samples", "documents", "doc_tokens")
+    given = {k: getattr(args, f"eval_{k}", None) for k in names} | {"bootstrap": getattr(args, "bootstrap", None)}
     cfg = replace(cfg, **{k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None})
     a, b = asdict(default), asdict(cfg)
     shrunk = {k: {"default": a[k], "used": b[k]} for k in a if a[k] != b[k]}
