@@ -27,6 +27,7 @@ import operator
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -203,6 +204,9 @@ class Bench:
         from ridgefill.memory import keep_freed_memory
 
         keep_freed_memory()  # as the CLI does
+        # A plain `kill` ends the bench through its `finally` blocks (paused servers resumed and stopped, scratch
+        # removed) instead of leaving them behind.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         try:
             if self.model:
                 model_cache(MODEL_CACHE, self.model)  # outside every timing
