@@ -1,7 +1,7 @@
 """Long-context quality of a release at its split: needles and ΔNLL at 4K to 32K tokens (figure "long_context").
 
     .venv/bin/python bench/long_context.py RELEASE [--model builtin:qwen2.5-coder-1.5b] [--dtype bfloat16]
-        [--lengths 4096 16384 32768] [--needles 40 20 10] [--documents 8 4 1] [--tail 512] [--scored TAIL]
+        [--lengths 4096 16384 32768] [--needles 40 20 10] [--documents 8 4 1] [--tail 512] [--scored TAIL-1]
         [--bootstrap 10000] [--work FILE] [--threads N] [--quick] [--out FILE]
 
 The sweep and eval measure a release at 2K-4K tokens; people serve prompts of 16K-128K. Per length N (each of
@@ -17,10 +17,10 @@ The sweep and eval measure a release at 2K-4K tokens; people serve prompts of 16
 2. **Documents**: N-token windows of long Python sources (the standard library's modules that the calibration
    corpus leaves out, evaluate.texts.long_documents(kind="code")) and of prose (the language-reference topics of
    pydoc, joined in order and cut into disjoint windows): ΔNLL against exact on the last `--scored` tokens (default:
-   the whole exact tail), on all tokens and on key tokens (whose exact loss rises by more than 2 nats with the
-   context cut to the tail), KL and top-1, per arm; pooled over the documents (token-weighted) with bootstrap
-   intervals, and ridgefill minus identity, paired. At 32K one code window exists (turtle.py is the only module that
-   long in Qwen2.5's tokens).
+   the exact tail's tokens but its first), on all tokens and on key tokens (whose exact loss rises by more than 2
+   nats with the context cut to the tail), KL and top-1, per arm; pooled over the documents (token-weighted) with
+   bootstrap intervals, and ridgefill minus identity, paired. At 32K one code window exists (turtle.py is the only
+   module that long in Qwen2.5's tokens).
 
 Every prompt's wall time is recorded (exact forward, fills and decoding together) so that counts can be planned.
 Results are kept per prompt in `--work` (default bench/out/long_context-<model>.work.json): a stopped run resumes
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--needles", type=positive, nargs="+", default=[40, 20, 10], help="per length")
     ap.add_argument("--documents", type=int, nargs="+", default=[8, 4, 1], help="per length and document kind")
     ap.add_argument("--tail", type=positive, default=None, help="default: the release's tail")
-    ap.add_argument("--scored", type=positive, default=None, help="default: the tail")
+    ap.add_argument("--scored", type=positive, default=None, help="default: the tail less one")
     ap.add_argument("--bootstrap", type=positive, default=10000)
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks that the bench runs")
@@ -69,9 +69,9 @@ def main() -> None:
         elif len(given) != len(args.lengths):
             ap.error(f"--{name}: one count, or one per length ({len(args.lengths)})")
     tail = args.tail or read_release(args.release).tail
-    args.scored = args.scored or tail
-    if args.scored > tail:
-        ap.error(f"--scored {args.scored}: at most the tail ({tail})")
+    args.scored = args.scored or tail - 1
+    if args.scored >= tail:  # the tail's rows predict its tokens after the first
+        ap.error(f"--scored {args.scored}: at most the tail less one ({tail - 1})")
 
     with Bench("long_context", args, args.model) as bench:
         from dataclasses import replace
