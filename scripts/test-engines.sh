@@ -5,7 +5,14 @@
 # its own environment. Figures: bench/out/engines_<engine>.json. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup-engines.sh
+# The vLLM environment is mostly downloads and llama.cpp's mostly compiling: they are built side by side. The main
+# job's set-up (`pip install -e .` into .venv) waits for both: the vLLM one installs this checkout too.
+bash scripts/setup-engines.sh vllm &
+vllm_setup=$!
+trap 'kill "$vllm_setup" 2>/dev/null || true' EXIT
+bash scripts/setup-engines.sh llamacpp
+wait "$vllm_setup"
+trap - EXIT
 bash scripts/main.sh >/dev/null
 export RIDGEFILL_ENGINE_REPORT_DIR=${RIDGEFILL_ENGINE_REPORT_DIR:-bench/out}
 exec .venv/bin/python -m pytest -q -rs tests/test_engines.py tests/test_vllm_plugin.py tests/test_engines_layout.py "$@"
