@@ -13,6 +13,7 @@
   (the one place where the per-row figure is the module's stated formula; the rows are measured).
 """
 
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -312,6 +313,11 @@ def test_arms_and_refusals(lm_of):
         prefill_macs(shape, 10, 2, 1, "ridgefill", logits_rows=3)
     with pytest.raises(BadInput, match="split"):
         prefill_macs(shape, 10, 2, 5, "exact")
+    # the runtime's tail bound (rows.tail_fits): an integer 1..n, not a bool or a float that passes the comparison
+    for tail in (True, 2.0, 0, 11):
+        with pytest.raises(BadInput, match=re.escape(f"a prefill needs n >= 1, 1 <= tail <= n and 0 <= split <= 4 "
+                                                     f"(got n=10, tail={tail}, split=1)")):
+            prefill_macs(shape, 10, tail, 1, "ridgefill")
 
 
 def test_import_does_not_import_torch():

@@ -562,6 +562,32 @@ def test_refusals(lm_of):
     ):
         with pytest.raises(BadInput):
             prefill(lm, ids, **kwargs)
+    for tail in (True, 2.0):  # 1 <= tail <= 10 holds for both; neither is a number of rows
+        with pytest.raises(BadInput, match=re.escape(f"tail must be in 1..10 (the number of input rows), got {tail!r}")):
+            prefill(lm, ids, "identity", split=1, tail=tail)
+
+
+def test_the_row_rule_against_brute_force(lm_of):
+    """rows.py's rule, the one the runtime, the vLLM plan and the MAC count use: A <= p < N - T, the anchor's rows
+    below the tail, a tail in 1..N; and the runtime's exact rows of a fill are the anchor's rows."""
+    from ridgefill.runtime.rows import anchor_rows, is_prefix_row, prefix_end, tail_fits
+
+    for n in range(0, 12):
+        for tail in range(0, 14):
+            assert tail_fits(tail, n) == (1 <= tail <= n)
+            assert tail_fits(np.int64(tail), n) == (1 <= tail <= n)
+            for anchor in range(0, 5):
+                want = [p for p in range(n) if p >= anchor and p < n - tail]
+                assert [p for p in range(n) if is_prefix_row(p, n, tail=tail, anchor=anchor)] == want
+                pos = np.arange(n)
+                assert np.flatnonzero(is_prefix_row(pos, np.full(n, n), tail=tail, anchor=anchor)).tolist() == want
+                assert list(anchor_rows(n, tail=tail, anchor=anchor)) == [p for p in range(anchor) if p < n - tail]
+                assert prefix_end(n, tail) == n - tail
+    assert not tail_fits(True, 5) and not tail_fits(2.0, 5) and not tail_fits(None, 5)
+    lm = lm_of("llama")
+    for n, tail, anchor in ((10, 3, 4), (6, 3, 5), (4, 4, 1)):  # an anchor longer than the prefix stops at the tail
+        res = prefill(lm, tokens(n), "identity", split=1, tail=tail, anchor=anchor)
+        assert res.exact_rows == list(anchor_rows(n, tail=tail, anchor=anchor))
 
 
 # -- maps from a release folder -------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ import numpy as np
 
 from ridgefill.errors import BadInput
 from ridgefill.models.kinds import FULL, LINEAR, SLIDING
-from ridgefill.runtime.rows import ANCHOR_ROWS, PROBE_ROWS
+from ridgefill.runtime.rows import ANCHOR_ROWS, PROBE_ROWS, prefix_end, tail_fits
 
 ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")  # ridgefill.runtime.ARMS
 PARTS = ("layers", "attention", "maps", "probe", "head")
@@ -200,12 +200,12 @@ def prefill_macs(shape: ModelShape, n: int, tail: int, split: int, arm: str, exa
     L = shape.layers
     if arm not in ARMS:
         raise BadInput(f"unknown arm '{arm}' (choose one of: {', '.join(ARMS)})")
-    if not (n >= 1 and 1 <= tail <= n and 0 <= split <= L):
+    if not (n >= 1 and tail_fits(tail, n) and 0 <= split <= L):
         raise BadInput(f"a prefill needs n >= 1, 1 <= tail <= n and 0 <= split <= {L} (got n={n}, tail={tail}, "
                        f"split={split})")
     if not 0 <= logits_rows <= tail:
         raise BadInput(f"logits_rows must be in 0..{tail} (the tail), got {logits_rows}")
-    prefix = n - tail
+    prefix = prefix_end(n, tail)
     rows = _positions(exact_rows, prefix, "exact_rows", first=True) if arm != "exact" else None
     macs = dict.fromkeys(PARTS, 0)
     every = np.arange(n)

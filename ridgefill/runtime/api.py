@@ -75,8 +75,8 @@ from ridgefill.runtime.cache import SlotCache, cache_copy
 from ridgefill.runtime.fill import INPUT_MAP, KV_MAP, Fill, fill, late_layers, late_slots
 from ridgefill.runtime.layers import Layers
 from ridgefill.runtime.maps import maps_on_devices
-from ridgefill.runtime.rows import (ANCHOR_ROWS, PROBE_ROWS, ROW_SHARE, attention_received, is_norm, most_attended,
-                                    with_norm_rows)
+from ridgefill.runtime.rows import (ANCHOR_ROWS, PROBE_ROWS, ROW_SHARE, anchor_rows, attention_received, is_norm,
+                                    most_attended, prefix_end, tail_fits, with_norm_rows)
 
 ARMS = ("exact", "ridgefill", "identity", "nofill", "ridgefill+rows")
 
@@ -190,8 +190,8 @@ def _plan(lm, ids: torch.Tensor, arm: str, o: FillOptions) -> _Plan:
         raise BadInput(f"unknown arm '{arm}' (choose one of: {', '.join(ARMS)})")
     if n < 1:
         raise BadInput("prefill needs at least one input row")
-    if not 1 <= o.tail <= n:
-        raise BadInput(f"tail must be in 1..{n} (the number of input rows), got {o.tail}")
+    if not tail_fits(o.tail, n):
+        raise BadInput(f"tail must be in 1..{n} (the number of input rows), got {o.tail!r}")
     if not 0 <= o.split <= L:
         raise BadInput(f"split must be in 0..{L} (the number of layers), got {o.split}")
     if arm.startswith("ridgefill"):
@@ -202,7 +202,7 @@ def _plan(lm, ids: torch.Tensor, arm: str, o: FillOptions) -> _Plan:
             raise BadInput(f"maps lack late layers {missing} (split {o.split}, {L} layers)")
     map_kinds = _map_kinds(lm.adapter, o, arm)  # what each map predicts, checked against its shape
     rows = sorted({int(r) for r in (o.exact_rows if o.exact_rows is not None else [])})
-    prefix = n - o.tail
+    prefix = prefix_end(n, o.tail)
     if rows and not (0 <= rows[0] and rows[-1] < prefix):
         raise BadInput(f"exact_rows must be prefix positions in 0..{prefix - 1}")
     if getattr(lm.adapter.config, "use_bidirectional_attention", False):
@@ -216,7 +216,7 @@ def _plan(lm, ids: torch.Tensor, arm: str, o: FillOptions) -> _Plan:
     if o.logits_rows is not None and not (isinstance(keep, int) and 1 <= keep <= o.tail):
         raise BadInput(f"logits_rows must be in 1..{o.tail} (the tail), got {o.logits_rows!r}")
     if arm != "exact":
-        rows = sorted(set(rows) | set(range(min(o.anchor, prefix))))
+        rows = sorted(set(rows) | set(anchor_rows(n, tail=o.tail, anchor=o.anchor)))
         if o.protected is not None:
             rows = sorted(set(rows) | set(_protected_rows(ids, o.protected, prefix)))
     return _Plan(rows, fix, keep, map_kinds)
@@ -297,7 +297,7 @@ def prefix_prefill(lm, input_ids: torch.Tensor, arm: str, **options) -> PrefillR
     if o.corrections:
         raise BadInput("corrections are measured on the tail rows, which a prefix does not run")
     plan = _plan(lm, ids, arm, o)
-    p = n - o.tail
+    p = prefix_end(n, o.tail)
     ad = lm.adapter
     prefix = ids[:p].to(ad.device)
     maps = maps_on_devices(lm, o.maps, range(o.split, ad.num_layers)) if arm == "ridgefill" else None
@@ -426,7 +426,7 @@ def _rows_from_run(lm, run: ExactRun, arm: str, o: FillOptions) -> tuple[list[in
     if o.split not in run.states:
         raise BadInput(f"the exact run kept no state for split {o.split} (it has {sorted(run.states)})")
     plan = _plan(lm, run.ids, arm, o)
-    rows, select, prefix = plan.rows, _select(arm, o, n), n - o.tail
+    rows, select, prefix = plan.rows, _select(arm, o, n), prefix_end(n, o.tail)
     if select:
         if not selects_from(lm, run, o.split):
             raise BadInput("prefill_from selects 'ridgefill+rows' rows from the keys of every row below the split; "

@@ -21,9 +21,7 @@ from ridgefill.formats.release.names import INPUT_MAP, KV_MAP  # what a late lay
 from ridgefill.runtime import corrections as fixes
 from ridgefill.runtime.cache import SlotCache
 from ridgefill.runtime.layers import SLIDING, Layers, final_logits
-from ridgefill.runtime.rows import attention_received, most_attended, with_norm_rows
-
-
+from ridgefill.runtime.rows import attention_received, most_attended, prefix_end, with_norm_rows
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,7 @@ def fill(lm, ids, f: Fill):
     # map every layer may sit on another one); each layer's key/value slots are made on its own device.
     device = ad.device
     n = int(ids.shape[0])
-    prefix = n - tail
+    prefix = prefix_end(n, tail)
     all_pos = torch.arange(n, device=device)
     hidden = base_hidden = ad.base.embed_tokens(ids[None].to(device))  # [1, N, d]; Gemma's embedding scales
     rope = layers.rope(base_hidden, all_pos)  # [1, N, hd] per layer kind
@@ -116,7 +114,7 @@ def late_layers(lm, layers, h_split, rope, f: Fill, states):
     ad = lm.adapter
     device, dtype = ad.device, ad.dtype
     n, L = int(h_split.shape[0]), ad.num_layers
-    prefix = n - tail
+    prefix = prefix_end(n, tail)
     all_pos = torch.arange(n, device=device)
     q_pos = torch.tensor(rows + list(range(prefix, n)), dtype=torch.long, device=device)
     q_rope = {kind: (cos[:, q_pos.to(cos.device)], sin[:, q_pos.to(sin.device)]) for kind, (cos, sin) in rope.items()}

@@ -1,5 +1,13 @@
-"""Which prompt rows a fill runs exactly: the rules shared by the runtime and by capture (the rows a map is fitted
-on are the rows the fill predicts).
+"""Which prompt rows a fill runs exactly: the rules shared by the runtime, the vLLM fill plugin, the MAC count and
+capture (the rows a map is fitted on are the rows the fill predicts).
+
+The row rule. For a prompt of N rows, a tail of T and an anchor of A, the row at position p is
+
+    a prefix row   if A <= p < N - T   (`is_prefix_row`) filled, unless a rule below runs it exactly
+    an exact row   otherwise           the anchor, the tail (`prefix_end` onward), every token after the prompt
+
+and a tail fits a prompt of N rows when 1 <= T <= N (`tail_fits`: T = N leaves no prefix row, an exact prefill).
+The prefix rows the fill still runs exactly:
 
 - The first `ANCHOR_ROWS` prompt rows: row 0 is the attention sink. Its split state is an outlier the fit leaves
   out (capture skips each document's first row), so a map's prediction for it is an extrapolation, and a filled
@@ -32,6 +40,30 @@ OUTLIER_RATIO = 4.0
 ANCHOR_ROWS = 1  # the first prompt row (the attention sink) runs every layer in every fill arm
 ROW_SHARE, PROBE_ROWS = 0.1, 64  # "+rows": 10 % of the prompt, by attention from its last 64 rows
 DEFAULT_TAIL = 512  # the exact tail (the last prompt rows, run through every layer) when none is given
+
+
+def prefix_end(n, tail):
+    """N - T, the first row of the exact tail: the prefix rows lie below it (`is_prefix_row`). Python ints or numpy
+    arrays (elementwise); below 1 for a prompt no longer than its tail, which has no prefix row."""
+    return n - tail
+
+
+def is_prefix_row(pos, n, *, tail, anchor):
+    """The row rule: whether position `pos` of a prompt of `n` rows is a prefix row, A <= p < N - T. Python ints
+    (a bool) or numpy arrays, broadcast elementwise (a bool array)."""
+    return (pos >= anchor) & (pos < prefix_end(n, tail))
+
+
+def anchor_rows(n: int, *, tail: int, anchor: int) -> range:
+    """The anchor's rows of a prompt of `n` rows: the first `anchor` positions that are below the tail."""
+    return range(max(min(anchor, prefix_end(n, tail)), 0))
+
+
+def tail_fits(tail, n: int) -> bool:
+    """Whether `tail` is a tail for a prefill of `n` rows: an integer (not a bool) with 1 <= T <= N."""
+    import numbers
+
+    return isinstance(tail, numbers.Integral) and not isinstance(tail, bool) and 1 <= tail <= n
 
 
 def fit_exact_norm(h, ratio: float = OUTLIER_RATIO) -> float:

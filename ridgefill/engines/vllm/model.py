@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from ridgefill.engines.vllm import loads, plan, served
-from ridgefill.runtime.rows import norm_rows
+from ridgefill.runtime.rows import norm_rows, prefix_end
 from vllm.compilation.backends import set_model_tag
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CompilationMode, CUDAGraphMode
@@ -125,7 +125,7 @@ def keep_off_decode_graph(runner, num_reqs: int) -> bool:
         return False
     fill, batch = _ACTIVE[0], runner.input_batch
     computed = np.asarray(batch.num_computed_tokens_cpu[:num_reqs], np.int64)
-    if not (computed < np.asarray(batch.num_prompt_tokens[:num_reqs], np.int64) - fill.tail).any():
+    if not (computed < prefix_end(np.asarray(batch.num_prompt_tokens[:num_reqs], np.int64), fill.tail)).any():
         return False  # every request is past its prefix (steady decoding): no per-request check needed
     fills = plan.prefix_rows(np.arange(num_reqs + 1), computed + 1, batch.num_prompt_tokens[:num_reqs],
                              _served_exactly(runner, num_reqs), tail=fill.tail, anchor=fill.anchor).any()  # fmt: skip

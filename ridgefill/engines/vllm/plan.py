@@ -8,6 +8,8 @@ a release with a tail of T and an anchor of A rows, a scheduled token at positio
     a prefix row   if A <= p < N - T   filled, unless the exact-row rule runs it (decided on its own split state)
     an exact row   otherwise           the anchor, the tail, and every token after the prompt (decode)
 
+(the row rule of `ridgefill.runtime.rows`, the reference runtime's own)
+
 and a request served exactly (one that asks for prompt log-probabilities, which need every row's logits) has no
 prefix rows. Whether a row fills depends only on its position, N and its own split state, never on how the prompt
 was cut into steps: a prompt prefilled in one step, in chunks of any size, beside other requests, or again after
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ridgefill.runtime.rows import is_prefix_row, prefix_end
+
 
 def token_positions(query_start: np.ndarray, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(position, request) of every scheduled token: query_start [R + 1] (token offsets of each request's rows),
@@ -44,8 +48,8 @@ def prefix_rows(query_start, seq_lens, prompt_lens, exact_requests, *, tail: int
     """bool [num_tokens]: the scheduled tokens that are prefix rows (A <= p < N - T) of a request not served
     exactly. The exact-row rule, applied afterwards on the split state, may still run some of them exactly."""
     pos, owner = token_positions(query_start, seq_lens)
-    limit = np.asarray(prompt_lens, np.int64) - tail
-    return (pos >= anchor) & (pos < limit[owner]) & ~np.asarray(exact_requests, bool)[owner]
+    n = np.asarray(prompt_lens, np.int64)[owner]
+    return is_prefix_row(pos, n, tail=tail, anchor=anchor) & ~np.asarray(exact_requests, bool)[owner]
 
 
 @dataclass(frozen=True)
@@ -112,4 +116,4 @@ def prefix_rows_in_block(prompt_len: int, start: int, end: int, *, tail: int, ex
     exact-row rule decide the same rows for both."""
     if exact_request:
         return 0
-    return int(min(max(prompt_len - tail - start, 0), end - start))
+    return int(min(max(prefix_end(prompt_len, tail) - start, 0), end - start))
