@@ -563,7 +563,8 @@ def test_refusals(lm_of):
         with pytest.raises(BadInput):
             prefill(lm, ids, **kwargs)
     for tail in (True, 2.0):  # 1 <= tail <= 10 holds for both; neither is a number of rows
-        with pytest.raises(BadInput, match=re.escape(f"tail must be in 1..10 (the number of input rows), got {tail!r}")):
+        says = f"tail must be in 1..10 (the number of input rows), got {tail!r}"
+        with pytest.raises(BadInput, match=re.escape(says)):
             prefill(lm, ids, "identity", split=1, tail=tail)
 
 
