@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from ridgefill.errors import BadInput
+from ridgefill.formats.gguf_header import check_whole
 from ridgefill.formats.int8 import bias_correction
 
 LAYOUT = "ridgefill-maps-gguf/2"  # 2: ridgefill.layer_maps (a release's map kinds)
@@ -300,6 +301,7 @@ def load_gguf(path: Path) -> tuple[dict, dict[int, dict[str, np.ndarray]]]:
     """Read a ridgefill GGUF: (manifest facts, {layer: {"weight": float32 [d_out, d_in], "bias": float32}})."""
     from gguf import GGMLQuantizationType, GGUFReader
 
+    check_whole(path)  # a file cut short is "truncated GGUF", not a numpy reshape error
     try:
         reader = GGUFReader(path)
     except (ValueError, KeyError, OSError) as e:
@@ -349,6 +351,7 @@ def load_gguf_extras(path: Path) -> tuple[dict | None, np.ndarray | None]:
     token table (int32 ids), each None when absent."""
     from gguf import GGUFReader
 
+    check_whole(path)
     offsets, protected = {}, None
     for t in GGUFReader(path).tensors:
         if not _is_extra(t):
