@@ -3,13 +3,20 @@ refused in one line, exit 2, naming what to do, or survived. Every test builds w
 
 from __future__ import annotations
 
+import json
+import warnings
+from pathlib import Path
+
 import numpy as np
 import pytest
 from clirun import cli
 from tiny import make_tiny_gguf
 
+from ridgefill.artifacts.store import sha256_file
 from ridgefill.errors import BadInput
 from ridgefill.formats import gguf as G
+from ridgefill.formats import int8, release, safetensors
+from ridgefill.formats.release import MANIFEST, MAPS_FILE
 
 
 def one_line_error(r) -> str:
@@ -55,3 +62,54 @@ def test_a_truncated_maps_gguf_is_refused_by_name(tmp_path, keep):
             read(cut)
         assert str(e.value) == want
     G.load_gguf(tmp_path / "m.gguf")  # the whole file reads
+
+
+# ------------------------------------------------------------------------------------------------ releases
+
+
+def write_release(path: Path, layers=(5, 6), **kw) -> Path:
+    """A small int8 release (kv maps [48, 160] of a 7-layer model split at 5)."""
+    rng = np.random.default_rng(0)
+    maps = {}
+    for layer in layers:
+        codes, bits = int8.quantize((rng.standard_normal((48, 160)) * 0.05).astype(np.float32))
+        maps[layer] = {"codes": codes, "scale_bits": bits, "bias": rng.standard_normal(48).astype(np.float32)}
+    manifest = {"model": {"name": "acme/m", "architecture": "llama", "num_layers": 7, "hidden_size": 160,
+                          "num_kv_heads": 2, "head_dim": 12, "fingerprint": "0123456789abcdef"},
+                "split": 5, "tail_default": 512, "layers": [{"index": i, "kind": "attention", "map": "kv"} for i in layers],
+                "fit": {"alpha": 1e-4, "exact_norm": 812.5, "skip_first_rows": 1}}
+    release.write_release(path, maps, manifest, "# a release\n", **kw)
+    return path
+
+
+def forge_maps(folder: Path, change) -> None:
+    """Rewrite maps.safetensors with `change(arrays)` applied (its metadata, the facts, kept) and list its new
+    sha256 in ridgefill.json, as a forger would: the release still verifies file by file."""
+    arrays, meta = safetensors.load(folder / MAPS_FILE)
+    change(arrays)
+    (folder / MAPS_FILE).write_bytes(safetensors.encode(arrays, meta))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"][MAPS_FILE] = sha256_file(folder / MAPS_FILE)
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_scale_whose_codes_overflow_float32_is_refused_without_numpy_warnings(tmp_path):
+    rel = write_release(tmp_path / "rel")
+
+    def huge_scale(arrays):
+        bits = arrays["layer.6.scales"].bits.copy()
+        bits[0, 0] = 0x7F00  # bf16 1.7e38: finite and positive, but 127 times it is not a float32
+        arrays["layer.6.scales"] = safetensors.BF16(bits)
+
+    forge_maps(rel, huge_scale)
+    r = cli("verify", rel)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [  # the one line, no RuntimeWarning before it
+        "Error: maps.safetensors: tensor 'layer.6.scales': scales times codes overflow float32 (the scale of row 0, "
+        "group 0 is 1.701e+38, and 127 times it must be a float32)"]
+    codes, bits = int8.quantize(np.ones((1, 4), np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="^scales times codes overflow float32"):
+            int8.dequantize(codes, np.full_like(bits, 0x7F00))
+        assert int8.dequantize(np.zeros_like(codes), np.full_like(bits, 0x7F00)).tolist() == [[0.0] * 4]

@@ -85,7 +85,8 @@ def quantize(w: np.ndarray, group: int = GROUP_SIZE) -> tuple[np.ndarray, np.nda
 def dequantize(codes: np.ndarray, scale_bits: np.ndarray, group: int = GROUP_SIZE) -> np.ndarray:
     """Decode (codes int8 [d_out, d_in], scale_bits uint16 [d_out, n_groups]) -> float32 [d_out, d_in].
 
-    Raises ValueError on wrong dtypes or shapes, a code of -128, or a scale that is not finite and positive.
+    Raises ValueError on wrong dtypes or shapes, a code of -128, a scale that is not finite and positive, or one
+    so large that a code times it overflows float32 (without numpy's overflow warning).
     """
     _check_group(group)
     codes = np.asarray(codes)
@@ -107,7 +108,13 @@ def dequantize(codes: np.ndarray, scale_bits: np.ndarray, group: int = GROUP_SIZ
     if not (np.isfinite(scale) & (scale > 0)).all():
         raise ValueError("scales must be finite and positive")
     scale_cols = np.repeat(scale, group, axis=1)[:, :d_in]  # [d_out, d_in]
-    return codes.astype(np.float32) * scale_cols  # exact: |code| < 2**7, scale has 8 significant bits
+    with np.errstate(over="ignore"):  # an overflow is refused just below, by name, not warned about
+        w = codes.astype(np.float32) * scale_cols  # exact: |code| < 2**7, scale has 8 significant bits
+    if not np.isfinite(w).all():  # a forged scale near float32's top (bf16 0x7f00 is 1.7e38): 127 x it is inf
+        r, c = np.argwhere(~np.isfinite(w))[0]
+        raise ValueError(f"scales times codes overflow float32 (the scale of row {r}, group {c // group} is "
+                         f"{float(scale[r, c // group]):.4g}, and {CODE_MAX} times it must be a float32)")
+    return w
 
 
 def bias_correction(b: np.ndarray, w: np.ndarray, w_q: np.ndarray, mean_x: np.ndarray) -> np.ndarray:
