@@ -4,12 +4,16 @@ refused in one line, exit 2, naming what to do, or survived. Every test builds w
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 from clirun import cli
+from hubserver import HubServer, Token
 from tiny import make_tiny_gguf
 
 from ridgefill.artifacts.store import sha256_file
@@ -17,6 +21,7 @@ from ridgefill.errors import BadInput
 from ridgefill.formats import gguf as G
 from ridgefill.formats import int8, release, safetensors
 from ridgefill.formats.release import MANIFEST, MAPS_FILE
+from ridgefill.hub.releases import locate_release
 
 
 def one_line_error(r) -> str:
@@ -113,3 +118,109 @@ def test_a_scale_whose_codes_overflow_float32_is_refused_without_numpy_warnings(
         with pytest.raises(ValueError, match="^scales times codes overflow float32"):
             int8.dequantize(codes, np.full_like(bits, 0x7F00))
         assert int8.dequantize(np.zeros_like(codes), np.full_like(bits, 0x7F00)).tolist() == [[0.0] * 4]
+
+
+# ----------------------------------------------------------------------------------------- Hub releases
+
+
+TOKEN = "hf_rfWRITE_probe_0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """The local Hub, holding a small release as acme/rel."""
+    with HubServer(tokens={TOKEN: Token("alice", orgs=("acme",))}) as server:
+        tmp = tmp_path_factory.mktemp("hub")
+        r = cli("push", write_release(tmp / "rel"), "--repo", "acme/rel", env=hub_env(server, tmp))
+        assert r.returncode == 0, r.stderr
+        yield server
+
+
+def hub_env(hub: HubServer, tmp: Path, **more) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp / "hf"), HF_HUB_DISABLE_XET="1", HF_TOKEN=TOKEN,
+               HF_HUB_DISABLE_PROGRESS_BARS="1", RIDGEFILL_CACHE=str(tmp / "cache"), **more)
+    return env
+
+
+@pytest.mark.parametrize("rev", ["..", "."])
+def test_revisions_dot_and_dot_dot_are_refused_before_any_request(hub, tmp_path, rev):
+    n = len(hub.requests)
+    problem = f"'{rev}' is not a revision name (a branch, tag or commit sha, as git spells a ref)"
+    r = cli("verify", f"hf://acme/rel@{rev}", env=hub_env(hub, tmp_path))
+    assert r.returncode == 2 and one_line_error(r) == f"Error: hf://acme/rel@{rev}: {problem}"
+    r = cli("pull", f"acme/rel@{rev}", "--out", tmp_path / "out", env=hub_env(hub, tmp_path))
+    assert r.returncode == 2 and one_line_error(r) == f"Error: 'acme/rel@{rev}': {problem}"
+    rel = write_release(tmp_path / "rel")
+    r = cli("push", rel, "--repo", "acme/rel", "--revision", rev, env=hub_env(hub, tmp_path))
+    assert r.returncode == 2 and one_line_error(r) == f"Error: --revision '{rev}': push needs a branch name"
+    assert hub.requests_since(n) == [] and list(tmp_path.iterdir()) == [rel]  # no refs/.. file, no cache at all
+    from ridgefill.hub.snapshot import download_snapshot
+
+    with pytest.raises(BadInput, match=rf"^'acme/model@{re.escape(rev)}': {re.escape(problem)}$"):
+        download_snapshot(f"acme/model@{rev}", tmp_path / "hf")
+
+
+def test_a_damaged_cached_hub_release_names_the_folder_to_delete(hub, tmp_path):
+    env = hub_env(hub, tmp_path)
+    r = cli("verify", "hf://acme/rel", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    folder = Path(json.loads(r.stdout)["folder"])
+    assert folder.parent == tmp_path / "cache" / "releases" / "acme--rel"
+    data = bytearray((folder / MAPS_FILE).read_bytes())
+    data[-1] ^= 1  # one bit of the last map's bias
+    (folder / MAPS_FILE).write_bytes(bytes(data))
+    got = sha256_file(folder / MAPS_FILE)
+    want = json.loads((folder / MANIFEST).read_text())["files"][MAPS_FILE]
+    line = (f"Error: maps.safetensors: sha256 mismatch (expected {want}, got {got}); in {folder}, the cached copy of "
+            "hf://acme/rel: delete that folder and run again to pull it anew")
+    for more in ({}, {"HF_HUB_OFFLINE": "1"}):  # found online (the revision resolved to it) and offline
+        r = cli("verify", "hf://acme/rel", env={**env, **more})
+        assert r.returncode == 2 and one_line_error(r) == line
+    with pytest.raises(BadInput) as e:  # as RIDGEFILL_RELEASE names it
+        with_env(env, lambda: locate_release("hf://acme/rel", where="RIDGEFILL_RELEASE=hf://acme/rel"))
+    assert str(e.value) == "RIDGEFILL_RELEASE=hf://acme/rel: " + line.removeprefix("Error: ")
+    shutil.rmtree(folder)  # as the line says
+    r = cli("verify", "hf://acme/rel", "--json", env=env)
+    assert r.returncode == 0 and json.loads(r.stdout)["folder"] == str(folder), r.stderr
+
+
+def with_env(env: dict, fn):
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+# ---------------------------------------------------------------------------------------- blanks in a name
+
+
+BLANKS = "has blanks around it; name a release folder, or a Hub release hf://owner/name[@rev] without them"
+
+
+def test_blanks_around_a_release_name_are_refused_wherever_it_is_named(tmp_path, monkeypatch):
+    write_release(tmp_path / "X")  # the folder the blanks would have been trimmed to
+    r = cli("verify", " X", cwd=tmp_path)
+    assert r.returncode == 2 and one_line_error(r) == f"Error:  X: ' X' {BLANKS}"
+    monkeypatch.chdir(tmp_path)
+    for value in ("X ", "\tX", " hf://acme/rel "):
+        with pytest.raises(BadInput) as e:
+            locate_release(value, where=f"RIDGEFILL_RELEASE={value}")
+        assert str(e.value) == f"RIDGEFILL_RELEASE={value}: {value!r} {BLANKS}"
+    assert locate_release("X") == Path("X")
+
+
+@pytest.mark.xfail(strict=True, reason="engines/vllm/served.py's setting() still trims the value (issue 51 B7e)")
+def test_the_served_release_follows_the_same_rule_for_blanks(tmp_path, monkeypatch):
+    from ridgefill.engines.vllm import served
+
+    write_release(tmp_path / "X")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RIDGEFILL_RELEASE", " X ")
+    with pytest.raises(BadInput) as e:
+        served.from_environment()
+    assert str(e.value) == f"RIDGEFILL_RELEASE= X : ' X ' {BLANKS}"

@@ -30,6 +30,11 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_REVISION = "main"
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+# A revision as git allows a ref name (git check-ref-format), which is what the Hub accepts: no part of it that is
+# empty or starts with "." (so never "." or ".."), no "..", "@{" or part ending ".lock", no blank, control character or
+# ~^:?*[\, not "@" alone. A revision is also a path under every cache keyed by it (huggingface_hub's refs/<rev>,
+# ridgefill's release cache), which these rules keep inside its folder.
+REVISION = re.compile(r"(?!@\Z)(?!.*(?:\.\.|@\{|//|/\.|\.lock(?:/|\Z)))(?![./])[^\x00-\x20~^:?*\[\\\x7f]+(?<![./])\Z")
 LOGIN = "set HF_TOKEN or run `hf auth login`"
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
@@ -75,6 +80,13 @@ def cache_dir() -> Path:
 def check_repo_id(repo_id: str) -> None:
     if not REPO_ID.match(repo_id or "") or ".." in repo_id or "--" in repo_id or repo_id.endswith((".git", ".")):
         raise BadInput(f"{repo_id!r} is not a Hub repo id (OWNER/NAME)")
+
+
+def revision_problem(revision: str) -> str | None:
+    """Why `revision` cannot name a Hub revision (`REVISION`), as a phrase; None when it can."""
+    if isinstance(revision, str) and REVISION.match(revision):
+        return None
+    return f"{revision!r} is not a revision name (a branch, tag or commit sha, as git spells a ref)"
 
 
 @contextlib.contextmanager

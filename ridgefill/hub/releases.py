@@ -176,6 +176,8 @@ def parse_spec(spec: str) -> tuple[str, str]:
     if at and not rev:
         raise BadInput(f"{spec!r}: empty revision after '@'")
     check_repo_id(repo_id)
+    if at and client.revision_problem(rev):  # `..` would name the folder above refs/ in every cache keyed by it
+        raise BadInput(f"{spec!r}: {client.revision_problem(rev)}")
     return repo_id, rev or DEFAULT_REVISION
 
 
@@ -226,20 +228,23 @@ def pull_cached(spec: str, root: Path, *, token: str | None = None) -> Path:
     Online, the revision is resolved (one request) and the folder pulled only when that commit is not there yet;
     with HF_HUB_OFFLINE set, or when the Hub cannot be reached, the commit the revision last resolved to is used.
     Nothing cached then: BadInput offline, RidgefillError for an unreachable Hub. The folder is verified by the
-    caller's reader like any other."""
+    caller's reader like any other; a copy found in the cache is verified here first, so that a damaged one (a
+    file edited or cut short since it was pulled) is refused naming the folder to delete: the next run pulls it
+    again. That costs one more pass over its files' hashes than the reader's own."""
     repo_id, revision = parse_spec(spec)
     home = Path(root) / repo_id.replace("/", "--")
     ref = home / "refs" / revision.replace("/", "--")
 
     def cached() -> Path | None:
         sha = ref.read_text().strip() if ref.is_file() else revision if client.COMMIT_SHA.match(revision) else None
-        return home / sha if sha and (home / sha / release.MANIFEST).is_file() else None
+        return home / sha if sha and client.COMMIT_SHA.match(sha) and (home / sha / release.MANIFEST).is_file() \
+            else None
 
     if client.offline():
         found = cached()
         if found is None:
             raise BadInput(f"{spec}: {client.offline_variable()} is set and the release is not cached in {home}")
-        return found
+        return _intact(found, spec)
     from huggingface_hub import HfApi
 
     token = client.token(token)
@@ -251,14 +256,27 @@ def pull_cached(spec: str, root: Path, *, token: str | None = None) -> Path:
         found = cached()
         if found is None or isinstance(e, BadInput):
             raise
-        return found  # the Hub cannot be reached: the copy pulled before
+        return _intact(found, spec)  # the Hub cannot be reached: the copy pulled before
     folder = home / sha
     if not (folder / release.MANIFEST).is_file():
         pull(f"{repo_id}@{sha}", folder, token=token, force=True)
+    else:
+        _intact(folder, spec)
     ref.parent.mkdir(parents=True, exist_ok=True)
     tmp = ref.with_name(f".{ref.name}.{os.getpid()}")
     tmp.write_text(sha + "\n")
     os.replace(tmp, ref)
+    return folder
+
+
+def _intact(folder: Path, spec: str) -> Path:
+    """`folder`, a release cache's copy of the Hub release `spec`, if it still verifies; else BadInput naming the
+    folder to delete (the cache is ridgefill's own: nothing else in it is lost, and the next run pulls it again)."""
+    try:
+        release.verify_release(folder)
+    except BadInput as e:
+        raise BadInput(f"{e}; in {folder}, the cached copy of {HUB}{spec.removeprefix(HUB)}: delete that folder "
+                       "and run again to pull it anew") from None
     return folder
 
 
@@ -267,23 +285,38 @@ def release_cache() -> Path:
     return Path(os.environ.get(CACHE_ENV) or "~/.cache/ridgefill").expanduser() / "releases"
 
 
+def name_problem(value: str) -> str | None:
+    """Why `value` names no release, wherever one is named (a command's argument, RIDGEFILL_RELEASE): empty, blanks
+    alone, or blanks around a name (a folder ' X' and a folder 'X' are two folders, and no Hub release has blanks:
+    neither is guessed); None when it may name one."""
+    if not value.strip():
+        return f"empty; name {FORMS}"
+    if value != value.strip():
+        return f"{value!r} has blanks around it; name {FORMS} without them"
+    return None
+
+
 def locate_release(value: str, *, where: str | None = None, cache_root: Path | None = None,
                    token: str | None = None) -> Path:
     """The local folder that a release named by a user stands for, by one rule wherever a release is named (eval,
     engine prefix, push, the Python loader, RIDGEFILL_RELEASE, the bench scripts): `hf://owner/name[@rev]` is pulled
     and verified into `cache_root` (default `release_cache()`) by `pull_cached`, or found there; anything else is a
-    folder as written (`~` expanded). A folder that does not exist is refused, never looked up on the Hub
-    (`release/x` typed in the wrong folder is not someone's repo), with the hf:// spelling suggested when it reads
-    as owner/name. BadInput in one line starting with `where` (default: the value itself)."""
+    folder as written (`~` expanded). A name with blanks around it is refused (`name_problem`), and so is a folder
+    that does not exist, never looked up on the Hub (`release/x` typed in the wrong folder is not someone's repo),
+    with the hf:// spelling suggested when it reads as owner/name. BadInput in one line starting with `where`
+    (default: the value itself)."""
     label = where or value
-    if not value.strip():
-        raise BadInput(f"{label}: empty; name {FORMS}")
+    problem = name_problem(value)
+    if problem is not None:
+        raise BadInput(f"{label}: {problem}")
     if value.startswith(HUB):
         spec = value[len(HUB):]
         try:
             parse_spec(spec)  # the Hub's own rule for a repo id, before any request
         except BadInput:
-            raise BadInput(f"{label}: a Hub release is written {HUB}owner/name[@rev]") from None
+            rev = spec.partition("@")[2]
+            problem = client.revision_problem(rev) if rev else None
+            raise BadInput(f"{label}: {problem or f'a Hub release is written {HUB}owner/name[@rev]'}") from None
         try:
             return pull_cached(spec, release_cache() if cache_root is None else Path(cache_root), token=token)
         except RidgefillError as e:
@@ -362,5 +395,5 @@ def _check_online(command: str, where: str) -> None:
 
 
 def _check_branch(revision: str) -> None:
-    if not revision or revision.startswith(("/", "refs/")) or ".." in revision or client.COMMIT_SHA.match(revision):
+    if client.revision_problem(revision) or revision.startswith("refs/") or client.COMMIT_SHA.match(revision):
         raise BadInput(f"--revision {revision!r}: push needs a branch name")

@@ -92,6 +92,8 @@ def download_snapshot(spec: str, cache: Path) -> tuple[str, Path]:
     repo_id, at, revision = spec.partition("@")
     if at and not revision:
         raise BadInput(f"'{spec}': empty revision after '@'")
+    if at and client.revision_problem(revision):  # `..` would name a folder outside the cache's refs/
+        raise BadInput(f"'{spec}': {client.revision_problem(revision)}")
     revision = revision or None
     endpoint, offline = client.endpoint(), client.offline()
 
