@@ -77,6 +77,54 @@ def test_a_prompt_in_chunks_plans_the_rows_of_the_whole_prompt(chunk):
     assert sum(seen) == n - tail - anchor
 
 
+def test_a_step_that_reaches_no_prefix_skips_the_plan():
+    """`reaches_prefix`, the plan's fast exit (a test per request): False only where `prefix_rows` holds no prefix row
+    for any anchor and any requests served exactly; for a step of decodes and tails it is False."""
+    rng = np.random.default_rng(1)
+    skipped = 0
+    for _ in range(400):
+        qsl, seq, prompt, _ = random_step(rng, int(rng.integers(1, 7)))
+        tail = int(rng.integers(1, 40))
+        if plan.reaches_prefix(qsl, seq, prompt, tail=tail):
+            pos, owner = brute_positions(qsl, seq)
+            assert any(p < prompt[o] - tail for p, o in zip(pos, owner))  # some token below its N - T
+            continue
+        skipped += 1
+        for anchor in (0, 1, 3):
+            assert not plan.prefix_rows(qsl, seq, prompt, np.zeros(len(seq), bool), tail=tail, anchor=anchor).any()
+    assert skipped > 20  # steps of decodes and tails only
+    prompt = np.array([100, 30, 7])
+    decodes = (np.arange(4), np.array([101, 40, 8]))  # one token each, past every prompt
+    assert not plan.reaches_prefix(*decodes, prompt, tail=16)
+    tails = ([0, 16, 20, 26], [100, 30, 7])  # each request's last 16 (or fewer) prompt rows
+    assert not plan.reaches_prefix(*tails, prompt, tail=16)
+    assert plan.reaches_prefix([0, 17, 21, 27], [100, 30, 7], prompt, tail=16)  # one row more: position 83 of 100
+
+
+def test_protected_rows_are_a_table_lookup_equal_to_isin():
+    """The ridgefill+protected rule as the plugin applies it on the device: a boolean table over the vocabulary
+    (`rows.token_table`), indexed by the step's ids (`rows.protected_rows`), equal to torch.isin for ids in the
+    vocabulary, int32 (vLLM's) or int64; an id outside the table (past it, or negative) is not protected."""
+    import torch
+
+    from ridgefill.runtime.rows import protected_rows, token_table
+
+    rng = np.random.default_rng(2)
+    vocab = 500
+    protected = np.unique(rng.integers(0, vocab, 60))
+    table = torch.as_tensor(token_table(protected, vocab))
+    assert table.shape == (vocab,) and table.dtype == torch.bool and int(table.sum()) == len(protected)
+    for dtype in (torch.int32, torch.int64):
+        ids = torch.as_tensor(rng.integers(0, vocab, 3000), dtype=dtype)
+        want = torch.isin(ids, torch.as_tensor(protected))
+        assert torch.equal(protected_rows(ids, table), want)
+    outside = torch.tensor([-3, -1, vocab, vocab + 7, int(protected[0])])
+    assert protected_rows(outside, table).tolist() == [False, False, False, False, True]
+    assert token_table(np.array([vocab + 2]), vocab).shape == (vocab + 3,)  # an id past `vocab` keeps its row
+    empty = torch.as_tensor(token_table(np.zeros(0, np.int64), 0))
+    assert protected_rows(torch.tensor([0, 5]), empty).tolist() == [False, False]
+
+
 def simulate_kernel(runs: plan.Runs, qsl, seq):
     """What a causal varlen kernel gives each query row of `runs`: (its token index, the last key position it sees)."""
     out = []
@@ -279,9 +327,10 @@ def test_served_release_refuses_a_damaged_release(chain, tmp_path):
 def test_served_release_refuses_configurations_a_chunked_prefill_cannot_apply(chain, tmp_path):
     from ridgefill.errors import BadInput
     from ridgefill.export import export
+    from ridgefill.export.config import ExportConfig
 
     out = tmp_path / "rows"
-    export(chain.store, chain.sol.id, out, quiet(), configuration="ridgefill+rows")
+    export(chain.store, chain.sol.id, ExportConfig(configuration="ridgefill+rows"), quiet(), out_dir=out)
     with pytest.raises(BadInput, match="configuration ridgefill\\+rows needs the whole prompt's tail"):
         served.load(out)
 

@@ -282,6 +282,141 @@ def test_every_vllm_internal_the_fill_touches_is_in_the_installed_vllm():
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [None, []]
 
 
+def in_vllm(code: str) -> dict:
+    """Run `code` in the vLLM environment (no engine started); the JSON its last line of output prints."""
+    r = subprocess.run([vllm_python(), "-c", code], capture_output=True, text=True, cwd=ROOT, env=engine_env(None))
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# A device emulated on the host: launched work waits in a queue (a stream) until the host waits for an event. The
+# late layers' builder is made from one that behaves as FlashInfer's does: each build rewrites the builder's one host
+# buffer at once and leaves its copy to the device buffer, to which the metadata points, to the stream.
+GROUPS_UNIT = """
+import json, types
+import numpy as np, torch
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from ridgefill.engines.vllm import model, plan
+
+QUEUE, DONE = [], [0]
+
+
+def run_to(k):
+    while DONE[0] < k:
+        QUEUE[DONE[0]]()
+        DONE[0] += 1
+
+
+class Event:  # recorded at the stream's end; waiting for it runs the stream that far
+    def __init__(self):
+        self.at = len(QUEUE)
+
+    def synchronize(self):
+        run_to(self.at)
+
+
+class FlashInferLike:
+    builds = 0
+
+    def __init__(self):
+        self.host, self.device = np.zeros(8, np.int64), np.zeros(8, np.int64)
+
+    def build(self, common_prefix_len, cam, *args, **kwargs):
+        FlashInferLike.builds += 1
+        self.host[:] = -1
+        self.host[: cam.num_reqs] = cam.seq_lens_cpu_upper_bound.numpy()
+        host, device = self.host, self.device
+        QUEUE.append(lambda: device.__setitem__(slice(None), host))
+        return types.SimpleNamespace(seq_lens=device)
+
+
+class Requests(dict):  # the runner's requests, counting reads
+    reads = 0
+
+    def __getitem__(self, key):
+        type(self).reads += 1
+        return super().__getitem__(key)
+
+
+def common(qsl, seq):
+    qsl, seq = torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq, dtype=torch.int32)
+    n = int(qsl[-1])
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, seq_lens_cpu_upper_bound=seq,
+        num_reqs=len(seq), num_actual_tokens=n, max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+        max_seq_len=int(seq.max()), block_table_tensor=torch.zeros(len(seq), 4, dtype=torch.int32),
+        slot_mapping=torch.arange(n), positions=torch.arange(n))
+
+
+def step(guarded):
+    QUEUE.clear(); DONE[0] = 0; FlashInferLike.builds = 0; Requests.reads = 0
+    model._event = (lambda device: Event()) if guarded else (lambda device: None)
+    params = types.SimpleNamespace(prompt_logprobs=None, prompt_logprob_token_ids=None)
+    runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(num_reqs=2, num_prompt_tokens=np.array([40, 30]), req_ids=["a", "b"]),
+        requests=Requests(a=types.SimpleNamespace(sampling_params=params),
+                          b=types.SimpleNamespace(sampling_params=params)))
+    model._ACTIVE[:] = [types.SimpleNamespace(tail=8, anchor=1)]
+    model.RUNNER.set(runner)
+    builder = model.builder_class(FlashInferLike)()
+    out = {}
+    # two prompts prefilled whole (40 and 30 tokens, tail 8, anchor 1), rows 10 and 20 of the first run exactly
+    qsl, seq = [0, 40, 70], [40, 30]
+    cam = common(qsl, seq)
+    got = builder.build(0, cam)
+    out["fill_step_is_planned"] = isinstance(got, model.Step) and model._STEP[0] is got
+    out["whole_step_builds"] = FlashInferLike.builds
+    out["plan_reads_requests"] = Requests.reads
+    exact = ~got.prefix
+    exact[[10, 20]] = True
+    parts = plan.groups(plan.runs(exact, got.query_start, got.seq_lens), 2)
+    names = ["late.2", "late.3"]
+    ctx = types.SimpleNamespace(attn_metadata={n: got for n in names},
+                                slot_mapping={n: cam.slot_mapping for n in names})
+    reads = []
+
+    def late(h, residual, positions):  # a group's attention reads its metadata when the stream gets to it
+        seen = ctx.attn_metadata[names[0]].seq_lens
+        QUEUE.append(lambda: reads.append(seen.tolist()))
+        return h
+
+    h = torch.zeros(70, 4)
+    model.late_groups(late, names, got, parts, ctx, h, h, torch.arange(70), cam.slot_mapping)
+    out["group_builds"] = FlashInferLike.builds
+    out["groups"] = len(parts)
+    out["context_restored"] = all(ctx.attn_metadata[n] is got for n in names)
+    # the next step, two decodes: vLLM's own build, with no plan and no request read
+    decode = builder.build(0, common([0, 1, 2], [41, 31]))
+    out["decode_planned"] = model._STEP[0] is not None
+    out["decode_builds"] = FlashInferLike.builds - out["group_builds"]
+    out["decode_reads_requests"] = Requests.reads - out["plan_reads_requests"]
+    run_to(len(QUEUE))
+    out["reads"] = reads
+    out["want"] = [g.seq_lens.tolist() + [-1] * (8 - g.owner.size) for g in parts]
+    return out
+
+
+print(json.dumps({"guarded": step(True), "unguarded": step(False)}))
+"""
+
+
+def test_each_group_of_a_filling_step_reads_its_own_metadata():
+    """The late layers' builder, made from one that reuses a single host buffer as FlashInfer's `plan()` does (a
+    build rewrites it at once; its copy to the device runs when the stream gets there), on a device emulated on the
+    host. A filling step: vLLM's build for the whole step is not made (its plan stands in); each group's metadata is
+    built once, just before the group is launched, after the device has taken the previous group's; every group
+    reads its own sequence lengths, and so does the last group after the next step (two decodes) has built vLLM's
+    own metadata, which reads no request (the decode fast exit). Without the wait, a group reads a later build's."""
+    got = in_vllm(GROUPS_UNIT)
+    ok = got["guarded"]
+    assert ok["fill_step_is_planned"] and ok["whole_step_builds"] == 0 and ok["plan_reads_requests"] == 2, ok
+    assert ok["groups"] == 3 and ok["group_builds"] == 3 and ok["context_restored"], ok
+    assert not ok["decode_planned"] and ok["decode_builds"] == 1 and ok["decode_reads_requests"] == 0, ok
+    assert ok["reads"] == ok["want"] and [w[:2] for w in ok["want"]] == [[1, 11], [21, 40], [1, 30]], ok
+    bad = got["unguarded"]  # build after launch, nothing waiting: the copies run late and read the last build
+    assert bad["want"] == ok["want"] and bad["reads"] != bad["want"], bad
+
+
 SETTING_REFUSALS = {
     "prompt_embeds": "ridgefill: the fill does not run with --enable-prompt-embeds (the fill decides rows by their "
                      "token ids",

@@ -113,6 +113,26 @@ def norm_rows(h, norm: float | None):
     return norms > norm
 
 
+def token_table(protected, vocab: int):
+    """The protected-token rule as a lookup table: bool numpy [max(vocab, largest id + 1)], True at each id of
+    `protected` (non-negative token ids, as a release's table holds them)."""
+    import numpy as np
+
+    ids = np.asarray(protected, dtype=np.int64).reshape(-1)
+    table = np.zeros(max(int(vocab), int(ids.max()) + 1 if ids.size else 0, 1), dtype=bool)  # never empty
+    table[ids] = True
+    return table
+
+
+def protected_rows(ids, table):
+    """The rows of ids [n] (a torch integer tensor) whose token is protected: table[ids], [n] bool on ids' device,
+    with `table` [V] bool there (`token_table`). A gather, so no host synchronization (torch.isin sorts, which on
+    CUDA waits for the device, once the step has more than a few tokens); an id outside the table is not
+    protected."""
+    inside = (ids >= 0) & (ids < table.shape[0])
+    return table[ids.clamp(0, table.shape[0] - 1)] & inside
+
+
 def with_norm_rows(rows: list[int], h_split, prefix: int, norm: float | None) -> list[int]:
     """`rows` plus the prefix rows (< prefix) whose split state h_split [N, d] is above the exact-row norm
     (`norm_rows`)."""

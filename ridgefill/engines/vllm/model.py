@@ -8,18 +8,20 @@ Per step (the plan is `ridgefill.engines.vllm.plan`'s, made where vLLM builds th
    and graph-captured as vLLM does it;
 2. otherwise layers 0..S-1 run every scheduled token; the split state h_S is vLLM's two residual summands added;
    the prefix rows whose split state's norm is above the release's exact-row norm (or, in a ridgefill+protected
-   release, whose token is protected) join the exact rows; under tensor parallelism the ranks agree on them first
-   (one all-reduce, MIN of the fill mask). Reading the mask is the step's one host synchronization;
+   release, whose token is protected: a lookup in a table over the vocabulary) join the exact rows; under tensor
+   parallelism the ranks agree on them first (one all-reduce, MIN of the fill mask). Reading the mask is the step's
+   one host synchronization;
 3. in every late layer l the filled rows' keys and values are computed and written to their cache slots through
    the backend's own `do_kv_cache_update`: with a key/value map, `[k; v] = M_l h_S + c_l` (one GEMM of the rank's
    KV heads' rows), then the key norm (Qwen3) and the rotary embedding; with an input map, the input
    `W_l h_S + b_l` (column-parallel: d / tp rows per rank, all-gathered), then the layer's input norm, a copy of its
    key/value projection rows, key norm and rotary embedding;
-4. then the exact rows run the whole late layers, attending through the late layers' attention metadata, built for
-   those rows by the backend's own metadata builder from vLLM's common attention metadata (each run of
-   consecutive exact rows of a request a sequence of its own), swapped into the forward context for the late
-   layers only: in groups of at most `max_num_seqs` sequences (`plan.groups`), one after another, each through
-   every late layer, so that no backend meets more sequences than its buffers hold;
+4. then the exact rows run the whole late layers, in groups of at most `max_num_seqs` sequences (`plan.groups`),
+   one after another, each through every late layer, so that no backend meets more sequences than its buffers
+   hold. Each group attends through metadata of its own, built for its rows by the backend's own metadata builder
+   from vLLM's common attention metadata (each run of consecutive exact rows of a request a sequence of its own)
+   just before it is launched, and swapped into the forward context for the late layers only; vLLM's metadata for
+   the whole step is never built for them (`builder_class`);
 5. the final norm runs on the exact rows; filled rows' outputs are zero (no logits are read from them: vLLM
    samples each request's last scheduled row, which is a tail or decode row, or discards a partial prefill's).
 
@@ -30,7 +32,8 @@ own (as vLLM's draft models are), so the pointwise work of a layer is fused and 
 kernels rather than dozens. vLLM's start-up runs (memory profiling, warm-up) run all three once (`warm_up`), so no
 request pays a compile and the profiled peak includes the fill's. A filling step runs them outside CUDA graphs (its
 row counts are its own); the python between them is the plan: the step's one host synchronization, the groups and
-their attention metadata, and the cache writes (one backend call per late layer).
+their attention metadata, and the cache writes (one backend call per late layer). A GPU server waits once more per
+group after the first, until the device has taken the last group's metadata from the builder's host buffers.
 
 The maps and the key/value projection copies (input maps only) are vLLM linear layers created with the model, so
 vLLM's memory profiling counts them and each platform's own GEMM kernels run them (the CPU backend's oneDNN packing
@@ -49,7 +52,7 @@ import torch
 from torch import nn
 
 from ridgefill.engines.vllm import loads, plan, served
-from ridgefill.runtime.rows import norm_rows, prefix_end
+from ridgefill.runtime.rows import norm_rows, protected_rows, token_table
 from vllm.compilation.backends import set_model_tag
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CompilationMode, CUDAGraphMode
@@ -59,6 +62,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelL
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.attention.backend import subclass_attention_backend
 
 log = logging.getLogger("vllm.ridgefill")  # under vLLM's logger: its handler and format
@@ -69,10 +73,14 @@ _STEP: list = [None]  # the plan the late layers' builder made for the step abou
 _BACKENDS: dict = {}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Step:
-    meta: object  # the late layers' stock metadata for this step (the forward checks it is the one it is given)
-    builder: object  # the late layers' metadata builder
+    """A filling step's plan, made where vLLM builds the late layers' attention metadata, and that metadata's
+    stand-in in the forward context (the forward checks it is the one it is given): the late layers of a filling
+    step attend through each group's own metadata (`group_metadata`), so vLLM's build for the whole step, which
+    would be thrown away, is never made."""
+
+    builder: object  # the late layers' metadata builder (`builder_class`)
     common: object  # vLLM's CommonAttentionMetadata of the step
     prefix: np.ndarray  # bool [num_actual_tokens]: prefix rows (plan.prefix_rows)
     query_start: np.ndarray  # int64 [R + 1]
@@ -80,21 +88,63 @@ class Step:
 
 
 def fill_backend(base):
-    """The late layers' attention backend: `base` whose metadata builder also records the step's plan."""
+    """The late layers' attention backend: `base` with the metadata builder `builder_class` makes of its own."""
     if base not in _BACKENDS:
-        class Builder(base.get_builder_cls()):
-            def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
-                meta = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
-                _STEP[0] = _plan_step(self, common_attn_metadata, meta)
-                return meta
-
-        _BACKENDS[base] = subclass_attention_backend("Ridgefill", base, Builder)
+        _BACKENDS[base] = subclass_attention_backend("Ridgefill", base, builder_class(base.get_builder_cls()))
     return _BACKENDS[base]
 
 
-def _plan_step(builder, cam, meta) -> Step | None:
+def builder_class(base):
+    """The late layers' metadata builder: `base`, which first plans the step (`_plan_step`). A step with nothing to
+    fill gets `base`'s metadata; a filling step gets its plan (a `Step`), and the fill builds each group's metadata
+    (`build_group`), one build per group.
+
+    A builder may keep one host buffer that every build rewrites and copies to the device without waiting
+    (FlashInfer's `plan()`: its wrapper's pinned buffers, to which the metadata points). So each build first waits
+    until the device has taken what the fill's last group build left there (an event recorded after that build, as
+    vLLM guards its own reused input buffers between steps): the next group's build, or the next step's, never
+    rewrites a buffer whose copy a launched group still waits for. On the CPU every copy is done when its call
+    returns, and nothing waits."""
+
+    class Builder(base):
+        _ridgefill_copied = None  # the event after the fill's last group build, until a build has waited on it
+
+        def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+            step = _STEP[0] = _plan_step(self, common_attn_metadata)
+            if step is not None:
+                return step
+            self._ridgefill_wait()
+            return super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+
+        def build_group(self, common_attn_metadata):
+            """The metadata of one group of a filling step's exact runs, built by `base` itself."""
+            self._ridgefill_wait()
+            meta = super().build(0, common_attn_metadata)
+            self._ridgefill_copied = _event(common_attn_metadata.query_start_loc.device)
+            return meta
+
+        def _ridgefill_wait(self):
+            copied, self._ridgefill_copied = self._ridgefill_copied, None
+            if copied is not None:
+                with gpu_sync_allowed():  # deliberate: vLLM's sync check (VLLM_GPU_SYNC_CHECK) lets it pass
+                    copied.synchronize()
+
+    return Builder
+
+
+def _event(device: torch.device):
+    """An event recorded now on `device`'s current stream, or None on the CPU."""
+    if device.type == "cpu":
+        return None
+    event = torch.Event(device=device)
+    event.record()
+    return event
+
+
+def _plan_step(builder, cam) -> Step | None:
     """The step's plan, from the model runner's requests (their prompt lengths, and whether each is served exactly);
-    None outside a scheduled step (profiling, graph capture) and for a step with no prefix row."""
+    None outside a scheduled step (profiling, graph capture) and for a step with no prefix row. A step in which
+    every request is past its N - T (decodes, tails) returns before any per-request or per-token work."""
     runner = RUNNER.get()
     if runner is None or not _ACTIVE:
         return None
@@ -104,11 +154,13 @@ def _plan_step(builder, cam, meta) -> Step | None:
     qsl = cam.query_start_loc_cpu[: n + 1].numpy().astype(np.int64)
     seq = cam.seq_lens_cpu_upper_bound if cam.seq_lens_cpu_upper_bound is not None else cam.seq_lens.cpu()
     seq = seq[:n].numpy().astype(np.int64)
-    prefix = plan.prefix_rows(qsl, seq, batch.num_prompt_tokens[:n], _served_exactly(runner, n), tail=fill.tail,
-                              anchor=fill.anchor)  # fmt: skip
+    prompts = batch.num_prompt_tokens[:n]
+    if not plan.reaches_prefix(qsl, seq, prompts, tail=fill.tail):
+        return None
+    prefix = plan.prefix_rows(qsl, seq, prompts, _served_exactly(runner, n), tail=fill.tail, anchor=fill.anchor)
     if not prefix.any():
         return None
-    return Step(meta, builder, cam, prefix, qsl, seq)
+    return Step(builder, cam, prefix, qsl, seq)
 
 
 def _served_exactly(runner, n: int) -> list[bool]:
@@ -124,11 +176,12 @@ def keep_off_decode_graph(runner, num_reqs: int) -> bool:
     if not _ACTIVE or num_reqs == 0:
         return False
     fill, batch = _ACTIVE[0], runner.input_batch
-    computed = np.asarray(batch.num_computed_tokens_cpu[:num_reqs], np.int64)
-    if not (computed < prefix_end(np.asarray(batch.num_prompt_tokens[:num_reqs], np.int64), fill.tail)).any():
+    qsl, seq = np.arange(num_reqs + 1), np.asarray(batch.num_computed_tokens_cpu[:num_reqs], np.int64) + 1
+    prompts = batch.num_prompt_tokens[:num_reqs]
+    if not plan.reaches_prefix(qsl, seq, prompts, tail=fill.tail):
         return False  # every request is past its prefix (steady decoding): no per-request check needed
-    fills = plan.prefix_rows(np.arange(num_reqs + 1), computed + 1, batch.num_prompt_tokens[:num_reqs],
-                             _served_exactly(runner, num_reqs), tail=fill.tail, anchor=fill.anchor).any()  # fmt: skip
+    fills = plan.prefix_rows(qsl, seq, prompts, _served_exactly(runner, num_reqs), tail=fill.tail,
+                             anchor=fill.anchor).any()  # fmt: skip
     fill.stats["decode_graph_vetoes"] += int(fills)
     return bool(fills)
 
@@ -240,8 +293,9 @@ class EngineFill(nn.Module):
         with set_model_tag("ridgefill_late"):
             self.late_layers = Late(vllm_config=vllm_config, prefix="ridgefill.late", layers=late_layers,
                                     norm=causal_lm.model.norm)  # fmt: skip
-        if release.protected is not None:
-            self.register_buffer("protected", torch.as_tensor(release.protected), persistent=False)
+        if release.protected is not None:  # a lookup table over the vocabulary, on the model's device
+            table = token_table(release.protected, vllm_config.model_config.get_vocab_size())
+            self.register_buffer("protected", torch.as_tensor(table), persistent=False)
         else:
             self.protected = None
         self.late_names = []
@@ -312,7 +366,7 @@ class EngineFill(nn.Module):
         """The fill's forward of this step, or None when the step is vLLM's own (no plan, or nothing to fill)."""
         step, ctx = _STEP[0], get_forward_context()
         meta = ctx.attn_metadata
-        if step is None or not isinstance(meta, dict) or meta.get(self.late_names[0]) is not step.meta:
+        if step is None or not isinstance(meta, dict) or meta.get(self.late_names[0]) is not step:
             self.stats["stock_steps"] += 1
             return None
         graphs = ctx.cudagraph_runtime_mode
@@ -323,7 +377,6 @@ class EngineFill(nn.Module):
             ctx.cudagraph_runtime_mode = graphs
 
     def _fill(self, m, step: Step, ctx, input_ids, positions, inputs_embeds):
-        meta = ctx.attn_metadata
         h = inputs_embeds if inputs_embeds is not None else m.embed_input_ids(input_ids)
         h, residual = self.early(h, positions)
         h_split = h + residual  # the residual stream entering layer S
@@ -332,12 +385,13 @@ class EngineFill(nn.Module):
         fill[:num] = to_device(step.prefix, h.device)
         fill &= ~norm_rows(h_split, self.exact_norm)
         if self.protected is not None and input_ids is not None:
-            fill &= ~torch.isin(input_ids, self.protected)
+            fill &= ~protected_rows(input_ids, self.protected)
         if self.tp > 1:  # every rank runs the same rows: a row fills only where every rank would fill it
             agreed = fill.to(torch.int32)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().device_group)
             fill = agreed.bool()
-        filled = fill[:num].cpu().numpy()  # the step's one host synchronization: every other copy is to the device
+        with gpu_sync_allowed():  # the step's one host synchronization: every other copy is to the device
+            filled = fill[:num].cpu().numpy()
         self.stats["exact_prefix_rows"] += int(step.prefix.sum() - filled.sum())
         f_rows = to_device(np.flatnonzero(filled), h.device)
         slots = ctx.slot_mapping[self.late_names[0]]
@@ -351,41 +405,52 @@ class EngineFill(nn.Module):
                                              slots_f)  # fmt: skip
         # The exact rows through the late layers, in groups of at most as many sequences as the backend has room
         # for (plan.groups), one after another in position order (planned while the device writes the filled rows).
-        out = torch.zeros_like(h)
         parts = plan.groups(plan.runs(~filled, step.query_start, step.seq_lens), self.max_seqs)
-        saved = {name: (meta[name], ctx.slot_mapping[name]) for name in self.late_names}
-        try:
-            for runs in parts:
-                q_rows = to_device(runs.rows, h.device)
-                late_meta = self._late_metadata(step, runs, positions, slots, q_rows)
-                for name in self.late_names:
-                    meta[name], ctx.slot_mapping[name] = late_meta, slots[q_rows]
-                out[q_rows] = self.late_layers(h[q_rows], residual[q_rows], positions[q_rows])
-        finally:
-            for name, (old_meta, old_slots) in saved.items():
-                meta[name], ctx.slot_mapping[name] = old_meta, old_slots
+        out = late_groups(self.late_layers, self.late_names, step, parts, ctx, h, residual, positions, slots)
         self.stats["fill_steps"] += 1
         self.stats["filled_rows"] += int(f_rows.numel())
         self.stats["groups"] += len(parts)
         self.stats["max_group_seqs"] = max(self.stats["max_group_seqs"], *(g.owner.size for g in parts), 0)
         return out
 
-    def _late_metadata(self, step: Step, runs: plan.Runs, positions, slots, q_rows):
-        """The late layers' attention metadata for the exact rows, from the backend's own builder."""
-        cam, dev = step.common, positions.device
-        owner = to_device(runs.owner, cam.block_table_tensor.device)
-        qsl, seq = runs.query_start.astype(np.int32), runs.seq_lens.astype(np.int32)
-        sub = dataclasses.replace(
-            cam, query_start_loc=to_device(qsl, dev), query_start_loc_cpu=torch.from_numpy(qsl),
-            seq_lens=to_device(seq, dev), seq_lens_cpu_upper_bound=torch.from_numpy(seq),
-            num_reqs=int(runs.owner.size), num_actual_tokens=int(runs.rows.size), max_query_len=runs.max_query_len,
-            max_seq_len=int(runs.seq_lens.max()), block_table_tensor=cam.block_table_tensor[owner],
-            slot_mapping=slots[q_rows], causal=True, positions=positions[q_rows],
-            is_prefilling=None if cam.is_prefilling is None else cam.is_prefilling[torch.from_numpy(runs.owner)],
-            logits_indices_padded=None, num_logits_indices=None, max_logits_per_req=None, req_idx=None,
-            dcp_local_seq_lens=None, dcp_local_seq_lens_cpu_upper_bound=None, mm_req_doc_ranges=None,
-            rswa_prefix_lens=None, _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)  # fmt: skip
-        return step.builder.build(0, sub)
+
+def late_groups(late, names, step: Step, parts: list, ctx, h, residual, positions, slots) -> torch.Tensor:
+    """The exact rows through the late layers (`late`, with the final norm), group by group (`parts`, from
+    `plan.groups`): each group's metadata is built (`group_metadata`) and swapped into the forward context for the
+    late layers `names`, then the group is launched. Returns [tokens, d]: the exact rows' outputs, zero elsewhere."""
+    out = torch.zeros_like(h)
+    meta = ctx.attn_metadata
+    saved = {name: (meta[name], ctx.slot_mapping[name]) for name in names}
+    try:
+        for runs in parts:
+            q_rows = to_device(runs.rows, h.device)
+            group_meta = group_metadata(step, runs, positions, slots, q_rows)
+            for name in names:
+                meta[name], ctx.slot_mapping[name] = group_meta, slots[q_rows]
+            out[q_rows] = late(h[q_rows], residual[q_rows], positions[q_rows])
+    finally:
+        for name, (old_meta, old_slots) in saved.items():
+            meta[name], ctx.slot_mapping[name] = old_meta, old_slots
+    return out
+
+
+def group_metadata(step: Step, runs: plan.Runs, positions, slots, q_rows):
+    """The late layers' attention metadata for one group of exact runs, from the backend's own builder (after the
+    builder's last group build has been copied to the device: `builder_class`)."""
+    cam, dev = step.common, positions.device
+    owner = to_device(runs.owner, cam.block_table_tensor.device)
+    qsl, seq = runs.query_start.astype(np.int32), runs.seq_lens.astype(np.int32)
+    sub = dataclasses.replace(
+        cam, query_start_loc=to_device(qsl, dev), query_start_loc_cpu=torch.from_numpy(qsl),
+        seq_lens=to_device(seq, dev), seq_lens_cpu_upper_bound=torch.from_numpy(seq),
+        num_reqs=int(runs.owner.size), num_actual_tokens=int(runs.rows.size), max_query_len=runs.max_query_len,
+        max_seq_len=int(runs.seq_lens.max()), block_table_tensor=cam.block_table_tensor[owner],
+        slot_mapping=slots[q_rows], causal=True, positions=positions[q_rows],
+        is_prefilling=None if cam.is_prefilling is None else cam.is_prefilling[torch.from_numpy(runs.owner)],
+        logits_indices_padded=None, num_logits_indices=None, max_logits_per_req=None, req_idx=None,
+        dcp_local_seq_lens=None, dcp_local_seq_lens_cpu_upper_bound=None, mm_req_doc_ranges=None,
+        rswa_prefix_lens=None, _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)  # fmt: skip
+    return step.builder.build_group(sub)
 
 
 def starting_up() -> bool:

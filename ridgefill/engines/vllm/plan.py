@@ -52,6 +52,14 @@ def prefix_rows(query_start, seq_lens, prompt_lens, exact_requests, *, tail: int
     return is_prefix_row(pos, n, tail=tail, anchor=anchor) & ~np.asarray(exact_requests, bool)[owner]
 
 
+def reaches_prefix(query_start, seq_lens, prompt_lens, *, tail: int) -> bool:
+    """Whether some request's scheduled run starts below its N - T: a test per request, not per token, that lets a
+    step of decodes and tails skip the plan. False: `prefix_rows` is all False, whatever the anchor and whichever
+    requests are served exactly; True: it may hold a prefix row (`prefix_rows` decides)."""
+    first = np.asarray(seq_lens, np.int64) - np.diff(np.asarray(query_start, np.int64))  # each run's first position
+    return bool((first < prefix_end(np.asarray(prompt_lens, np.int64), tail)).any())
+
+
 @dataclass(frozen=True)
 class Runs:
     """The exact rows of a step as attention sequences (all int64 numpy arrays)."""
