@@ -13,12 +13,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
+import tempfile
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from ridgefill.artifacts.lock import pid_alive
 from ridgefill.errors import BadInput
 from ridgefill.formats import int8
 from ridgefill.formats.release import folder
@@ -205,15 +209,60 @@ def write_release(
 def write_eval(dir: Path, summary: dict, card: Callable[[dict], str]) -> dict:
     """Put an eval summary into a verified release's manifest (`eval`) and regenerate its model card with `card`
     (a function of the manifest). Only ridgefill.json and README.md change, and neither is hashed, so the release
-    still verifies. Returns the manifest written."""
+    still verifies. Each is written to a temporary of this process's own (`.<name>.tmp-<pid>-<random>`, so two
+    evals never write one file) and renamed over the old one, keeping its mode; a temporary that a killed eval
+    left is one `is_writer_leftover` names, which a reader passes over and the next write_eval removes. Returns
+    the manifest written."""
     from ridgefill.formats.release.read import verify_release
 
     dir = Path(dir)
+    remove_writer_leftovers(dir)
     manifest = verify_release(dir)
     manifest["eval"] = summary
     text = manifest_text(manifest, "eval summary")
     for name, data in ((MANIFEST, text), (CARD, card(manifest))):
-        tmp = dir / f".{name}.tmp"
-        tmp.write_text(data, encoding="utf-8")
-        os.replace(tmp, dir / name)
+        _replace_file(dir / name, data.encode("utf-8"))
     return manifest
+
+
+# `.ridgefill.json.tmp-<pid>-<random>` / `.README.md.tmp-<pid>-<random>`: write_eval's temporaries; the bare
+# `.<name>.tmp` is the one name older versions used for every eval, left in releases whose eval was killed.
+_LEFTOVER = re.compile(rf"\.({re.escape(MANIFEST)}|{re.escape(CARD)})\.tmp(?:-([0-9]+)-[A-Za-z0-9_]+)?\Z")
+
+
+def is_writer_leftover(path: Path) -> bool:
+    """Whether `path`, an entry of a release folder, is a temporary that `write_eval` leaves when it is killed
+    between writing and renaming (a regular file named `_LEFTOVER`): the release is whole without it, so a reader
+    passes over it as it does over README.md."""
+    path = Path(path)
+    return _LEFTOVER.match(path.name) is not None and path.is_file() and not path.is_symlink()
+
+
+def remove_writer_leftovers(dir: Path) -> None:
+    """Remove the `is_writer_leftover` temporaries of processes that no longer run (a live eval's are its own)."""
+    for path in Path(dir).iterdir():
+        m = _LEFTOVER.match(path.name)
+        if m and is_writer_leftover(path) and (m[2] is None or not pid_alive(int(m[2]))):
+            path.unlink(missing_ok=True)
+
+
+def _replace_file(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary of this process's own beside `path`, then rename it over `path`, which keeps its
+    mode (mkstemp's is 0600; a new file gets the umask's)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            mode = stat.S_IMODE(path.stat().st_mode)
+        except FileNotFoundError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
