@@ -83,6 +83,15 @@ SKIP_FIRST_ROWS, DEFAULT_SKIP_FIRST_ROWS = "skip_first_rows", 1  # `fit.skip_fir
 # attention sink). Required since the rule replaced the prefix-median one; a release without it predates the field.
 FIT, EXACT_NORM = "fit", "exact_norm"
 
+# Rule 13: the largest value a map may write. A runtime fills a prefix row only when its split state's norm is at most
+# `fit.exact_norm`, so a map writes at most |W_i h + b_i| <= ||W_i|| exact_norm + |b_i| in output i (`map_bound`).
+# The keys, values and inputs a fitted map predicts are of the size of the model's own (the shipped releases stay
+# below 1e4); at this limit, a value, and the attention outputs and residuals an exact row builds on it, stay finite
+# in float32 and bfloat16 with orders of magnitude to spare. A forged map with huge finite weights would write
+# infinities into a server's cache, where they reach other requests through reused blocks; it is refused instead.
+MAX_MAP_OUTPUT = 2.0**24
+DTYPE_LIMITS = {"float16": 65504.0}  # a compute dtype whose own range is narrower: its largest finite value
+
 CODES, SCALES, BIAS, WEIGHT = "codes", "scales", "bias", "weight"
 PROJECTOR_DTYPES = ("int8", "bf16", "f32")
 _TENSOR_RE = re.compile(r"^layer\.(0|[1-9][0-9]*)\.(codes|scales|bias|weight)$")
@@ -141,10 +150,11 @@ def manifest_text(manifest: dict, what: str = "manifest") -> str:
 
 
 def layer_indices(manifest: dict) -> set[int] | None:
-    """The indices of the manifest's `layers` [{index, ...}], or None when it has no such list."""
+    """The indices of the manifest's `layers` [{index, ...}], or None when it has no such list (or an index that is
+    not an integer: `layers_problem` refuses it)."""
     layers = manifest.get("layers")
-    if isinstance(layers, list) and all(isinstance(x, dict) and "index" in x for x in layers):
-        return {x["index"] for x in layers}
+    if isinstance(layers, list) and all(isinstance(x, dict) and integer(x.get("index")) is not None for x in layers):
+        return {integer(x["index"]) for x in layers}
     return None
 
 
@@ -254,8 +264,10 @@ def applied_problem(manifest: dict) -> str | None:
     as a phrase for a one-line refusal; None when they are valid: `model.num_layers` a positive integer, `split` an
     integer in [1, num_layers) (at split 0 the maps would read the embeddings and fill every layer: no fit makes
     such maps), `tail_default` a tail (`tail_problem`), `fit.skip_first_rows` an integer >= 0 (absent in a /1
-    release: DEFAULT_SKIP_FIRST_ROWS), and, in /2, `layers` indexed exactly split..num_layers-1 in that order (/1
-    releases were never held to it). Integers as a JavaScript reader sees them (2.0 is 2)."""
+    release: DEFAULT_SKIP_FIRST_ROWS), the model's name and data as `_identity_problem` wants them, and `layers`
+    indexed exactly split..num_layers-1 in that order in /2 (in /1, which was never held to it, each index an integer
+    >= 0). Integers as a JavaScript reader sees them (2.0 is 2). Nothing is allocated by a number the manifest
+    gives."""
     num_layers, problem = _model_int(manifest, "num_layers")
     if problem is not None:
         return problem
@@ -272,14 +284,34 @@ def applied_problem(manifest: dict) -> str | None:
     skip = integer(fit.get(SKIP_FIRST_ROWS, DEFAULT_SKIP_FIRST_ROWS))
     if skip is None or skip < 0:
         return f"'{FIT}.{SKIP_FIRST_ROWS}' is {_show(fit[SKIP_FIRST_ROWS])}, expected an integer >= 0"
-    if manifest.get("format") == FORMAT_V1:
-        return None
+    problem = _identity_problem(manifest)
+    if problem is not None:
+        return problem
     layers = manifest.get("layers")
     got = [x.get("index") if isinstance(x, dict) else None for x in layers] if isinstance(layers, list) else None
-    want = list(range(split, num_layers))
-    if got is None or len(got) != len(want) or any(integer(g) != w for g, w in zip(got, want)):
+    if manifest.get("format") == FORMAT_V1:  # any layers, but each an object with an integer index
+        for i, index in enumerate(got or []):
+            if integer(index) is None or integer(index) < 0:
+                return f"'layers[{i}].index' is {_show(index)}, expected a layer index (an integer >= 0)"
+        return None
+    # compared without a list sized by num_layers: a forged 10**12 costs nothing
+    if got is None or len(got) != num_layers - split or any(integer(g) != split + i for i, g in enumerate(got)):
         return (f"'layers' has the indices {_show(got)}, expected {split}..{num_layers - 1} ascending (every layer "
                 f"from 'split' to model.num_layers - 1)")
+    return None
+
+
+def _identity_problem(manifest: dict) -> str | None:
+    """What is wrong with the facts that name the release's model and data where a runtime shows or compares them:
+    `model.name` a non-empty string, `model.fingerprint` a string, `fit.calibration_sha256` (when present) a list of
+    strings; None when they are valid."""
+    model = manifest["model"]  # an object: `_model_int` found num_layers in it
+    for key in ("name", "fingerprint"):
+        if not isinstance(model.get(key), str) or not model[key]:
+            return f"'model.{key}' is {_show(model[key]) if key in model else 'missing'}, expected a non-empty string"
+    calibration = manifest[FIT].get("calibration_sha256", []) if isinstance(manifest.get(FIT), dict) else []
+    if not isinstance(calibration, list) or not all(isinstance(x, str) for x in calibration):
+        return f"'{FIT}.calibration_sha256' is {_show(calibration)}, expected a list of sha256 strings"
     return None
 
 

@@ -26,13 +26,13 @@ import numpy as np
 
 from ridgefill.errors import BadInput
 from ridgefill.formats import int8, safetensors
-from ridgefill.formats.release.names import (BIAS, CODES, CORRECTIONS_FILE, DEFAULT_SKIP_FIRST_ROWS, EXACT_NORM, FIT,
-                                             KV_MAP, LINEAR_KIND, MANIFEST, MAPS_FILE, OFFSET_RE, PLAIN,
-                                             PROJECTOR_DTYPES, PROTECTED_FILE, PROTECTED_IDS, SCALES, SKIP_FIRST_ROWS,
-                                             STATE_OFFSET, WEIGHT, applied_problem, configuration_problem,
-                                             exact_norm_problem, integer, kv_width, layer_indices, map_kinds,
-                                             maps_problem, parse_tensor_name, protected_problem, tensor_name,
-                                             width_problem)
+from ridgefill.formats.release.names import (BIAS, CODES, CORRECTIONS_FILE, DEFAULT_SKIP_FIRST_ROWS, DTYPE_LIMITS,
+                                             EXACT_NORM, FIT, KV_MAP, LINEAR_KIND, MANIFEST, MAPS_FILE, MAX_MAP_OUTPUT,
+                                             OFFSET_RE, PLAIN, PROJECTOR_DTYPES, PROTECTED_FILE, PROTECTED_IDS, SCALES,
+                                             SKIP_FIRST_ROWS, STATE_OFFSET, WEIGHT, applied_problem,
+                                             configuration_problem, exact_norm_problem, integer, kv_width,
+                                             layer_indices, map_kinds, maps_problem, parse_tensor_name,
+                                             protected_problem, tensor_name, width_problem)
 from ridgefill.formats.release.manifest import ABSENT, check_format, verified_manifest
 from ridgefill.numerics import bf16_bits_to_f32
 
@@ -56,23 +56,28 @@ class Release:
     configuration: Mapping  # `release_configuration`: {"arm", "sweep"[, "row_share"]}, read-only
     map_kinds: Mapping[int, str]  # {layer: "input" | "kv"} for every layer of `layers` (all "input" in a /1), read-only
     kv_width: int | None  # a kv map's d_out, 2 * model.num_kv_heads * model.head_dim; None in a /1 release
+    output_bound: float  # the largest value any map writes for a split state it fills (`map_bound`), <= MAX_MAP_OUTPUT
 
     def check_model(self, *, fingerprint: str | None, num_layers: int, hidden_size: int, num_kv_heads: int | None,
-                    head_dim: int | None, vocab_size: int | None, name: str, where: str) -> None:
+                    head_dim: int | None, vocab_size: int | None, name: str, where: str,
+                    dtype: str | None = None) -> None:
         """Refuse, with one line starting `where: `, a model (called `name`) the release was not made for: another
         fingerprint (None: not known, not compared), another layer count or hidden size than the release records,
         maps that do not cover its late layers split..num_layers-1 or whose widths are not the model's (an input
         map [hidden_size, hidden_size], a kv map [2 * num_kv_heads * head_dim, hidden_size]), in a /2 release
-        other KV heads or head size than it records, or a protected-token table with an id past the model's
-        `vocab_size` tokens (None: not known, not compared)."""
+        other KV heads or head size than it records, a protected-token table with an id past the model's
+        `vocab_size` tokens (None: not known, not compared), or maps that write past the largest finite value of the
+        dtype the model computes in (`dtype`, torch's name without "torch.": float16's 65504; None: not known)."""
         refusal = model_problem(self, fingerprint=fingerprint, num_layers=num_layers, hidden_size=hidden_size,
-                                num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size, name=name)
+                                num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size, name=name,
+                                dtype=dtype)
         if refusal is not None:
             raise BadInput(f"{where}: {refusal}")
 
 
 def model_problem(rel: Release, *, fingerprint: str | None, num_layers: int, hidden_size: int,
-                  num_kv_heads: int | None, head_dim: int | None, vocab_size: int | None, name: str) -> str | None:
+                  num_kv_heads: int | None, head_dim: int | None, vocab_size: int | None, name: str,
+                  dtype: str | None = None) -> str | None:
     """`Release.check_model`'s refusal, as a phrase; None when the model is the release's."""
     model = rel.manifest["model"]
     theirs = model.get("fingerprint")
@@ -98,7 +103,13 @@ def model_problem(rel: Release, *, fingerprint: str | None, num_layers: int, hid
             return (f"layer {l}'s {'kv' if kv else 'input'} map is {list(got)}, expected {list(want)} for "
                     f"'{name}'")
     if vocab_size is not None and rel.protected is not None and len(rel.protected):
-        return protected_problem(int(rel.protected[-1]), vocab_size, f"'{name}'")  # ascending: the last is largest
+        problem = protected_problem(int(rel.protected[-1]), vocab_size, f"'{name}'")  # ascending: the last is largest
+        if problem is not None:
+            return problem
+    limit = DTYPE_LIMITS.get(str(dtype).removeprefix("torch."))
+    if limit is not None and rel.output_bound > limit:
+        return (f"the maps write values up to {rel.output_bound:.3g}, past {str(dtype).removeprefix('torch.')}'s "
+                f"largest finite value {limit:g}: run '{name}' in bfloat16 or float32")
     return None
 
 
@@ -117,11 +128,34 @@ def read_release(dir: Path) -> Release:
             raise BadInput(f"{MANIFEST}: {problem}")
     _check_widths(manifest, maps)
     fit = manifest[FIT]
+    bound = _check_bounds(maps, float(fit[EXACT_NORM]))
     return Release(manifest, maps, protected, offsets, format=manifest["format"], split=integer(manifest["split"]),
                    tail=integer(manifest["tail_default"]),
                    anchor=integer(fit.get(SKIP_FIRST_ROWS, DEFAULT_SKIP_FIRST_ROWS)),
                    exact_norm=float(fit[EXACT_NORM]), configuration=MappingProxyType(configuration),
-                   map_kinds=MappingProxyType(map_kinds(manifest)), kv_width=kv_width(manifest))
+                   map_kinds=MappingProxyType(map_kinds(manifest)), kv_width=kv_width(manifest), output_bound=bound)
+
+
+def map_bound(weight: np.ndarray, bias: np.ndarray, norm: float) -> float:
+    """The largest |(W h + b)_i| over every output i and every h with ||h|| <= norm: max_i ||W_i|| norm + |b_i|
+    (Cauchy-Schwarz; attained by h along W_i). weight float32 [d_out, d_in], bias float32 [d_out]. Summed in float32
+    without a copy of the weight: a sum that overflows gives infinity, which every limit refuses."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        rows = np.sqrt(np.einsum("ij,ij->i", weight, weight))  # [d_out] row norms
+        return float(np.max(rows * np.float32(norm) + np.abs(bias), initial=0.0))
+
+
+def _check_bounds(maps: dict[int, dict[str, np.ndarray]], exact_norm: float) -> float:
+    """Rule 13: every map's `map_bound` at the exact-row norm is at most MAX_MAP_OUTPUT; the largest of them."""
+    largest = 0.0
+    for layer, m in sorted(maps.items()):
+        bound = map_bound(m["weight"], m["bias"], exact_norm)
+        if not bound <= MAX_MAP_OUTPUT:
+            raise BadInput(f"{MAPS_FILE}: layer {layer}'s map writes values up to {bound:.3g} for the split states it "
+                           f"fills (norm up to 'fit.exact_norm' {exact_norm:.6g}), past {MAX_MAP_OUTPUT:.3g}: not the "
+                           "maps of a fit, and a runtime's keys and values would overflow")
+        largest = max(largest, bound)
+    return largest
 
 
 def _check_widths(manifest: dict, maps: dict[int, dict[str, np.ndarray]]) -> None:
