@@ -622,6 +622,18 @@ CASES = [
     Case("v2-layers-stop-short", kv_int8, facts(lambda m: m["model"].update(num_layers=13)), 11, MANIFEST,
          ("'layers'",)),
     Case("v2-layers-descending", kv_int8, facts(lambda m: m["layers"].reverse()), 11, MANIFEST, ("'layers'",)),
+    Case("v1-layer-index-list", int8_release, facts(lambda m: m["layers"][0].update(index=[2])), 11, MANIFEST,
+         ("'layers",)),
+    Case("v2-layer-index-list", kv_int8, facts(lambda m: m["layers"][0].update(index=[9])), 11, MANIFEST,
+         ("'layers'",)),
+    Case("v2-num-layers-huge", kv_int8, facts(lambda m: m["model"].update(num_layers=10**12)), 11, MANIFEST,
+         ("'layers'",)),  # a reader that lists 9..10**12 to compare never answers
+    Case("model-name-list", int8_release, facts(lambda m: m["model"].update(name=["a"])), 11, MANIFEST,
+         ("'model.name'",)),
+    Case("v2-fingerprint-missing", kv_int8, facts(lambda m: m["model"].pop("fingerprint")), 11, MANIFEST,
+         ("'model.fingerprint'",)),
+    Case("calibration-nested", int8_release, facts(lambda m: m["fit"].update(calibration_sha256=[["cd"]])), 11,
+         MANIFEST, ("'fit.calibration_sha256'",)),
     # 12: map kinds and widths
     Case("v1-layer-with-map", int8_release, facts(lambda m: m["layers"][0].update(map="input")), 12, MANIFEST,
          ("'layers[0].map'",)),
@@ -648,6 +660,12 @@ CASES = [
          ("'layer.10.weight'", "[96, 160]")),
     Case("v2-hidden-size", kv_f32, facts(lambda m: m["model"].update(hidden_size=128)), 12, MAPS,
          ("[96, 128]",)),  # every layer is too wide: any may be named
+    # 13: what a map writes
+    Case("map-writes-past-the-bound", f32_release, tensors(MAPS, lambda ts, m: ts.__setitem__(
+        "layer.13.weight", Tensor("F32", [D_OUT, D_IN], struct.pack("<f", 3e38) * (D_OUT * D_IN)))), 13, MAPS,
+         ("layer 13's map",)),
+    Case("v2-exact-norm-past-the-bound", kv_f32, facts(lambda m: m["fit"].update(exact_norm=1e30)), 13, MAPS,
+         ("layer 9's map",)),
 ]
 
 

@@ -270,6 +270,7 @@ def read_release(folder):
     check_map_kinds(manifest)  # 12
     if fmt == V2:
         check_widths(manifest, maps, pfiles)
+    check_bounds(manifest, maps, pfiles)  # 13
     return manifest, maps
 
 
@@ -289,10 +290,28 @@ def check_applied(manifest):
     need(skip is not MISSING or v1, MANIFEST, "'fit.skip_first_rows' is missing")
     need((skip is MISSING and v1) or (as_int(skip) is not None and skip >= 0), MANIFEST,
          f"'fit.skip_first_rows' is {show(skip)}, not an integer >= 0")
-    if not v1:
+    for key in ("name", "fingerprint"):
+        value = get(manifest, f"model.{key}")
+        need(isinstance(value, str) and value, MANIFEST, f"'model.{key}' is {show(value)}, not a non-empty string")
+    calibration = get(manifest, "fit.calibration_sha256")
+    need(calibration is MISSING or (isinstance(calibration, list) and all(isinstance(x, str) for x in calibration)),
+         MANIFEST, f"'fit.calibration_sha256' is {show(calibration)}, not a list of strings")
+    if not v1:  # compared index by index: a list as long as a forged num_layers would be no check at all
         indices = [as_int(e.get("index")) if isinstance(e, dict) else None for e in manifest["layers"]]
-        need(indices == list(range(split, layers_n)), MANIFEST,
+        need(len(indices) == layers_n - split and all(i == split + k for k, i in enumerate(indices)), MANIFEST,
              f"'layers' runs over {show(indices)}, not {split}..{layers_n - 1} ascending")
+
+
+def check_bounds(manifest, maps, pfiles):
+    """Rule 13: no map writes more than 2**24 for a split state it fills (norm <= fit.exact_norm): for every row i of
+    every map, ||W_i|| exact_norm + |b_i| <= 2**24 (computed here in float64)."""
+    norm = float(get(manifest, "fit.exact_norm"))
+    for layer, (weight, bias) in sorted(maps.items()):
+        w = weight.astype(np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            bound = float(np.max(np.sqrt((w * w).sum(axis=1)) * norm + np.abs(bias.astype(np.float64))))
+        need(bound <= 2.0**24, pfiles[0], f"layer {layer}'s map writes up to {bound:.3g} for a row of norm "
+                                          f"'fit.exact_norm' {norm:g}, past 2**24")
 
 
 def check_map_kinds(manifest):
