@@ -83,7 +83,8 @@ def write_release(path: Path, layers=(5, 6), **kw) -> Path:
         maps[layer] = {"codes": codes, "scale_bits": bits, "bias": rng.standard_normal(48).astype(np.float32)}
     manifest = {"model": {"name": "acme/m", "architecture": "llama", "num_layers": 7, "hidden_size": 160,
                           "num_kv_heads": 2, "head_dim": 12, "fingerprint": "0123456789abcdef"},
-                "split": 5, "tail_default": 512, "layers": [{"index": i, "kind": "attention", "map": "kv"} for i in layers],
+                "split": 5, "tail_default": 512,
+                "layers": [{"index": i, "kind": "attention", "map": "kv"} for i in layers],
                 "fit": {"alpha": 1e-4, "exact_norm": 812.5, "skip_first_rows": 1}}
     release.write_release(path, maps, manifest, "# a release\n", **kw)
     return path
