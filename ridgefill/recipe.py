@@ -20,51 +20,68 @@
     [eval]                                  # enabled, gate (a gate file) and EvalConfig fields
     [push]                                  # repo (required to push), revision, private, commit_message
 
-capture -> solve -> quantize -> export -> eval (gate) -> push (only with `--push`). With `split = "auto"` a sweep
-comes first: it captures every split it measures in one pass, solves and quantizes each, and the release is its
-recommended split (a cache hit for capture, solve and quantize); no split within the budget stops the run (exit 3).
-Every stage is the same function the single commands call, so each is a cache hit when its recipe did not change: a
-re-run with nothing changed loads no model; changing the alpha grid re-runs solve and the stages after it, not
-capture. The gate failing stops the run before push (exit 3). The top-level device / dtype / device_map /
-max_memory are resolved once into one placement, given to solve, quantize and eval, and to capture unless its own
-table sets them (then its own).
+Each table becomes its stage's config (`stage_config`: CaptureConfig, SolveConfig, ExportConfig, EvalConfig,
+SweepConfig, `Push`), every value checked by its key when the file is read, before any stage runs; `Recipe` is the
+tree of them. capture -> solve -> quantize -> export -> eval (gate) -> push (only with `--push`). With
+`split = "auto"` a sweep comes first: it captures every split it measures in one pass, solves and quantizes each,
+and the release is its recommended split at the tail it was measured with (a cache hit for capture, solve and
+quantize); no split within the budget stops the run (exit 3). Every stage is the same function the single commands
+call, so each is a cache hit when its recipe did not change: a re-run with nothing changed loads no model;
+changing the alpha grid re-runs solve and the stages after it, not capture. The gate failing stops the run before
+push (exit 3). The top-level device / dtype / device_map / max_memory are resolved once into one placement, given to
+solve, quantize and eval, and to capture unless its own table sets them (then its own).
 """
 
 from __future__ import annotations
 
 import time
 import tomllib
-from dataclasses import dataclass, field, fields
+import typing
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from ridgefill.capture.config import DEFAULT_DATA, CaptureConfig
 from ridgefill.errors import BadInput
+from ridgefill.evaluate.config import EvalConfig
+from ridgefill.export.config import ExportConfig
 from ridgefill.formats.release.names import tail_problem
 from ridgefill.output import Output
+from ridgefill.solve.config import SolveConfig, check_config as check_solve
+from ridgefill.sweep.config import RECIPE_KEYS, SweepConfig, check_config as check_sweep, renamed
 
 SECTIONS = {"capture", "solve", "quantize", "export", "eval", "push", "sweep"}
 PLACE_KEYS = ("device", "dtype", "device_map", "max_memory")  # optional top-level keys: where the model runs
 PLACE_KINDS = {"device": "string", "dtype": "string", "device_map": "string", "max_memory": "table | list of string"}
-SOLVE_KINDS = {"alphas": "list of number", "metric": "string", "maps": "string", "split": 'integer | "auto"',
-               "chat_share": "number", "alpha_per_layer": "boolean", "state_data": "string | list of string",
-               "state_chunk": "integer"}
-PUSH_KEYS = {"repo", "revision", "private", "commit_message"}
-PUSH_KINDS = {"repo": "string", "revision": "string", "private": "boolean", "commit_message": "string"}
 
 
-@dataclass
+@dataclass(frozen=True)
+class Push:
+    """A recipe's [push] table: where `--push` sends the release (hub.releases.push)."""
+
+    repo: str | None = None  # OWNER/NAME, required
+    revision: str = "main"
+    private: bool = False
+    commit_message: str | None = None
+
+
+@dataclass(frozen=True)
 class Recipe:
+    """A recipe file, checked: one stage config per table, paths resolved against the file's folder."""
+
     path: Path
     model: str
     out: Path
-    capture: dict
-    solve: dict
+    data: tuple[str, ...]  # [capture] data: builtin specs, or paths
+    capture: CaptureConfig
+    solve: SolveConfig  # split None with a sweep: the sweep's recommendation
     quantize: bool
-    tail: int | None
-    eval: dict | None  # None: no eval
+    export: ExportConfig
+    eval: EvalConfig | None  # None: no eval
     gate: Path | None
-    push: dict | None
+    push: Push | None
     place: dict = field(default_factory=dict)  # the top-level PLACE_KEYS given
-    sweep: dict | None = None  # SweepConfig fields, when [solve] split = "auto"
+    capture_place: dict = field(default_factory=dict)  # [capture]'s own PLACE_KEYS, over the top level's
+    sweep: SweepConfig | None = None  # [solve] split = "auto": the sweep that picks the split
 
 
 def _known(table: dict, allowed: set, where: str) -> dict:
@@ -127,8 +144,6 @@ def _describe(kind: str) -> str:
 def _kinds_of(config) -> dict[str, str]:
     """A config dataclass's fields as TOML kinds: int -> integer, float -> number, tuple[X, ...] -> list of X, a
     union -> its kinds joined (None left out: TOML has no null)."""
-    import typing
-
     names = {int: "integer", float: "number", bool: "boolean", str: "string"}
 
     def kind(hint) -> str | None:
@@ -143,11 +158,23 @@ def _kinds_of(config) -> dict[str, str]:
     return {name: k for name, hint in typing.get_type_hints(config).items() if (k := kind(hint)) is not None}
 
 
-def load_recipe(path: Path) -> Recipe:
-    """Parse and check a recipe file; BadInput names the first problem."""
-    from ridgefill.capture.config import DEFAULT_DATA, CaptureConfig
-    from ridgefill.evaluate import EvalConfig
+def stage_config(cls, table, where: str, *, kinds: dict[str, str] | None = None, extra: dict[str, str] | None = None,
+                 leave: frozenset[str] = frozenset()):
+    """A recipe table as the stage config `cls` (a frozen dataclass) -> (config, {extra key: value}): the one place a
+    TOML table becomes a config. BadInput for a table that is no table, a key that is neither a field of `cls`
+    (less `leave`: the fields another table sets) nor one of `extra` ({key: TOML kind}), or a value of the wrong
+    TOML type (a field's kind from its type hint unless `kinds` says otherwise). Arrays become tuples."""
+    extra = extra or {}
+    names = {f.name for f in fields(cls)} - leave
+    _known(table, names | set(extra), where)
+    _typed(table, {**_kinds_of(cls), **(kinds or {}), **extra}, where)
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items() if k in names}
+    return cls(**given), {k: v for k, v in table.items() if k in extra}
 
+
+def load_recipe(path: Path) -> Recipe:
+    """Parse and check a recipe file: every table becomes its stage config, and every value is checked now, by its
+    key in the recipe, before any stage runs; BadInput names the first problem."""
     path = Path(path)
     try:
         doc = tomllib.loads(path.read_text())
@@ -163,76 +190,67 @@ def load_recipe(path: Path) -> Recipe:
     base = path.resolve().parent
     rel = lambda p: (base / p).resolve()  # noqa: E731  (an absolute p stays itself)
     name = doc["model"].removeprefix("builtin:").replace("/", "--")
-    cap = dict(_known(doc.get("capture", {}), {f.name for f in fields(CaptureConfig)} | {"data", *PLACE_KEYS},
-                      "capture"))
-    _typed(cap, {**_kinds_of(CaptureConfig), "data": "string | list of string", **PLACE_KINDS}, "capture")
-    cap.setdefault("data", list(DEFAULT_DATA))
-    if isinstance(cap["data"], str):
-        cap["data"] = [cap["data"]]
-    cap["data"] = [d if d.startswith("builtin:") else str(rel(d)) for d in cap["data"]]
-    ev = doc.get("eval", {})
-    _known(ev, {f.name for f in fields(EvalConfig)} | {"enabled", "gate"}, "eval")
-    _typed(ev, {**_kinds_of(EvalConfig), "enabled": "boolean", "gate": "string"}, "eval")
+    capture, cap = stage_config(CaptureConfig, doc.get("capture", {}), "capture",
+                                extra={"data": "string | list of string", **PLACE_KINDS})
+    data = cap.pop("data", list(DEFAULT_DATA))
+    data = tuple(d if d.startswith("builtin:") else str(rel(d)) for d in ([data] if isinstance(data, str) else data))
+    evaluation, ev = stage_config(EvalConfig, doc.get("eval", {}), "eval",
+                                  extra={"enabled": "boolean", "gate": "string"})
     quant = _typed(_known(doc.get("quantize", {}), {"enabled"}, "quantize"), {"enabled": "boolean"}, "quantize")
-    exp = _typed(_known(doc.get("export", {}), {"tail"}, "export"), {"tail": "integer"}, "export")
-    if "tail" in exp and tail_problem(exp["tail"]) is not None:  # export's own bound, before any stage runs
-        raise BadInput(f"recipe [export]: tail {tail_problem(exp['tail'])}")
-    push = _typed(_known(doc["push"], PUSH_KEYS, "push"), PUSH_KINDS, "push") if "push" in doc else None
-    sol = dict(_typed(_known(doc.get("solve", {}), set(SOLVE_KINDS), "solve"), SOLVE_KINDS, "solve"))
-    if "state_data" in sol:
-        paths = [sol["state_data"]] if isinstance(sol["state_data"], str) else sol["state_data"]
-        if not paths:
-            raise BadInput("recipe [solve]: state_data must be a path or a list of paths, got an empty array")
-        sol["state_data"] = [str(rel(x)) for x in paths]
-    if "maps" in sol:
-        from ridgefill.solve.config import MAP_CHOICES
-
-        if sol["maps"] not in MAP_CHOICES:
-            raise BadInput(f"recipe [solve]: maps must be one of {', '.join(MAP_CHOICES)}, got {sol['maps']!r}")
+    export, _ = stage_config(ExportConfig, doc.get("export", {}), "export",
+                             leave=frozenset({"configuration", "row_share", "sweep"}))  # set by the sweep
+    if tail_problem(export.tail) is not None:  # export's own bound, before any stage runs
+        raise BadInput(f"recipe [export]: tail {tail_problem(export.tail)}")
+    push = stage_config(Push, doc["push"], "push")[0] if "push" in doc else None
+    solve, sol = stage_config(SolveConfig, doc.get("solve", {}), "solve", leave=frozenset({"split"}),
+                              kinds={"state_data": "string | list of string"}, extra={"split": 'integer | "auto"'})
+    if isinstance(solve.state_data, str) or solve.state_data:
+        paths = [solve.state_data] if isinstance(solve.state_data, str) else solve.state_data
+        solve = replace(solve, state_data=tuple(str(rel(x)) for x in paths))
+    elif "state_data" in doc.get("solve", {}):
+        raise BadInput("recipe [solve]: state_data must be a path or a list of paths, got an empty array")
+    check_solve(solve, "recipe [solve]: ", lambda key: key)
+    quantize = quant.get("enabled", True)
     sweep = None
     if sol.get("split") == "auto":
-        from ridgefill.sweep import RECIPE_KEYS, SweepConfig, check_config, renamed
-
         # quantize and alpha_per_layer come from [quantize] and [solve], as for the release itself
-        keys = {f.name for f in fields(SweepConfig)} - {"quantize", "alpha_per_layer"}
         table = doc.get("sweep", {})
         if isinstance(table, dict):  # an old key name: its new one, with a warning (or refused beside it)
             table = renamed(table, RECIPE_KEYS, Output())
-        sweep = dict(_typed(_known(table, keys, "sweep"), _kinds_of(SweepConfig), "sweep"))
-        if sweep.get("splits") == []:  # SweepConfig's empty splits mean its defaults: say so, do not guess
+        sweep, _ = stage_config(SweepConfig, table, "sweep", leave=frozenset({"quantize", "alpha_per_layer"}))
+        if table.get("splits") == []:  # SweepConfig's empty splits mean its defaults: say so, do not guess
             raise BadInput("recipe [sweep]: splits is an empty array: name at least one split, or leave splits out "
                            "for the default ones")
-        if "splits" in cap:
+        if capture.splits:
             raise BadInput("recipe: [capture] splits and [solve] split = \"auto\" conflict: the sweep captures the "
                            "splits it measures (set them in [sweep] splits)")
-        if "tail" in exp:
-            sweep.setdefault("tail", exp["tail"])
+        tail = table.get("tail", export.tail)  # the sweep measures with the release's tail unless told otherwise
+        sweep = replace(sweep, tail=tail, quantize=quantize, alpha_per_layer=solve.alpha_per_layer)
         # every value checked now, by its key in the recipe, not after a capture and by a flag nobody typed
-        check_config(SweepConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in sweep.items()}),
-                     RECIPE_KEYS)
+        check_sweep(sweep, RECIPE_KEYS)
     elif "sweep" in doc:
         raise BadInput("recipe: a [sweep] table is used only with [solve] split = \"auto\"")
     elif "split" in sol:  # the split to release must be one the capture makes: checked now, not after a capture
-        if "splits" not in cap:
-            cap["splits"] = [sol["split"]]
-        elif sol["split"] not in cap["splits"]:
-            raise BadInput(f"recipe: [solve] split = {sol['split']} is not one of [capture] splits = "
-                           f"{cap['splits']}")
-    if push is not None and not isinstance(push.get("repo"), str):
+        solve = replace(solve, split=sol["split"])
+        if not capture.splits:
+            capture = replace(capture, splits=(solve.split,))
+        elif solve.split not in capture.splits:
+            raise BadInput(f"recipe: [solve] split = {solve.split} is not one of [capture] splits = "
+                           f"{list(capture.splits)}")
+    if push is not None and not isinstance(push.repo, str):
         raise BadInput("recipe [push]: 'repo' (OWNER/NAME) is required")
-    return Recipe(path=path, model=doc["model"], out=rel(doc.get("out", f"release/{name}")), capture=cap,
-                  solve=sol, quantize=bool(quant.get("enabled", True)),
-                  tail=exp.get("tail"), eval=None if not ev.get("enabled", True) else
-                  {k: v for k, v in ev.items() if k not in ("enabled", "gate")},
-                  gate=rel(ev["gate"]) if ev.get("gate") and ev.get("enabled", True) else None, push=push,
-                  place=place, sweep=sweep)  # fmt: skip
+    enabled = ev.get("enabled", True)
+    return Recipe(path=path, model=doc["model"], out=rel(doc.get("out", f"release/{name}")), data=data,
+                  capture=capture, solve=solve, quantize=quantize, export=export,
+                  eval=evaluation if enabled else None, gate=rel(ev["gate"]) if ev.get("gate") and enabled else None,
+                  push=push, place=place, capture_place=cap, sweep=sweep)
 
 
 def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: str | None = None) -> dict:
     """Run every stage; returns the JSON summary (a failed gate: summary["gate"]["passed"] is False, no push)."""
-    from ridgefill.capture import CaptureConfig, capture
+    from ridgefill.capture import capture
     from ridgefill.evaluate.gate import load_gate
-    from ridgefill.evaluate import EvalConfig, check, evaluate, record
+    from ridgefill.evaluate import check, evaluate, record
     from ridgefill.evaluate.summary import manifest_summary
     from ridgefill.export import export as export_release
     from ridgefill.quantize import quantize
@@ -241,15 +259,13 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
 
     if push and recipe.push is None:
         raise BadInput(f"--push needs a [push] table with repo = \"OWNER/NAME\" in {recipe.path}")
-    cfg = rules = None
-    if recipe.eval is not None:  # the eval's settings and the gate are checked before any work
-        cfg = EvalConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recipe.eval.items()})
-        rules = load_gate(recipe.gate, [a.name for a in check(cfg)]) if recipe.gate else None
-    p = recipe.place
+    rules = None
+    if recipe.eval is not None:  # the eval's arms and the gate are checked before any work
+        rules = load_gate(recipe.gate, [a.name for a in check(recipe.eval)]) if recipe.gate else None
     # Resolved once (a bad device fails before any work), given to every stage that runs the model.
-    w = _where(p)
+    w = _where(recipe.place)
     # capture runs where the rest does, unless its own table says otherwise
-    cap_place = _where({**p, **{k: recipe.capture[k] for k in PLACE_KEYS if k in recipe.capture}})
+    cap_place = _where({**recipe.place, **recipe.capture_place})
     start = time.perf_counter()
     summary: dict = {"recipe": str(recipe.path), "model": recipe.model, "stages": {}}
 
@@ -261,41 +277,31 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
         out.info(f"[bold]{name}[/bold] {art.id} ({'cached' if cached else 'written'})")
         return art
 
-    cap_cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in recipe.capture.items()
-               if k != "data" and k not in PLACE_KEYS}
-    solve_args = dict(recipe.solve)
+    solve_cfg, export_cfg = recipe.solve, recipe.export
     if recipe.sweep is not None:  # split = "auto": the sweep's capture and recommendation
         from ridgefill.errors import GateFailed
-        from ridgefill.sweep import RECIPE_KEYS, SweepConfig, sweep
+        from ridgefill.sweep import sweep
 
-        scfg = SweepConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recipe.sweep.items()},
-                           quantize=recipe.quantize, alpha_per_layer=solve_args.get("alpha_per_layer", False))
         # the sweep's solves measure no terminal-state offsets: the released split's solve does
-        shared = {k: v for k, v in solve_args.items() if k not in ("split", "alpha_per_layer", "state_data",
-                                                                     "state_chunk")}  # fmt: skip
-        sw = stage("sweep", lambda: sweep(store, recipe.model, scfg, out, data=recipe.capture["data"],
-                                          capture_args=cap_cfg, solve_args=shared, place=w, capture_place=cap_place,
-                                          names=RECIPE_KEYS))
+        shared = {k: getattr(solve_cfg, k) for k in ("alphas", "metric", "maps", "chat_share")}
+        sw = stage("sweep", lambda: sweep(store, recipe.model, recipe.sweep, out, data=list(recipe.data),
+                                          capture_args=asdict(recipe.capture), solve_args=shared, place=w,
+                                          capture_place=cap_place, names=RECIPE_KEYS))
         rec = sw.manifest["summary"]
         summary["sweep"] = {"recommended": rec["recommended"], "configuration": rec["configuration"],
                             "tail": rec["tail"], "reason": rec["reason"], "splits": rec["splits"]}
         if rec["recommended"] is None:
             raise GateFailed(f"sweep {sw.id}: {rec['reason']}")
-        solve_args["split"] = rec["recommended"]
-        chosen = {"configuration": rec["configuration"], "sweep": sw.id}
+        solve_cfg, export_cfg = replace(solve_cfg, split=rec["recommended"]), recommended_export(export_cfg, sw)
         cap = stage("capture", lambda: (store.get(rec["capture"], stage="capture"), True))
     else:
-        chosen = {}
-        cap = stage("capture", lambda: capture(store, recipe.model, recipe.capture["data"], CaptureConfig(**cap_cfg), out,
+        cap = stage("capture", lambda: capture(store, recipe.model, list(recipe.data), recipe.capture, out,
                                                place=cap_place))
-    sol = stage("solve", lambda: solve(store, cap.id, out, **solve_args, place=w))
+    sol = stage("solve", lambda: solve(store, cap.id, solve_cfg, out, place=w))
     src = stage("quantize", lambda: quantize(store, sol.id, out, place=w)) if recipe.quantize else sol
-    tail = {"tail": recipe.tail} if recipe.tail else {}
-    if chosen:  # the sweep's (split, configuration), recorded with the sweep's id; a longer tail when it says so
-        tail = {"tail": rec["tail"]} if rec["tail"] != (recipe.tail or scfg.tail) else tail
 
     def export():
-        art, cached, _ = export_release(store, src.id, recipe.out, out, force=True, **tail, **chosen)
+        art, cached, _ = export_release(store, src.id, export_cfg, out, out_dir=recipe.out, force=True)
         return art, cached
 
     stage("export", export)
@@ -303,7 +309,7 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
     summary["release"] = str(recipe.out)
     failed: list[str] = []
     if recipe.eval is not None:
-        ev = stage("eval", lambda: evaluate(store, recipe.model, str(recipe.out), cfg, out, place=w))
+        ev = stage("eval", lambda: evaluate(store, recipe.model, str(recipe.out), recipe.eval, out, place=w))
         gate = record(str(recipe.out), ev, rules, out)
         summary["eval"] = {"ceiling_speedup": ev.manifest["summary"]["ceiling_speedup"],
                            "arms": manifest_summary(ev.manifest["summary"], ev.id)["arms"]}
@@ -315,12 +321,18 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
 
         p = recipe.push
         t = time.perf_counter()
-        summary["push"] = hub_push(recipe.out, p["repo"], revision=p.get("revision", "main"),
-                                   private=bool(p.get("private", False)), commit_message=p.get("commit_message"),
-                                   token=token, out=out)
+        summary["push"] = hub_push(recipe.out, p.repo, revision=p.revision, private=p.private,
+                                   commit_message=p.commit_message, token=token, out=out)
         summary["stages"]["push"] = {"seconds": round(time.perf_counter() - t, 2)}
     summary["seconds"] = round(time.perf_counter() - start, 2)
     return summary
+
+
+def recommended_export(cfg: ExportConfig, sw) -> ExportConfig:
+    """The export of what sweep artifact `sw` recommended: its configuration, recorded with the sweep's id, at the
+    tail it measured the recommendation with (the sweep's own, or a longer one it found as good)."""
+    rec = sw.manifest["summary"]
+    return replace(cfg, tail=rec["tail"], configuration=rec["configuration"], sweep=sw.id)
 
 
 def _where(keys: dict):

@@ -128,8 +128,10 @@ def _build_chain(spec: ChainSpec, model: Path, root: Path) -> dict:
     from ridgefill.artifacts import Store
     from ridgefill.capture import CaptureConfig, capture
     from ridgefill.export import export
+    from ridgefill.export.config import ExportConfig
     from ridgefill.models.device import where
     from ridgefill.solve import solve
+    from ridgefill.solve.config import SolveConfig
 
     out, place = quiet(), where(device="cpu", dtype="float32")
     data = root / "data"
@@ -141,11 +143,10 @@ def _build_chain(spec: ChainSpec, model: Path, root: Path) -> dict:
     cfg = CaptureConfig(splits=spec.splits, chunk=spec.chunk, held_out=spec.held_out, **extra)
     cap, cached = capture(st, str(model), [str(data)], cfg, out, place=place)
     assert not cached
-    sol, cached = solve(st, cap.id, out, **({} if spec.alphas is None else {"alphas": list(spec.alphas)}),
-                        place=place)
+    sol, cached = solve(st, cap.id, SolveConfig(alphas=spec.alphas), out, place=place)
     assert not cached
     if spec.release:
-        export(st, sol.id, root / "release", out)
+        export(st, sol.id, ExportConfig(), out, out_dir=root / "release")
     return {"capture": cap.id, "solve": sol.id}
 
 

@@ -225,6 +225,7 @@ def test_per_layer_beats_or_ties_the_shared_alpha_layer_by_layer_on_the_same_row
 
 
 def test_default_recipe_id_is_unchanged_and_the_flag_changes_it(solved):
+    from ridgefill.solve.config import SolveConfig
     from ridgefill.solve.run import solve
 
     cap, shared, per = solved["cap"], solved["shared"], solved["per"]
@@ -236,8 +237,8 @@ def test_default_recipe_id_is_unchanged_and_the_flag_changes_it(solved):
     assert shared.recipe == before and shared.id == recipe_id(before)
     assert per.recipe == {**before, "alpha_per_layer": True} and per.id == recipe_id(per.recipe) != shared.id
     # both are cache hits, under their own ids; alpha_per_layer=False is the default
-    assert solve(solved["store"], cap.id, quiet(), alpha_per_layer=False) == (shared, True)
-    assert solve(solved["store"], cap.id, quiet(), alpha_per_layer=True)[0].id == per.id
+    assert solve(solved["store"], cap.id, SolveConfig(alpha_per_layer=False), quiet()) == (shared, True)
+    assert solve(solved["store"], cap.id, SolveConfig(alpha_per_layer=True), quiet())[0].id == per.id
 
 
 def test_release_records_the_per_layer_alphas(solved):
@@ -270,10 +271,11 @@ def test_a_default_release_keeps_its_fit_fields(tmp_path):
     from fakestore import fake_chain
 
     from ridgefill.export.build import export
+    from ridgefill.export.config import ExportConfig
 
     st = Store(tmp_path / "store")
     ids = fake_chain(st.root)
-    export(st, ids["solve"], tmp_path / "rel", quiet())
+    export(st, ids["solve"], ExportConfig(), quiet(), out_dir=tmp_path / "rel")
     fit = json.loads((tmp_path / "rel" / "ridgefill.json").read_text())["fit"]
     assert fit == {"alpha": 1e-3, "lambda": 0.5, "rows": 59, "documents": 1, "tokens": 60,
                    "calibration_sha256": ["a" * 64], "capture_id": ids["capture"], "solve_id": ids["solve"],

@@ -132,8 +132,9 @@ def test_outlier_rows_are_not_fitted(tmp_path, tiny_llama, corpus):
     # solve fixes the fill's exact-row norm by the capture's own ratio: the rows left out of the fit run exactly
     from ridgefill.capture.artifact import load_heldout
     from ridgefill.solve import solve
+    from ridgefill.solve.config import SolveConfig
 
-    sol, _ = solve(store, art.id, quiet(), split=2, alphas=[1e-2])
+    sol, _ = solve(store, art.id, SolveConfig(split=2, alphas=(1e-2,)), quiet())
     norms = np.linalg.norm(np.asarray(load_heldout(art)["hidden.2"], np.float64), axis=-1)
     assert sol.manifest["summary"]["exact_norm"] == pytest.approx(1.1 * float(np.median(norms)), rel=1e-12)
     for bad in (0.5, 1.0, -2.0):

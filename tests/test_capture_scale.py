@@ -110,6 +110,7 @@ def test_max_length_truncates_and_reports(tmp_path, tiny_llama, long_corpus):
 
 def test_float32_products_solve_like_float64(tmp_path, tiny_llama, long_corpus):
     """Products in float32 (the default) give maps whose held-out score equals the all-float64 path within 1e-4."""
+    from ridgefill.solve.config import SolveConfig
     from ridgefill.solve.run import solve
 
     store = Store(tmp_path / "s")
@@ -117,7 +118,7 @@ def test_float32_products_solve_like_float64(tmp_path, tiny_llama, long_corpus):
     for pd in ("float32", "float64"):
         cap, _ = capture(store, str(tiny_llama), [str(long_corpus)],
                          CaptureConfig(splits=(2,), chunk=32, held_out=1, held_out_rows=60, product_dtype=pd), quiet())
-        maps, _ = solve(store, cap.id, quiet(), alphas=[1e-3])
+        maps, _ = solve(store, cap.id, SolveConfig(alphas=(1e-3,)), quiet())
         scores[pd] = maps.manifest["summary"]["score"]
     assert abs(scores["float32"] - scores["float64"]) <= 1e-4
 

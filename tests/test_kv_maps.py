@@ -113,12 +113,13 @@ def test_a_hybrid_key_value_release(tiny_chain, tmp_path, lm_of):
     from ridgefill.formats.release import read_release
     from ridgefill.runtime import load_release_maps
     from ridgefill.solve import solve
+    from ridgefill.solve.config import SolveConfig
     from ridgefill.solve.artifact import load_map_kinds
     from clirun import cli
     from conftest import ChainSpec, quiet
 
     c = tiny_chain(ChainSpec(model="tiny_qwen3_next", release=False))
-    sol, _ = solve(c.store, c.cap.id, quiet(), alphas=[1e-3, 1e-1], maps="kv")
+    sol, _ = solve(c.store, c.cap.id, SolveConfig(alphas=(1e-3, 1e-1), maps="kv"), quiet())
     assert load_map_kinds(sol) == {2: "input", 3: "kv"}  # tiny qwen3_next: layers 0 and 2 are Gated DeltaNet
     out = tmp_path / "rel"
     r = cli("export", sol.id, "--out", out, "--store", c.store.root)

@@ -147,7 +147,7 @@ def test_a_solve_split_alone_is_what_the_capture_makes(tmp_path, tiny_llama):
     path = write_recipe(tmp_path, tiny_llama)
     path.write_text(path.read_text().replace("splits = [2]\n", "").replace("[solve]\n", "[solve]\nsplit = 3\n"))
     recipe = load_recipe(path)
-    assert recipe.capture["splits"] == [3] and recipe.solve["split"] == 3
+    assert recipe.capture.splits == (3,) and recipe.solve.split == 3
 
 
 @pytest.mark.parametrize("text, message", [
@@ -200,9 +200,8 @@ def test_example_recipes_load():
         assert r.gate.is_file() and r.out == root / "release" / name
     # the README's own-model recipe: a Hub id, its split measured, the sweep's budget as the defaults, no gate
     r = load_recipe(root / "examples" / "recipes" / "hub-model.toml")
-    assert HUB_ID.match(r.model) and r.solve["split"] == "auto" and r.gate is None and r.eval is not None
-    assert r.sweep == {"max_needle_drop": SweepConfig.max_needle_drop, "max_key_dnll": SweepConfig.max_key_dnll,
-                       "tail": DEFAULT_TAIL}  # the sweep measures with the release's [export] tail
+    assert HUB_ID.match(r.model) and r.solve.split is None and r.gate is None and r.eval is not None
+    assert r.sweep == SweepConfig(tail=DEFAULT_TAIL)  # the budget's defaults; measured with the [export] tail
     assert r.place == {"device": "auto", "dtype": "auto"} and r.out == root / "release" / "my-model"
     # the 1.5B built-in's recipe: bfloat16 wherever it runs (the practical dtype on an AMX CPU as on a GPU)
     r = load_recipe(root / "examples" / "recipes" / "qwen2.5-coder-1.5b.toml")

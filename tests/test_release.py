@@ -19,6 +19,7 @@ import pytest
 from ridgefill.artifacts.store import sha256_file
 from ridgefill.errors import BadInput
 from ridgefill.export import card as card_mod
+from ridgefill.export.config import ExportConfig
 from ridgefill.formats import int8, release, safetensors
 from ridgefill.formats.release import CARD, FORMAT, MANIFEST, MAPS_FILE
 from conftest import quiet
@@ -530,7 +531,7 @@ def test_gguf_export_refuses_an_edited_release(tmp_path):
     release.write_release(d, maps, manifest, "# card\n")
     edit_manifest(d, lambda m: m["model"].update(fingerprint="f" * 16))
     with pytest.raises(BadInput, match="^ridgefill.json: 'model.fingerprint' is"):
-        export_gguf(Store(tmp_path / "store"), str(d), tmp_path / "m.gguf", quiet())
+        export_gguf(Store(tmp_path / "store"), str(d), ExportConfig(), quiet(), out_path=tmp_path / "m.gguf")
     assert not (tmp_path / "m.gguf").exists() and not (tmp_path / "store" / "export").exists()
 
 
@@ -618,7 +619,7 @@ def test_export_takes_the_group_size_of_the_quantize_artifact(tmp_path):
     ids = fake_chain(st.root, group=64)
     q = st.get(ids["quantize"])
     out = tmp_path / "rel"
-    export(st, ids["quantize"], out, quiet())
+    export(st, ids["quantize"], ExportConfig(), quiet(), out_dir=out)
     manifest, maps = release.load_release(out)
     assert manifest["projector"]["group_size"] == 64
     assert manifest["fit"]["exact_norm"] == EXACT_NORM  # the solve's exact-row norm, through the quantize artifact
@@ -646,7 +647,7 @@ def test_a_solve_without_the_exact_row_norm_is_refused(tmp_path):
     wording = rf"^solve {ids['solve']} has no exact-row norm \(made before solve format 5\): solve its capture again$"
     for stage in ("solve", "quantize"):
         with pytest.raises(BadInput, match=wording):
-            export(st, ids[stage], tmp_path / "rel", quiet())
+            export(st, ids[stage], ExportConfig(), quiet(), out_dir=tmp_path / "rel")
         with pytest.raises(BadInput, match=wording):
             load_source(st, ids[stage])
     assert not (tmp_path / "rel").exists() and not list((st.root / "export").glob("*"))
@@ -692,11 +693,11 @@ def test_export_replaces_an_old_release_atomically(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "rename", failing)
     with pytest.raises(OSError, match="no space left"):
-        export(st, ids["quantize"], out, quiet(), force=True)
+        export(st, ids["quantize"], ExportConfig(), quiet(), out_dir=out, force=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == old
     assert sorted(p.name for p in out.parent.iterdir()) == ["rel"]
     monkeypatch.setattr(os, "rename", rename)
-    export(st, ids["quantize"], out, quiet(), force=True)
+    export(st, ids["quantize"], ExportConfig(), quiet(), out_dir=out, force=True)
     assert release.verify_release(out)["split"] == 9
     assert sorted(p.name for p in out.parent.iterdir()) == ["rel"]
 
@@ -917,7 +918,7 @@ def test_export_describes_the_model_from_the_model_never_from_unhashed_info(tmp_
         m["info"]["layer_kinds"] = {str(i): "linear_attention" for i in range(99)}
         m["summary"]["split"] = 5
         path.write_text(json.dumps(m))
-    export(st, ids["quantize"], tmp_path / "rel", quiet())
+    export(st, ids["quantize"], ExportConfig(), quiet(), out_dir=tmp_path / "rel")
     manifest = release.verify_release(tmp_path / "rel")
     assert manifest["model"] == {"name": MODEL_NAME, "revision": None, "architecture": "llama", "num_layers": 12,
                                  "hidden_size": CONFIG["hidden_size"], "fingerprint": fp,
@@ -937,9 +938,10 @@ def test_export_describes_the_model_from_the_model_never_from_unhashed_info(tmp_
     path.write_text(json.dumps(m))
     shutil.rmtree(st.root / "export")
     with pytest.raises(BadInput, match=r"was made with a different model .* than '.*other/Model-1'"):
-        export(st, ids["quantize"], tmp_path / "rel2", quiet())
+        export(st, ids["quantize"], ExportConfig(), quiet(), out_dir=tmp_path / "rel2")
     assert not (tmp_path / "rel2").exists()
-    export(st, ids["quantize"], tmp_path / "rel2", quiet(), model=str(folder))  # --model: where it is
+    export(st, ids["quantize"], ExportConfig(), quiet(), out_dir=tmp_path / "rel2",
+           model=str(folder))  # --model: where it is
     assert release.verify_release(tmp_path / "rel2")["model"]["fingerprint"] == fp
 
 

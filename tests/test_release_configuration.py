@@ -17,6 +17,7 @@ from ridgefill.artifacts import Store, recipe_id
 from ridgefill.artifacts.store import sha256_file
 from ridgefill.errors import BadInput
 from ridgefill.export import card as card_mod
+from ridgefill.export.config import ExportConfig
 from ridgefill.formats import release, safetensors
 from ridgefill.formats.release import CONFIGURATIONS, MANIFEST, MAPS_FILE
 from clirun import cli_here
@@ -264,7 +265,7 @@ def test_two_exports_into_one_new_out_at_once(store_chain, tmp_path, monkeypatch
         return move(tmp, dst)
 
     monkeypatch.setattr(release, "move_into_place", interleaved)
-    export(st, ids["quantize"], out, quiet())
+    export(st, ids["quantize"], ExportConfig(), quiet(), out_dir=out)
     p = other["proc"]
     _, rest = p.communicate(timeout=300)
     other["watchdog"].cancel()
@@ -417,7 +418,8 @@ def configured(tiny_chain):
     from ridgefill.export import export
 
     c = tiny_chain(SMALL_CHAIN)
-    export(c.store, c.sol.id, c.tmp / "rows", quiet(), configuration="ridgefill+rows", row_share=0.2)
+    export(c.store, c.sol.id, ExportConfig(configuration="ridgefill+rows", row_share=0.2), quiet(),
+           out_dir=c.tmp / "rows")
     return c
 
 

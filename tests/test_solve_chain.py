@@ -8,6 +8,7 @@ import pytest
 from ridgefill.artifacts import Store
 from ridgefill.formats import safetensors
 from ridgefill.capture.artifact import load_heldout, load_stats
+from ridgefill.solve.config import SolveConfig
 from ridgefill.solve.ridge import direct_solve
 from clirun import cli
 from conftest import ChainSpec, quiet
@@ -113,7 +114,7 @@ def test_key_value_maps_match_brute_force(tiny_chain, fixture):
 
     c = tiny_chain(ChainSpec(model=fixture, texts=tuple(TEXTS), chunk=48, held_out=2, held_out_rows=64,
                              alphas=(1e-4, 0.01, 1.0), release=False))
-    sol, cached = solve(c.store, c.cap.id, quiet(), alphas=[1e-4, 0.01, 1.0], maps="kv")
+    sol, cached = solve(c.store, c.cap.id, SolveConfig(alphas=(1e-4, 0.01, 1.0), maps="kv"), quiet())
     assert not cached and sol.id != c.sol.id and sol.recipe["maps"] == "kv"
     rep = json.loads(sol.file("report.json").read_text())
     m = load_stats(c.cap, 2, target="kv")
@@ -168,9 +169,9 @@ def test_solve_cli_equals_the_library_and_is_cached(chain, tmp_path):
 
 def test_solve_refusals(chain, tmp_path, tiny_qwen3):
     r = cli("solve", chain["cap"].id, "--store", chain["store"], "--alpha", "0")
-    assert (r.returncode, r.stderr.strip()) == (2, "Error: alpha must be > 0 (got 0)")
+    assert (r.returncode, r.stderr.strip()) == (2, "Error: --alpha must be > 0 (got 0)")
     r = cli("solve", chain["cap"].id, "--store", chain["store"], "--alpha", "-1e-3")
-    assert (r.returncode, r.stderr.strip()) == (2, "Error: alpha must be > 0 (got -0.001)")
+    assert (r.returncode, r.stderr.strip()) == (2, "Error: --alpha must be > 0 (got -0.001)")
     r = cli("solve", chain["cap"].id, "--store", chain["store"], "--model", tiny_qwen3)
     assert r.returncode == 2
     assert r.stderr.startswith(f"Error: capture {chain['cap'].id} was made with a different model")
@@ -180,7 +181,7 @@ def test_solve_refusals(chain, tmp_path, tiny_qwen3):
     assert (r.returncode, r.stderr.strip()) == (2, "Error: --state-data: the terminal-state correction needs Gated "
                                                    "DeltaNet layers above split 2; this model has none")
     r = cli("solve", chain["cap"].id, "--store", chain["store"], "--maps", "keys")
-    assert (r.returncode, r.stderr.strip()) == (2, "Error: --maps must be one of input, kv (got 'keys')")
+    assert (r.returncode, r.stderr.strip()) == (2, "Error: --maps must be one of input, kv, got 'keys'")
     r = cli("solve", chain["cap"].id, "--store", chain["store"], "--maps", "kv", "--metric", "input")
     assert (r.returncode, r.stderr.strip()) == (2, "Error: --metric input scores predicted layer inputs, and key/value "
                                                    "maps predict none: use --metric kv with --maps kv")
@@ -227,7 +228,7 @@ def test_key_value_maps_quantize_export_verify(tiny_chain, tmp_path):
 
     c = tiny_chain(ChainSpec(texts=tuple(TEXTS), chunk=48, held_out=2, held_out_rows=64, alphas=(1e-4, 0.01, 1.0),
                              release=False))
-    sol, _ = solve(c.store, c.cap.id, quiet(), alphas=[1e-4, 0.01, 1.0], maps="kv")
+    sol, _ = solve(c.store, c.cap.id, SolveConfig(alphas=(1e-4, 0.01, 1.0), maps="kv"), quiet())
     r = cli("quantize", sol.id, "--store", c.store.root, "--json")
     assert r.returncode == 0, r.stderr
     q = json.loads(r.stdout)
@@ -354,7 +355,7 @@ def test_solve_extends_the_grid_below_its_edge(chain, tiny_llama, tmp_path):
 
     store = Store(tmp_path / "store")
     cap = _constructed_capture(store, chain["cap"])
-    sol, cached = solve(store, cap.id, quiet(), model=str(tiny_llama))
+    sol, cached = solve(store, cap.id, SolveConfig(), quiet(), model=str(tiny_llama))
     assert not cached
     rep = json.loads(sol.file(REPORT).read_text())
     given = [1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0]
@@ -414,8 +415,8 @@ def test_solve_runs_no_direct_solve(chain, tmp_path, monkeypatch):
 
     monkeypatch.setattr(ridge, "direct_solve", boom)
     monkeypatch.setattr(run, "direct_solve", boom, raising=False)
-    sol, cached = run.solve(_own_store(chain, tmp_path / "store"), chain["cap"].id, quiet(),
-                            alphas=[1e-3, 1e-2])
+    sol, cached = run.solve(_own_store(chain, tmp_path / "store"), chain["cap"].id, SolveConfig(alphas=(1e-3, 1e-2)),
+                            quiet())
     assert not cached
     assert "direct_solve_one_alpha_s" not in json.loads(sol.file("report.json").read_text())["timings"]
 

@@ -301,6 +301,7 @@ def test_upstream_artifacts_are_found_through_the_hashed_recipe_not_info(tmp_pat
 
     from ridgefill.evaluate.source import load_source
     from ridgefill.export.build import export
+    from ridgefill.export.config import ExportConfig
     from ridgefill.solve.artifact import calibration_mean
 
     a, b = fake_chain(tmp_path), fake_chain(tmp_path, d_in=192)
@@ -313,7 +314,7 @@ def test_upstream_artifacts_are_found_through_the_hashed_recipe_not_info(tmp_pat
     q = st.get(a["quantize"])
     assert st.upstream(q, "solve").id == a["solve"] and st.upstream(q, "capture").id == a["capture"]
     assert calibration_mean(st, st.get(a["solve"])).shape == (160,)
-    art, _, _ = export(st, a["quantize"], None, quiet())
+    art, _, _ = export(st, a["quantize"], ExportConfig(), quiet())
     manifest = json.loads((art.path / "ridgefill.json").read_text())
     assert (manifest["fit"]["solve_id"], manifest["fit"]["capture_id"]) == (a["solve"], a["capture"])
     assert load_source(st, a["quantize"]).calibration == frozenset({"a" * 64})

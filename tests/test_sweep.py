@@ -378,7 +378,7 @@ def test_a_recipes_sweep_table_takes_needles_and_the_old_samples(tmp_path, capsy
     warned = "Warning: recipe [sweep]: " + DEPRECATED.format("needles") + "\n"
     for name, table, err in (("new", "needles = 24\n", ""), ("old", "samples = 24\n", warned)):
         (tmp_path / f"{name}.toml").write_text(head + table)
-        assert load_recipe(tmp_path / f"{name}.toml").sweep == {"needles": 24}
+        assert load_recipe(tmp_path / f"{name}.toml").sweep == SweepConfig(needles=24)
         assert capsys.readouterr().err == err
     (tmp_path / "both.toml").write_text(head + "samples = 24\nneedles = 24\n")
     with pytest.raises(BadInput) as e:

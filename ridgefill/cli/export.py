@@ -8,9 +8,10 @@ from typing import Annotated, Optional
 import typer
 
 from ridgefill.cli.common import done, output, store
-from ridgefill.runtime.rows import DEFAULT_TAIL
+from ridgefill.export.config import ExportConfig
 
 FORMATS = ("release", "gguf")
+D = ExportConfig()
 
 
 def export(
@@ -21,7 +22,7 @@ def export(
     fmt: Annotated[str, typer.Option(
         "--format", help="release (folder: manifest, maps, model card) or gguf (one file: Q8_0 maps, manifest "
         "facts as metadata).")] = "release",
-    tail: Annotated[int, typer.Option("--tail", help="Default exact tail recorded in the manifest.")] = DEFAULT_TAIL,
+    tail: Annotated[int, typer.Option("--tail", help="Default exact tail recorded in the manifest.")] = D.tail,
     force: Annotated[bool, typer.Option("--force", help="Replace a different release or GGUF file in --out.")] = False,
     model: Annotated[Optional[str], typer.Option(
         "--model", help="The captured model, where it now is (default: where it was captured; must match it).")] = None,
@@ -29,26 +30,29 @@ def export(
         "--configuration", help="How the release is applied, recorded in its manifest: ridgefill (the plain fill, "
         "the default), ridgefill+rows (the most-attended prompt rows run exactly), ridgefill+kscale (a per-request "
         "key rescale), ridgefill+protected (prompt rows whose token is in the protected-token table run "
-        "exactly).")] = None,
+        "exactly).")] = D.configuration,
     row_share: Annotated[Optional[float], typer.Option(
         "--row-share", help="With --configuration ridgefill+rows: the share of the prompt's rows run exactly "
-        "(default 0.1).")] = None,
+        "(default 0.1).")] = D.row_share,
     sweep: Annotated[Optional[str], typer.Option(
-        "--sweep", help="The sweep artifact that recommended the split and configuration, recorded with it.")] = None,
+        "--sweep", help="The sweep artifact that recommended the split and configuration, recorded with "
+        "it.")] = D.sweep,
 ) -> None:
     """Write a release folder (ridgefill.json, maps.safetensors, model card) or, with --format gguf, one .gguf file."""
     from ridgefill.errors import BadInput
 
     if fmt not in FORMATS:
         raise BadInput(f"--format {fmt!r} is not one of: {', '.join(FORMATS)}")
+    out = output()
+    cfg = ExportConfig(tail=tail, configuration=configuration, row_share=row_share, sweep=sweep)
     if fmt == "gguf":
-        from ridgefill.export import export_gguf as run
+        from ridgefill.export import export_gguf
+
+        art, cached, copied = export_gguf(store(), artifact, cfg, out, out_path=out_dir, force=force, model=model)
     else:
         from ridgefill.export import export as run
 
-    out = output()
-    art, cached, copied = run(store(), artifact, out_dir, out, tail=tail, force=force, model=model,
-                              configuration=configuration, sweep=sweep, row_share=row_share)
+        art, cached, copied = run(store(), artifact, cfg, out, out_dir=out_dir, force=force, model=model)
     if copied is not None:
         out.info(f"{'GGUF file' if fmt == 'gguf' else 'release folder'}: {copied}")
     done(out, "export", art, cached, {"out": str(copied) if copied else None, "format": fmt})

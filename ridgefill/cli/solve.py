@@ -16,7 +16,7 @@ D = SolveConfig()
 def solve(
     capture: Annotated[str, typer.Argument(help="Capture artifact id (or unique prefix).")],
     model: Annotated[Optional[str], typer.Option("--model", help="Model to score with (default: the captured one; must match it).")] = None,
-    split: Annotated[Optional[int], typer.Option("--split", help="Which captured split to solve.")] = None,
+    split: Annotated[Optional[int], typer.Option("--split", help="Which captured split to solve.")] = D.split,
     alpha: Annotated[Optional[list[float]], typer.Option("--alpha", help="Alpha grid (repeatable). Default 1e-5 ... 1.")] = None,
     metric: Annotated[str, typer.Option("--metric", help="Held-out selection metric: kv (K/V cosine) or input (input cosine).")] = D.metric,
     maps: Annotated[str, typer.Option("--maps", help="What the late attention layers' maps predict: input (the layer input) or kv (its keys and values: cheaper to apply; Gated DeltaNet layers keep input maps).")] = D.maps,
@@ -31,9 +31,10 @@ def solve(
     from ridgefill.solve.artifact import load_report
 
     out = output()
-    art, cached = run(store(), capture, out, model=model, split=split, alphas=alpha, metric=metric,
-                      chat_share=chat_share, alpha_per_layer=alpha_per_layer, state_data=state_data,
-                      state_chunk=state_chunk, maps=maps, place=place)
+    cfg = SolveConfig(split=split, alphas=tuple(alpha) if alpha else D.alphas, metric=metric, maps=maps,
+                      chat_share=chat_share, alpha_per_layer=alpha_per_layer,
+                      state_data=tuple(state_data or D.state_data), state_chunk=state_chunk)
+    art, cached = run(store(), capture, cfg, out, model=model, place=place)
     report = load_report(art)
     out.table(grid_table(report))
     for line in extension_lines(report) + per_layer_lines(report):

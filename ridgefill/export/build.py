@@ -22,13 +22,13 @@ from ridgefill.artifacts import Artifact, Store
 from ridgefill.capture import artifact as captured
 from ridgefill.errors import BadInput
 from ridgefill.export.artifact import release_files
+from ridgefill.export.config import ExportConfig
 from ridgefill.quantize.artifact import group_size, load_quant
 from ridgefill.export.card import model_card
 from ridgefill.formats import release
 from ridgefill.formats.release.names import (CONFIGURATIONS, KSCALE_CONFIGURATION, PLAIN, PROTECTED_CONFIGURATION,
                                              ROWS_CONFIGURATION, tail_problem)
 from ridgefill.output import Output
-from ridgefill.runtime.rows import DEFAULT_TAIL
 from ridgefill.solve import artifact as solved
 
 FORMAT_VERSION = 5  # 2: maps.safetensors records the release facts; 3: and the sha256 of the other tensor files;
@@ -37,25 +37,27 @@ FORMAT_VERSION = 5  # 2: maps.safetensors records the release facts; 3: and the 
 RELEASE_DIR = "release"
 
 
-def export(store: Store, ref: str, out_dir: Path | None, out: Output, tail: int = DEFAULT_TAIL,
-           force: bool = False, model: str | None = None, configuration: str | None = None, sweep: str | None = None,
-           row_share: float | None = None) -> tuple[Artifact, bool, Path | None]:
-    """Build (or find cached) the export artifact of a quantize or solve artifact, and copy it to `out_dir`.
+def export(store: Store, ref: str, cfg: ExportConfig, out: Output, *, out_dir: Path | None = None,
+           force: bool = False, model: str | None = None) -> tuple[Artifact, bool, Path | None]:
+    """Build (or find cached) the export artifact of a quantize or solve artifact with the settings `cfg`
+    (export/config.py), and copy it to `out_dir` (an identical release there is left as it is; a different one is
+    replaced only with `force`).
     The release describes the model from the model itself (`model`, default the captured one, re-resolved and
     checked against the fingerprint the capture id covers) and the split from the solve's recipe; nothing is
-    taken from an artifact's unhashed `info`. `configuration` (one of CONFIGURATIONS; default the plain fill),
-    `sweep` (a sweep artifact of the store) and `row_share` (ridgefill+rows only; default the runtime's) are
+    taken from an artifact's unhashed `info`. `cfg.configuration` (one of CONFIGURATIONS; default the plain fill),
+    `cfg.sweep` (a sweep artifact of the store) and `cfg.row_share` (ridgefill+rows only; default the runtime's) are
     recorded as the release's `configuration` (`configuration_fact`). BadInput, before anything is written, for
     an unknown configuration, a row share that does not apply or is out of (0, 1), a sweep id that is not a sweep
     artifact, ridgefill+protected from a solve without a protected-token table, or ridgefill+kscale where every
     layer above the split is linear attention; and a tail the reader would refuse (`names.tail_problem`)."""
+    tail = cfg.tail
     problem = tail_problem(tail)
     if problem is not None:
         raise BadInput(f"--tail {problem}")
     src = store.get(ref)
     if src.stage not in ("quantize", "solve"):
         raise BadInput(f"artifact {src.id} is a {src.stage} artifact; export takes a quantize or solve artifact")
-    conf = configuration_fact(store, configuration, sweep, row_share)
+    conf = configuration_fact(store, cfg.configuration, cfg.sweep, cfg.row_share)
     if out_dir is not None:
         release.check_out_dir(out_dir)
     sol = store.upstream(src, "solve")
@@ -213,8 +215,8 @@ def _ridge_setting(rep: dict) -> dict:
 
 
 def _copy_out(art: Artifact, out_dir: Path, force: bool, out: Output) -> Path:
-    """Copy the release to out_dir (temporary sibling, then `release.move_into_place`). An identical release
-    there is left alone; a different one is only replaced with force. The look and the swap happen under
+    """Copy the release to out_dir (temporary sibling, then `release.move_into_place`). The same release there
+    is left alone; a different one is only replaced with force. The look and the swap happen under
     `release.out_lock`: an export into the same --out at the same time waits, then finds this one's release."""
     names = release_files(art.path)
     with release.out_lock(out_dir, out.info):

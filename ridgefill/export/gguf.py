@@ -30,11 +30,11 @@ from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts.store import canonical_json, sha256_file
 from ridgefill.errors import BadInput
 from ridgefill.export.artifact import GGUF_FILE, release_files
+from ridgefill.export.config import ExportConfig
 from ridgefill.quantize.artifact import load_quant
 from ridgefill.formats import release
 from ridgefill.formats.gguf import MAGIC, check_row_length, encode_tensors, extra_tensors, write_gguf
 from ridgefill.output import Output
-from ridgefill.runtime.rows import DEFAULT_TAIL
 from ridgefill.solve import artifact as solved
 
 FORMAT_VERSION = 4  # 2: from the store, Q8_0 of the float maps with the bias correction; release facts hashed;
@@ -42,20 +42,20 @@ FORMAT_VERSION = 4  # 2: from the store, Q8_0 of the float maps with the bias co
 # kinds (ridgefill.layer_maps) of a ridgefill-maps/2 release
 
 
-def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail: int = DEFAULT_TAIL,
-                force: bool = False, model: str | None = None, configuration: str | None = None,
-                sweep: str | None = None, row_share: float | None = None) -> tuple[Artifact, bool, Path | None]:
+def export_gguf(store: Store, ref: str, cfg: ExportConfig, out: Output, *, out_path: Path | None = None,
+                force: bool = False, model: str | None = None) -> tuple[Artifact, bool, Path | None]:
     """Build (or reuse) the GGUF export artifact of a quantize/solve artifact or a release folder; copy it to
-    `out_path` (a .gguf file) if given. Returns (artifact, cached, path written or None). `configuration`, `sweep`
-    and `row_share` go to the release built from the store (`build.export`), whose facts, its `configuration`
-    among them, the GGUF carries; a release folder carries its own, and they are refused with one."""
+    `out_path` (a .gguf file) if given. Returns (artifact, cached, path written or None). `cfg` (export/config.py)
+    goes to the release built from the store (`build.export`), whose facts, its `configuration` among them, the
+    GGUF carries; a release folder carries its own facts, and a configuration, sweep or row share is refused with
+    one."""
     from ridgefill.export import build
 
     target = _check_target(Path(out_path)) if out_path is not None else None
     folder = Path(ref)
     maps = None
     if (folder / release.MANIFEST).is_file():
-        if (configuration, sweep, row_share) != (None, None, None):
+        if (cfg.configuration, cfg.sweep, cfg.row_share) != (None, None, None):
             raise BadInput(f"{folder} is a release folder, which records its own configuration: --configuration, "
                            "--sweep and --row-share apply to an export from the store")
         rel = release.read_release(folder)  # verified; --tail does not apply: the release has its own
@@ -69,8 +69,7 @@ def export_gguf(store: Store, ref: str, out_path: Path | None, out: Output, tail
         if src.stage in ("quantize", "solve"):
             for layer, d_in in _source_row_lengths(src):
                 check_row_length(layer, d_in)
-        rel, _, _ = build.export(store, ref, None, out, tail=tail, model=model, configuration=configuration,
-                                 sweep=sweep, row_share=row_share)
+        rel, _, _ = build.export(store, ref, cfg, out, model=model)
         source = f"export/{rel.id}"
         sol = store.upstream(src, "solve")
         provenance = {"source_artifact": f"{src.stage}/{src.id}", "release_artifact": source,

@@ -19,7 +19,7 @@ from ridgefill.errors import BadInput
 from ridgefill.output import Output
 from ridgefill.runtime.rows import OUTLIER_RATIO, fit_exact_norm
 from ridgefill.solve import artifact
-from ridgefill.solve.config import INPUT_MAPS, KV_MAPS, MAP_CHOICES, METRIC_CHOICES, SolveConfig
+from ridgefill.solve.config import INPUT_MAPS, KV_MAPS, SolveConfig, check_config
 from ridgefill.solve.ridge import DEFAULT_ALPHAS, decompose
 
 if TYPE_CHECKING:
@@ -29,20 +29,17 @@ FORMAT_VERSION = 7  # 2: the grid is extended past an open edge (ridge.search); 
 # 4: added tokens flagged special are special (never protected); 5: the exact-row norm (`exact_norm`); 6: the map kind
 # (`maps`: input or key/value maps; the maps' metadata records each layer's and the model's KV heads and head_dim);
 # 7: the exact-row norm is the capture's own outlier ratio x the held-out median (it was always 20x)
-D = SolveConfig()
 
 
-def _state_documents(cap: Artifact, kinds: list[str], split: int, paths: list[str], chunk: int) -> list:
-    """The --state-data documents, or BadInput: a model without Gated DeltaNet layers above the split, a chunk
-    below 1, or a document the capture used (the offsets are measured on text kept apart from the maps')."""
+def _state_documents(cap: Artifact, kinds: list[str], split: int, paths: tuple[str, ...]) -> list:
+    """The --state-data documents, or BadInput: a model without Gated DeltaNet layers above the split, or a document
+    the capture used (the offsets are measured on text kept apart from the maps')."""
     from ridgefill.capture.corpus import read_corpus
     from ridgefill.models.kinds import LINEAR
 
     if LINEAR not in kinds[split:]:
         raise BadInput(f"--state-data: the terminal-state correction needs Gated DeltaNet layers above split "
                        f"{split}; this model has none")
-    if chunk < 1:
-        raise BadInput(f"--state-chunk must be >= 1, got {chunk}")
     docs = read_corpus(list(paths)).documents
     used = {d["sha256"]: d["name"] for d in captured.documents(cap)}
     reused = [d.name for d in docs if d.sha256 in used]
@@ -52,41 +49,29 @@ def _state_documents(cap: Artifact, kinds: list[str], split: int, paths: list[st
     return docs
 
 
-def solve(
-    store: Store,
-    capture_ref: str,
-    out: Output,
-    model: str | None = None,
-    split: int | None = None,
-    alphas: list[float] | None = D.alphas,
-    metric: str = D.metric,
-    chat_share: float | None = D.chat_share,
-    alpha_per_layer: bool = D.alpha_per_layer,
-    *,
-    state_data: list[str] | None = None,
-    state_chunk: int = D.state_chunk,
-    maps: str = D.maps,
-    place=None,
-) -> tuple[Artifact, bool]:
-    """Run (or find cached) the solve. `place` (a ridgefill.models.device.Where; default `where()`) is where the
-    model that scores the held-out rows runs; its device kind and dtype go into the recipe (nothing for cpu /
-    float32), and a warning says so when they differ from the capture's. alpha_per_layer: every late layer gets
-    the alpha best for its own held-out score (ridge.search_per_layer), instead of one shared by all; the recipe
-    records it only when on, so the default's id is what it always was. state_data: documents (capture's --data
-    forms) kept apart from the capture's, on which the terminal-state offsets of a hybrid's filled Gated DeltaNet
-    layers are measured with the solved maps, every `state_chunk` tokens (ridgefill.solve.state)."""
+def solve(store: Store, capture_ref: str, cfg: SolveConfig, out: Output, *, model: str | None = None,
+          place=None) -> tuple[Artifact, bool]:
+    """Run (or find cached) the solve of `cfg` (solve/config.py) on a capture. `model`: the captured model where it
+    now is (default: where it was captured; must match it). `place` (a ridgefill.models.device.Where; default
+    `where()`) is where the model that scores the held-out rows runs; its device kind and dtype go into the recipe
+    (nothing for cpu / float32), and a warning says so when they differ from the capture's. cfg.alpha_per_layer:
+    every late layer gets the alpha best for its own held-out score (ridge.search_per_layer), instead of one shared
+    by all; the recipe records it only when on, so the default's id is what it always was. cfg.state_data:
+    documents (capture's --data forms) kept apart from the capture's, on which the terminal-state offsets of a
+    hybrid's filled Gated DeltaNet layers are measured with the solved maps, every `cfg.state_chunk` tokens
+    (ridgefill.solve.state)."""
     from ridgefill.models.device import where
 
     place = place or where()
-    alphas = _check_grid(alphas, metric, maps)
+    check_config(cfg)
+    alphas = sorted(set(cfg.alphas or DEFAULT_ALPHAS))
     cap = store.get(capture_ref, stage="capture")
     ref = captured.captured_model(cap, store, model)
-    split = captured.pick_split(cap, split)
+    split = captured.pick_split(cap, cfg.split)
     state_docs = None
-    if state_data:
-        state_docs = _state_documents(cap, captured.captured_kinds(cap, store, ref), split, state_data, state_chunk)
-    recipe = _recipe(cap, ref, split, alphas, metric, chat_share, place, alpha_per_layer, state_docs, state_chunk,
-                     maps)
+    if cfg.state_data:
+        state_docs = _state_documents(cap, captured.captured_kinds(cap, store, ref), split, cfg.state_data)
+    recipe = _recipe(cap, ref, split, alphas, cfg, place, state_docs)
     captured.warn_if_mixed(cap, place, out)
     hit = store.cached("solve", recipe)
     if hit is not None:
@@ -96,9 +81,9 @@ def solve(
     from ridgefill.solve.choose import choose_maps
     from ridgefill.solve.score import Scorer
 
-    m = captured.load_stats(cap, split, chat_share)
-    kinds = _map_kinds(cap, split, ref.num_layers, maps)
-    kv = captured.load_stats(cap, split, chat_share, target=KV_MAPS) if maps == KV_MAPS else None
+    m = captured.load_stats(cap, split, cfg.chat_share)
+    kinds = _map_kinds(cap, split, ref.num_layers, cfg.maps)
+    kv = captured.load_stats(cap, split, cfg.chat_share, target=KV_MAPS) if cfg.maps == KV_MAPS else None
     held = captured.load_heldout(cap)
     # the fill runs prefix rows above it exactly: the rows the capture left out of the fit, by the same ratio
     exact_norm = fit_exact_norm(held[f"hidden.{split}"], cap.recipe.get("outlier_ratio") or OUTLIER_RATIO)
@@ -110,15 +95,16 @@ def solve(
     lm = captured.open_model(cap, store, ref, place)
     out.info(f"scoring on {place.describe()}")
     scorer = Scorer(lm.adapter, held, split, ref.num_layers, kinds)
-    fit = choose_maps(late, scorer, alphas, metric, alpha_per_layer)
+    fit = choose_maps(late, scorer, alphas, cfg.metric, cfg.alpha_per_layer)
     identity = scorer.score(None, None)
     protected = _protected(cap, lm)
     state = None
     if state_docs:
-        state = _state_correction(lm, state_docs, scorer.layers, fit, split, state_chunk, exact_norm, out)
-    solved = Solved(split=split, metric=metric, layers=scorer.layers, kinds=kinds, kv_shape=(lm.adapter.num_kv_heads,
-                    lm.adapter.head_dim), fit=fit, identity=identity, exact_norm=exact_norm,
-                    rows=int(m.n), held_out_rows=int(scorer.x.shape[0]), eig_s=eig_s, protected=protected, state=state)
+        state = _state_correction(lm, state_docs, scorer.layers, fit, split, cfg.state_chunk, exact_norm, out)
+    solved = Solved(split=split, metric=cfg.metric, layers=scorer.layers, kinds=kinds,
+                    kv_shape=(lm.adapter.num_kv_heads, lm.adapter.head_dim), fit=fit, identity=identity,
+                    exact_norm=exact_norm, rows=int(m.n), held_out_rows=int(scorer.x.shape[0]), eig_s=eig_s,
+                    protected=protected, state=state)
     return _write(store, recipe, cap, lm, solved), False
 
 
@@ -159,23 +145,6 @@ class Solved:
     state: StateCorrection | None
 
 
-def _check_grid(alphas: list[float] | None, metric: str, maps: str) -> list[float]:
-    """The alpha grid (sorted, distinct; the default when none is given), or BadInput; BadInput for an unknown
-    metric or map kind, and for the input metric with key/value maps (which predict no input)."""
-    alphas = sorted(set(alphas or DEFAULT_ALPHAS))
-    for a in alphas:
-        if not a > 0 or not np.isfinite(a):
-            raise BadInput(f"alpha must be > 0 (got {a:g})")
-    if metric not in METRIC_CHOICES:
-        raise BadInput(f"--metric must be one of {', '.join(METRIC_CHOICES)} (got '{metric}')")
-    if maps not in MAP_CHOICES:
-        raise BadInput(f"--maps must be one of {', '.join(MAP_CHOICES)} (got '{maps}')")
-    if maps == KV_MAPS and metric != "kv":
-        raise BadInput("--metric input scores predicted layer inputs, and key/value maps predict none: use --metric kv "
-                       "with --maps kv")
-    return alphas
-
-
 def _map_kinds(cap: Artifact, split: int, num_layers: int, maps: str) -> dict[int, str]:
     """Each late layer's map kind: `maps` for the attention layers whose keys and values the capture holds, input
     maps for the rest (Gated DeltaNet layers, which have no keys)."""
@@ -191,16 +160,16 @@ def _late_maps(e, split: int, num_layers: int, kinds: dict[int, str], kv, kv_lay
     return late_maps(e, layers, [kinds[l] for l in layers], kv, kv_layers)
 
 
-def _recipe(cap: Artifact, ref, split: int, alphas: list[float], metric: str, chat_share: float | None, place,
-            alpha_per_layer: bool, state_docs: list | None, state_chunk: int, maps: str) -> dict:
+def _recipe(cap: Artifact, ref, split: int, alphas: list[float], cfg: SolveConfig, place,
+            state_docs: list | None) -> dict:
     """What the solve's id covers: alpha_per_layer and the state data only when given."""
     recipe = {"stage": "solve", "version": FORMAT_VERSION, "capture": cap.id, "model": ref.fingerprint,
-              "split": split, "alphas": alphas, "metric": metric, "maps": maps, "chat_share": chat_share,
+              "split": split, "alphas": alphas, "metric": cfg.metric, "maps": cfg.maps, "chat_share": cfg.chat_share,
               **place.recipe()}
-    if alpha_per_layer:
+    if cfg.alpha_per_layer:
         recipe["alpha_per_layer"] = True
     if state_docs is not None:
-        recipe["state"] = {"data": [d.sha256 for d in state_docs], "chunk": state_chunk}
+        recipe["state"] = {"data": [d.sha256 for d in state_docs], "chunk": cfg.state_chunk}
     return recipe
 
 

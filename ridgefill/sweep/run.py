@@ -71,8 +71,8 @@ def sweep(
     names: Names = FLAGS,
 ) -> tuple[Artifact, bool]:
     """Run (or find cached) the sweep. `capture_ref`: a capture artifact that has every split (else one capture of
-    `data` with these splits, `capture_args` being further CaptureConfig fields). `solve_args`: further `solve`
-    arguments (alphas, metric, chat_share) for every split. `place` (a ridgefill.models.device.Where; default
+    `data` with these splits, `capture_args` being further CaptureConfig fields). `solve_args`: further SolveConfig
+    fields (maps, alphas, metric, chat_share) for every split. `place` (a ridgefill.models.device.Where; default
     `where()`) is where every stage runs the model, `capture_place` where the capture does if elsewhere. `names`:
     how refusals name the settings (a recipe's keys, or the command's flags). Returns (artifact, cached)."""
     from ridgefill.capture import CaptureConfig, capture
@@ -158,11 +158,13 @@ def _fits(store: Store, cap: Artifact, cfg: SweepConfig, out: Output, solve_args
     artifact, quantize artifact or None)]. Ordinary artifacts: a release made later at a measured split reuses them."""
     from ridgefill.quantize import quantize
     from ridgefill.solve import solve
+    from ridgefill.solve.config import SolveConfig
 
     fits = []
     for s in cfg.splits:
         out.info(f"[bold]split {s}[/bold]: solve{' + quantize' if cfg.quantize else ''}")
-        sol, _ = solve(store, cap.id, out, **solve_args, split=s, alpha_per_layer=cfg.alpha_per_layer, place=place)
+        sol, _ = solve(store, cap.id, SolveConfig(**{**solve_args, "split": s, "alpha_per_layer": cfg.alpha_per_layer}),
+                       out, place=place)
         q = quantize(store, sol.id, out, place=place)[0] if cfg.quantize else None
         fits.append((s, sol, q))
     return fits
