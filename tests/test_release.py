@@ -702,6 +702,38 @@ def test_export_replaces_an_old_release_atomically(tmp_path, monkeypatch):
     assert sorted(p.name for p in out.parent.iterdir()) == ["rel"]
 
 
+def test_export_again_after_eval_leaves_the_evaluated_release(tmp_path):
+    """`ridgefill eval DIR` records its figures in the release (ridgefill.json's unhashed `eval`, and the card made
+    from that manifest): exporting the same artifact into DIR again finds the same release there and leaves it, the
+    figures with it. A card or a fact edited otherwise is still a different release, refused without --force."""
+    from fakestore import fake_chain
+
+    from ridgefill.artifacts import Store
+    from ridgefill.export.build import export
+
+    st = Store(tmp_path / "store")
+    ids = fake_chain(st.root)
+    out = tmp_path / "rel"
+    export(st, ids["quantize"], ExportConfig(), quiet(), out_dir=out)
+    release.write_eval(out, {"arms": {"ridgefill": {"kl": 0.1}}}, card_mod.model_card)
+    evaluated = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert json.loads(evaluated[MANIFEST])["eval"] == {"arms": {"ridgefill": {"kl": 0.1}}}
+    assert export(st, ids["quantize"], ExportConfig(), quiet(), out_dir=out)[1:] == (True, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == evaluated
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".rel.")]  # nothing staged beside it
+
+    different = f"^--out {re.escape(str(out))} holds a different release; pass --force to replace it$"
+    edits = [lambda: (out / CARD).write_text((out / CARD).read_text() + "my notes\n"),  # a card eval did not write
+             lambda: edit_manifest(out, lambda m: m.update(tail_default=64)),  # a fact
+             lambda: edit_manifest(out, lambda m: m.update(eval=[1]))]  # an eval the card was not made from
+    for edit in edits:
+        edit()
+        with pytest.raises(BadInput, match=different):
+            export(st, ids["quantize"], ExportConfig(), quiet(), out_dir=out)
+        for name, data in evaluated.items():
+            (out / name).write_bytes(data)
+
+
 def test_reading_and_writing_a_release_does_not_import_torch(rel):
     """The release format is numpy only: a runtime that loads releases needs nothing of the stages or of torch."""
     code = ("import sys; from ridgefill.formats import release; from ridgefill.export import card; "

@@ -15,6 +15,7 @@ existed (same id, same bytes).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from ridgefill.quantize.artifact import group_size, load_quant
 from ridgefill.export.card import model_card
 from ridgefill.formats import release
 from ridgefill.formats.release.names import (CONFIGURATIONS, KSCALE_CONFIGURATION, PLAIN, PROTECTED_CONFIGURATION,
-                                             ROWS_CONFIGURATION, tail_problem)
+                                             ROWS_CONFIGURATION, manifest_text, tail_problem)
 from ridgefill.output import Output
 from ridgefill.solve import artifact as solved
 
@@ -40,8 +41,8 @@ RELEASE_DIR = "release"
 def export(store: Store, ref: str, cfg: ExportConfig, out: Output, *, out_dir: Path | None = None,
            force: bool = False, model: str | None = None) -> tuple[Artifact, bool, Path | None]:
     """Build (or find cached) the export artifact of a quantize or solve artifact with the settings `cfg`
-    (export/config.py), and copy it to `out_dir` (an identical release there is left as it is; a different one is
-    replaced only with `force`).
+    (export/config.py), and copy it to `out_dir` (an identical release there, or the same release with the eval
+    summary `ridgefill eval` recorded in it, is left as it is; a different one is replaced only with `force`).
     The release describes the model from the model itself (`model`, default the captured one, re-resolved and
     checked against the fingerprint the capture id covers) and the split from the solve's recipe; nothing is
     taken from an artifact's unhashed `info`. `cfg.configuration` (one of CONFIGURATIONS; default the plain fill),
@@ -216,12 +217,12 @@ def _ridge_setting(rep: dict) -> dict:
 
 def _copy_out(art: Artifact, out_dir: Path, force: bool, out: Output) -> Path:
     """Copy the release to out_dir (temporary sibling, then `release.move_into_place`). The same release there
-    is left alone; a different one is only replaced with force. The look and the swap happen under
+    (`_holds`) is left alone; a different one is only replaced with force. The look and the swap happen under
     `release.out_lock`: an export into the same --out at the same time waits, then finds this one's release."""
     names = release_files(art.path)
     with release.out_lock(out_dir, out.info):
         if out_dir.is_dir() and any(out_dir.iterdir()):
-            if release.same_files(out_dir, art.path, names):
+            if _holds(out_dir, art.path, names):
                 return out_dir
             if not force:
                 raise BadInput(f"--out {out_dir} holds a different release; pass --force to replace it")
@@ -234,3 +235,28 @@ def _copy_out(art: Artifact, out_dir: Path, force: bool, out: Output) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return out_dir
+
+
+def _holds(out_dir: Path, built: Path, names: list[str]) -> bool:
+    """Whether out_dir holds the release built in `built`: the same files byte for byte, or those with the figures
+    `ridgefill eval` records (`release.write_eval`): ridgefill.json the built one's plus an `eval` field, README.md
+    the card of that manifest. Such a folder is left as it is, so the figures stay with the release they measured.
+    out_dir is untrusted: whatever it holds that cannot be read as such is another release."""
+    if release.same_files(out_dir, built, names):
+        return True
+    if sorted(p.name for p in out_dir.iterdir()) != sorted(names):
+        return False
+    for n in names:
+        if n not in (release.MANIFEST, release.CARD) and not (
+                (out_dir / n).is_file() and (out_dir / n).read_bytes() == (built / n).read_bytes()):
+            return False
+    try:
+        manifest = json.loads((out_dir / release.MANIFEST).read_text(encoding="utf-8"))
+        if not isinstance(manifest, dict) or "eval" not in manifest:
+            return False
+        facts = manifest_text({k: v for k, v in manifest.items() if k != "eval"})
+        if facts != (built / release.MANIFEST).read_text(encoding="utf-8"):
+            return False
+        return (out_dir / release.CARD).read_text(encoding="utf-8") == model_card(manifest)
+    except (OSError, ValueError, RecursionError):  # unreadable, or not JSON: not what eval writes
+        return False
