@@ -23,7 +23,8 @@ Per step (medians over the prompts):
   fill's forward calls), else the stock step's share (S / L of its launches); the stock step's launches per layer
   beside it;
 - host syncs (eager only: a Python mode counting over the fill's forward): every call that waits for the device
-  on a GPU (Tensor.cpu, .item, .tolist, nonzero, bool/int/float of a tensor), with where each is made;
+  on a GPU (Tensor.cpu, .item, .tolist, nonzero, isin, unique, masked_select, bool/int/float of a tensor), with
+  where each is made;
 - step seconds: the profiled forward's wall time (profiler overhead included, alike for all).
 
 Value: launches per late layer, now and before, compiled.
@@ -45,7 +46,10 @@ from harness import REPO, Bench, Parser, engine_model, positive, release  # noqa
 
 MODEL = "builtin:smollm2-135m"
 VLLM = REPO / ".engines" / "vllm"
-SYNCS = ("cpu", "item", "tolist", "nonzero", "__bool__", "__int__", "__float__")  # (.numpy() needs a host tensor)
+# The calls that wait for the device on CUDA (.numpy() needs a host tensor): a copy to the host, a value read,
+# nonzero (its count), and isin / unique / masked_select (a result whose size the host reads; isin sorts, with a
+# unique, once a step has more than a few tokens).
+SYNCS = ("cpu", "item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "isin", "unique", "masked_select")
 
 
 def arguments():

@@ -703,6 +703,71 @@ def test_a_one_token_prompt_chunk_among_decodes_is_kept_off_the_decode_graph(tin
     assert got["stats"]["decode_graph_vetoes"] > 0, fig
 
 
+SYNC_PLUGIN = """
+from torch.overrides import TorchFunctionMode
+
+# The calls that make the host wait for the device on CUDA: a copy to the host, a value read, nonzero (its count), and
+# isin / unique (they sort, and read how many distinct values they found).
+WAITS = {"cpu", "item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "isin", "unique", "masked_select"}
+
+
+class Count(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in WAITS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def register():
+    from ridgefill.engines.vllm import model
+
+    forward = model.EngineFill.forward
+
+    def counted(self, *args, **kwargs):
+        with Count() as seen:
+            out = forward(self, *args, **kwargs)
+        if out is not None:  # a filling step
+            self.stats.setdefault("host_syncs", []).append(sorted(seen.calls))
+        return out
+
+    model.EngineFill.forward = counted
+"""
+
+
+def test_host_syncs_per_filling_step(tiny, tmp_path):
+    """Each filling step's calls that wait for the device on CUDA, counted over the fill's forward in eager mode (a
+    test-only vLLM plugin, installed beside ridgefill's for these engines only; vLLM's own checker,
+    VLLM_GPU_SYNC_CHECK, runs on CUDA only): one, the read of the fill mask, for a plain release and for a
+    ridgefill+protected one (whose protected tokens are looked up in a table: torch.isin would sort, and wait)."""
+    site = tmp_path / "site"
+    (site / "ridgefill_syncs-0.dist-info").mkdir(parents=True)
+    (site / "ridgefill_syncs-0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: ridgefill-syncs\n"
+                                                                   "Version: 0\n")  # fmt: skip
+    (site / "ridgefill_syncs-0.dist-info" / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nridgefill_syncs = ridgefill_syncs:register\n")
+    (site / "ridgefill_syncs.py").write_text(SYNC_PLUGIN)
+    figures = {}
+    for arch, configuration in (("qwen2", "ridgefill"), ("qwen3", "ridgefill+protected")):
+        t = tiny(arch, configuration, "input")
+        names = [f"p{i}" for i in range(4)]
+        prompts, refs = {n: t["prompts"][n] for n in names}, {n: t["refs"][n] for n in names}
+        run = {"name": "syncs", "engine": {"max_model_len": 256, "enable_prefix_caching": False,
+                                           "max_num_batched_tokens": 64, "max_num_seqs": 2},
+               "prompts": names, "submit": "together", "max_new": NEW}  # fmt: skip
+        env = engine_env(t["release"], PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+        got = run_engine(tmp_path, f"syncs-{arch}", t["model"], prompts, [run], env)["syncs"]
+        check(agreement(got["outputs"], refs), len(names))
+        stats = got["stats"]
+        assert len(stats["host_syncs"]) == stats["fill_steps"] > 1, stats
+        assert all(calls == ["cpu"] for calls in stats["host_syncs"]), stats["host_syncs"]
+        figures[configuration] = {"fill_steps": stats["fill_steps"], "host_syncs_per_step": 1}
+    report("host_syncs_per_filling_step", figures)
+
+
 TP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1",
           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # fmt: skip
 TP_ENGINE = {"max_model_len": 256, "enable_prefix_caching": False, "max_num_batched_tokens": 128, "max_num_seqs": 4}
