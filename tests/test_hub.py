@@ -60,7 +60,7 @@ def write_release(path: Path, seed: int = 0, overwrite: bool = False) -> Path:
         codes, bits = int8.quantize((rng.standard_normal((48, 160)) * 0.05).astype(np.float32))
         maps[layer] = {"codes": codes, "scale_bits": bits, "bias": rng.standard_normal(48).astype(np.float32)}
     manifest = {"model": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "architecture": "llama", "num_layers": 7,
-                          "hidden_size": 160, "num_kv_heads": 2, "head_dim": 12},  # kv maps [48, 160]
+                          "hidden_size": 160, "num_kv_heads": 2, "head_dim": 12, "fingerprint": "ab" * 32},  # kv maps [48, 160]
                 "split": 5, "tail_default": 512, "layers": [{"index": i, "kind": "attention", "map": "kv"} for i in (5, 6)],
                 "fit": {"alpha": 1e-4, "seed": seed, "exact_norm": 812.5, "skip_first_rows": 1}}
     card = model_card({**manifest, "format": release.FORMAT, "projector": {"dtype": "int8", "group_size": 128}})

@@ -217,7 +217,6 @@ def test_blanks_around_a_release_name_are_refused_wherever_it_is_named(tmp_path,
     assert locate_release("X") == Path("X")
 
 
-@pytest.mark.xfail(strict=True, reason="engines/vllm/served.py's setting() still trims the value (issue 51 B7e)")
 def test_the_served_release_follows_the_same_rule_for_blanks(tmp_path, monkeypatch):
     from ridgefill.engines.vllm import served
 
@@ -284,8 +283,6 @@ def test_an_eval_killed_writing_its_summary_leaves_a_release_the_next_eval_clean
     assert write.is_writer_leftover(live) and live.read_text() == "#"
 
 
-@pytest.mark.xfail(strict=True, reason="formats/release/manifest.py does not pass over write.is_writer_leftover yet "
-                                       "(issue 51 B4)")
 def test_a_release_with_a_killed_evals_temporary_still_verifies(tmp_path):
     rel = write_release(tmp_path / "rel")
     assert eval_summary(rel, "kill").returncode == -9  # the reader passes over it: no eval need run first
@@ -328,8 +325,6 @@ def test_the_second_reader_refuses_a_fractional_group_size_as_ridgefill_does(tmp
     assert code == 2 and said.startswith("refused: ridgefill.json: ") and "'projector.group_size'" in said
 
 
-@pytest.mark.xfail(strict=True, reason="formats/release/read.py reads projector.group_size without names.integer "
-                                       "(issue 51 B7d)")
 def test_a_group_size_written_128_0_is_one_integer_to_both_readers(tmp_path):
     """docs/format.md: an integer is a JSON number with no fractional part (9 and 9.0 alike); the second reader
     (written from the spec alone) follows it, and so must ridgefill's."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from ridgefill.artifacts.store import sha256_file
 from ridgefill.errors import BadInput
 from ridgefill.formats import safetensors
+from ridgefill.formats.release.write import is_writer_leftover
 from ridgefill.formats.release.names import (CORRECTIONS_FILE, DOWNLOAD_CACHE, FORMATS, GITATTRIBUTES, HF_DIR,
                                              HUB_LEFTOVERS, MANIFEST, MAPS_FILE, META_FACTS, META_FORMAT,
                                              PROTECTED_FILE, SHA256_RE, UNHASHED, facts_of, is_bare_name)
@@ -128,7 +129,7 @@ def verified_manifest(dir: Path) -> dict:
             raise BadInput(f"{name}: a symbolic link (a release holds regular files only)")
         if name in UNHASHED and not (dir / name).is_file():
             raise BadInput(f"{name}: not a regular file (a release holds regular files only)")
-        if name not in UNHASHED and not _hub_leftover(dir / name):
+        if name not in UNHASHED and not _hub_leftover(dir / name) and not is_writer_leftover(dir / name):
             raise BadInput(f"{name}: in the release folder but not listed in {MANIFEST}")
     for name in sorted(files):
         got = sha256_file(dir / name)
