@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -297,14 +296,14 @@ def test_served_release_refusals(chain, tmp_path, monkeypatch):
     with pytest.raises(BadInput, match="fingerprint"):
         served.check_model(fill, config, chain.model.parent)  # a folder that is not the model
     # the config's context is no bound on the tail (rope scaling lets a server exceed it; the plugin checks the
-    # served max_model_len); a protected-token table past the served vocabulary is refused
-    served.check_model(fill, config | {"max_position_embeddings": fill.tail, "vocab_size": 256})
-    table = replace(fill, protected=np.array([3, 256], dtype=np.int64))
-    served.check_model(table, config | {"vocab_size": 257})
+    # served max_model_len); a protected-token table past the served vocabulary is refused, applied or not (the
+    # chain's release is plain, and its solve made a table)
+    top = int(fill.release.protected[-1])
+    served.check_model(fill, config | {"max_position_embeddings": fill.tail, "vocab_size": top + 1})
     with pytest.raises(BadInput) as e:
-        served.check_model(table, config | {"vocab_size": 256})
-    assert str(e.value) == (f"RIDGEFILL_RELEASE={fill.folder}: the protected-token table holds token id 256, past the "
-                            "vocabulary of the served model (256 tokens: ids 0..255)")
+        served.check_model(fill, config | {"vocab_size": top})
+    assert str(e.value) == (f"RIDGEFILL_RELEASE={fill.folder}: the protected-token table holds token id {top}, past "
+                            f"the vocabulary of 'the served model' ({top} tokens: ids 0..{top - 1})")
 
 
 def test_served_release_refuses_a_damaged_release(chain, tmp_path):

@@ -425,6 +425,8 @@ SETTING_REFUSALS = {
     "kv_connector": "ridgefill: the fill does not run with a KV connector (kv_transfer_config",
     "context_below_tail": "ridgefill: the fill does not run with a context of 512 tokens (max_model_len) and the "
                           "release's tail of 512: no prompt row would ever be filled",
+    "kv_cache_fp8": "ridgefill: the fill does not run with --kv-cache-dtype fp8 (a quantized cache: the filled keys "
+                    "and values are not measured in it; serve with auto, the model's own dtype)",
     "decode_context_parallel": "ridgefill: the fill does not run with decode_context_parallel_size 2",
     "prefill_context_parallel": "ridgefill: the fill does not run with prefill_context_parallel_size 2",
 }  # fmt: skip
@@ -588,7 +590,8 @@ def tiny(tmp_path_factory):
 
     models, captures, made = {}, {}, {}
 
-    def make(arch: str, configuration: str, maps: str, outlier_ratio: float | None = None, kv_heads: int = 2) -> dict:
+    def make(arch: str, configuration: str, maps: str, outlier_ratio: float | None = None, kv_heads: int = 2,
+             split: int = 2) -> dict:
         vllm_python()
         arch_key, arch = (arch, kv_heads), arch
         if arch_key not in models:
@@ -601,19 +604,19 @@ def tiny(tmp_path_factory):
             lm = load_model(resolve_model(str(model), store_root=store), store_root=store)
             models[arch_key] = {"work": work, "model": model, "store": store, "data": data, "lm": lm}
         c = models[arch_key]
-        if (arch_key, outlier_ratio) not in captures:
+        if (arch_key, outlier_ratio, split) not in captures:
             ratio = [] if outlier_ratio is None else ["--outlier-ratio", str(outlier_ratio)]
-            r = cli("capture", c["model"], "--data", c["data"], "--split", "2", "--chunk", "64", *ratio, "--store",
-                    c["store"])  # fmt: skip
+            r = cli("capture", c["model"], "--data", c["data"], "--split", str(split), "--chunk", "64", *ratio,
+                    "--store", c["store"])  # fmt: skip
             assert r.returncode == 0, r.stderr
-            captures[(arch_key, outlier_ratio)] = r.stdout.strip()
-        key = (arch_key, configuration, maps, outlier_ratio)
+            captures[(arch_key, outlier_ratio, split)] = r.stdout.strip()
+        key = (arch_key, configuration, maps, outlier_ratio, split)
         if key not in made:
-            r = cli("solve", captures[(arch_key, outlier_ratio)], "--maps", maps, "--store", c["store"])
+            r = cli("solve", captures[(arch_key, outlier_ratio, split)], "--maps", maps, "--store", c["store"])
             assert r.returncode == 0, r.stderr
             r = cli("quantize", r.stdout.strip(), "--store", c["store"])
             assert r.returncode == 0, r.stderr
-            release = c["work"] / f"release-{configuration}-{maps}-{outlier_ratio or 'default'}"
+            release = c["work"] / f"release-{configuration}-{maps}-{outlier_ratio or 'default'}-{split}"
             r = cli("export", r.stdout.strip(), "--out", release, "--tail", TINY_TAIL, "--configuration",
                     configuration, "--store", c["store"])  # fmt: skip
             assert r.returncode == 0, r.stderr
@@ -873,3 +876,27 @@ def test_ranks_that_would_decide_differently_agree_on_the_exact_rows(tiny, tmp_p
     assert r0["exact_prefix_rows"] > p0["exact_prefix_rows"] and r0["filled_rows"] < p0["filled_rows"], (r0, p0)
     assert r0["exact_prefix_rows"] + r0["filled_rows"] == p0["exact_prefix_rows"] + p0["filled_rows"], (r0, p0)
     report("tp_fault_agreement", {"plain": plain["rank_stats"], "rank1_disagrees": got["rank_stats"]})
+
+
+def test_the_compile_cache_is_keyed_by_the_release(tiny, tmp_path):
+    """vLLM keys its compile cache (the piecewise cache's folder, the AOT artifact's hash) by its configuration's hash,
+    the VLLM_* variables and the forward's source location. With the fill on, the configuration carries the release
+    (its maps' sha256, split and map kinds): releases at two splits and of two kinds give three keys, the same release
+    the same key, in both of vLLM's compile paths (the configuration's hash is a factor of the piecewise cache's folder
+    and of an AOT artifact's hash)."""
+    releases = {"input-2": tiny("qwen2", "ridgefill", "input")["release"],
+                "kv-2": tiny("qwen2", "ridgefill", "kv")["release"],
+                "input-3": tiny("qwen2", "ridgefill", "input", split=3)["release"]}
+    model = tiny("qwen2", "ridgefill", "input")["model"]
+    out = tmp_path / "keys.json"
+    r = subprocess.run([vllm_python(), str(ROOT / "tests" / "vllm_compile_key.py"), str(model), str(out),
+                        *(f"{k}={v}" for k, v in releases.items()), f"again={releases['input-2']}"],
+                       capture_output=True, text=True, cwd=ROOT, env=engine_env(releases["input-2"]))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert got["again"] == got["input-2"]
+    keys = [got[k] for k in releases]
+    for part in ("config_hash", "aot_factors"):
+        assert len({str(k[part]) for k in keys}) == 3, (part, keys)
+    assert got["input-3"]["ridgefill"] == {"release": json.loads((releases["input-3"] / "ridgefill.json").read_text())
+                                           ["files"]["maps.safetensors"], "split": 3, "maps": ["input"]}

@@ -27,6 +27,7 @@ CASES = {  # name: (engine arguments, environment, configuration attributes set 
     "breakable_cuda_graphs": ({}, {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}, {}),
     "kv_connector": ({"kv_transfer_config": CONNECTOR}, {}, {}),
     "context_below_tail": ({"max_model_len": 512}, {}, {}),
+    "kv_cache_fp8": ({"kv_cache_dtype": "fp8"}, {}, {}),
     "decode_context_parallel": ({}, {}, {"decode_context_parallel_size": 2}),
     "prefill_context_parallel": ({}, {}, {"prefill_context_parallel_size": 2}),
 }

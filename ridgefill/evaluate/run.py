@@ -108,7 +108,7 @@ def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output
     from ridgefill.runtime import maps_on_devices
 
     src = replace(src, maps=maps_on_devices(lm, src.maps, range(src.split, ref.num_layers)))  # once, not per prefill
-    _check_protected(lm, src, source, model)
+    _check_model(lm, src, source, model)
     _check_corrections(lm, src, arms)
     suite = needle_suite(lm, cfg)
     results = {"split": src.split, "num_layers": ref.num_layers, "tail": cfg.tail,
@@ -125,12 +125,18 @@ def evaluate(store: Store, model: str, source: str, cfg: EvalConfig, out: Output
     return art, False
 
 
-def _check_protected(lm, src: MapsSource, source: str, model: str) -> None:
-    """Refuse, before anything is measured, a protected-token table with an id past the model's vocabulary (the
-    check a runtime makes of a release: `Release.check_model`)."""
-    vocab = lm.adapter.vocab_size
-    if src.protected and vocab is not None:
-        problem = protected_problem(max(src.protected), vocab, f"'{model}'")
+def _check_model(lm, src: MapsSource, source: str, model: str) -> None:
+    """Refuse, before anything is measured, a release the model cannot apply: the check every runtime makes of a
+    release (`Release.check_model`: layer count, widths, KV heads and head size, a protected-token table within the
+    vocabulary, maps within the range of the dtype); for a store artifact, fitted on this model, its protected-token
+    table within the vocabulary."""
+    ad = lm.adapter
+    if src.release is not None:
+        src.release.check_model(fingerprint=lm.ref.fingerprint, num_layers=ad.num_layers, hidden_size=ad.hidden_size,
+                                num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, vocab_size=ad.vocab_size,
+                                name=model, where=source, dtype=lm.dtype)
+    elif src.protected and ad.vocab_size is not None:
+        problem = protected_problem(max(src.protected), ad.vocab_size, f"'{model}'")
         if problem is not None:
             raise BadInput(f"{source}: {problem}")
 

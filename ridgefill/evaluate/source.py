@@ -30,6 +30,7 @@ class MapsSource:
     configuration: str = "ridgefill"  # the arm the release is applied with (`configuration.arm`; artifacts: plain)
     row_share: float = ROW_SHARE  # the share of rows "+rows" runs exactly (a ridgefill+rows release's own)
     map_kinds: dict = field(default_factory=dict)  # {layer: "input" | "kv"}: what each map predicts
+    release: object = None  # the reader's `Release` when the maps are a release's (checked against the model by it)
 
 
 def locate_source(source: str) -> str:
@@ -68,13 +69,13 @@ def load_source(store: Store, source: str) -> MapsSource:
     p = Path(source)
     if (p / release.MANIFEST).is_file():
         rel = release.read_release(p)  # every fact below checked there, once
-        manifest, conf = rel.manifest, rel.configuration
+        manifest, opts = rel.manifest, rel.fill_options()
         return MapsSource({l: (m["weight"], m["bias"]) for l, m in rel.maps.items()}, rel.split,
                           manifest["model"]["fingerprint"], "release:" + recipe_id(manifest["files"]),
                           frozenset(manifest["fit"].get("calibration_sha256", [])), p, rel.state_offsets,
-                          None if rel.protected is None else frozenset(rel.protected), anchor=rel.anchor,
-                          exact_norm=rel.exact_norm, configuration=conf["arm"],
-                          row_share=conf.get("row_share", ROW_SHARE), map_kinds=dict(rel.map_kinds))
+                          None if rel.protected is None else frozenset(rel.protected.tolist()),
+                          anchor=opts["anchor"], exact_norm=opts["exact_norm"], configuration=rel.configuration["arm"],
+                          row_share=opts.get("row_share", ROW_SHARE), map_kinds=opts["map_kinds"], release=rel)
     art = store.get(source)
     if art.stage not in ("solve", "quantize"):
         raise BadInput(f"artifact {art.id} is a {art.stage} artifact; eval takes a release folder, solve or quantize artifact")

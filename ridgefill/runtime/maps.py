@@ -10,8 +10,9 @@
     rel.state_offsets   # a hybrid's terminal-state offsets {layer: [value heads, key dim, value dim]}, or None
 
 The folder is read only through `ridgefill.formats.release.read_release`, which checks every file against the
-manifest's hashes before anything is used; the split, the default tail, the configuration and the model's identity
-come from the manifest it returns.
+manifest's hashes before anything is used; every fact (split, tail, configuration, the model's identity) is its
+`Release`'s (`rel.release`), and the options are its `fill_options()` with the maps in place, as eval and the vLLM
+plugin apply them.
 
 A release's `configuration` (docs/format.md) says how it is applied, and `rel.arm` / `rel.options()` apply it:
 
@@ -26,58 +27,57 @@ A release's `configuration` (docs/format.md) says how it is applied, and `rel.ar
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ridgefill.errors import BadInput
-from ridgefill.formats.release.names import (KSCALE_CONFIGURATION, PLAIN, PROTECTED_CONFIGURATION,
-                                             ROWS_CONFIGURATION)
-from ridgefill.runtime.rows import ANCHOR_ROWS, ROW_SHARE
+from ridgefill.formats.release.names import KSCALE_CONFIGURATION
+from ridgefill.formats.release.read import Release
+from ridgefill.runtime.rows import ROW_SHARE
 
 
 @dataclass(frozen=True)
 class ReleaseMaps:
-    """A verified release, ready for `prefill(lm, ids, rel.arm, **rel.options())`."""
+    """A verified release on a model's devices, ready for `prefill(lm, ids, rel.arm, **rel.options())`: the reader's
+    `Release` (every fact, checked once) and its maps where the model's late layers are."""
 
+    release: Release  # formats.release.read_release's, checked against the model by `Release.check_model`
     maps: dict  # {layer: (W float32 [d_out, d], b float32 [d_out])} for layers split..L-1, on each layer's device
-    split: int  # the first layer the fill skips for prefix rows
-    tail: int  # the release's default tail (`tail_default`): prompt rows that run every layer
-    manifest: dict  # the verified `ridgefill.json`
     folder: Path
     state_offsets: dict | None = None  # {layer: float32 tensor} for prefill(corrections=("state",)), or None
-    anchor: int = ANCHOR_ROWS  # leading rows the fit left out (`fit.skip_first_rows`): run exactly
-    exact_norm: float | None = None  # `fit.exact_norm`: prefix rows whose split-state norm exceeds it run exactly
-    configuration: str = PLAIN  # the release's `configuration.arm` (formats.release.CONFIGURATIONS)
-    row_share: float = ROW_SHARE  # `configuration.row_share` of a ridgefill+rows release
-    protected: torch.Tensor | None = None  # the protected-token table (int64 token ids, ascending), or None
-    sweep: str | None = None  # `configuration.sweep`: the sweep that recommended the configuration, or None
-    map_kinds: dict = field(default_factory=dict)  # {layer: "input" | "kv"}: what each map predicts (`layers[].map`)
+
+    split = property(lambda self: self.release.split)  # the first layer the fill skips for prefix rows
+    tail = property(lambda self: self.release.tail)  # the release's default tail (`tail_default`)
+    anchor = property(lambda self: self.release.anchor)  # leading rows the fit left out: run exactly
+    exact_norm = property(lambda self: self.release.exact_norm)  # prefix rows above this split-state norm: exact
+    manifest = property(lambda self: self.release.manifest)  # the verified `ridgefill.json`
+    map_kinds = property(lambda self: dict(self.release.map_kinds))  # {layer: "input" | "kv"}
+    configuration = property(lambda self: self.release.configuration["arm"])  # formats.release.CONFIGURATIONS
+    sweep = property(lambda self: self.release.configuration["sweep"])  # the sweep that recommended it, or None
+    arm = property(lambda self: self.release.arm)  # the runtime arm that applies the release as made
 
     @property
-    def arm(self) -> str:
-        """The runtime arm that applies the release as made: "ridgefill+rows" for that configuration, else
-        "ridgefill" (the other configurations are options of it)."""
-        return ROWS_CONFIGURATION if self.configuration == ROWS_CONFIGURATION else PLAIN
+    def row_share(self) -> float:
+        """`configuration.row_share` of a ridgefill+rows release (the default share otherwise)."""
+        return float(self.release.configuration.get("row_share", ROW_SHARE))
+
+    @property
+    def protected(self) -> np.ndarray | None:
+        """The release's protected-token table (int64 token ids, ascending), or None."""
+        return None if self.release.protected is None else self.release.protected.astype(np.int64)
 
     def options(self) -> dict:
-        """The fill options the release prescribes: `prefill(lm, ids, rel.arm, **rel.options())` fills with its
-        split, default tail and maps, runs exactly the first `anchor` rows (which its fit left out) and the prefix
-        rows whose split state's norm exceeds `exact_norm` (later sinks), and applies its configuration:
-        `row_share` for ridgefill+rows, `corrections=("kscale",)` for ridgefill+kscale, `protected` (the table) for
-        ridgefill+protected. Any of them may be overridden:
+        """The fill options the release prescribes (`Release.fill_options`), with the maps in place: `prefill(lm,
+        ids, rel.arm, **rel.options())` fills with its split, default tail and maps, runs exactly the first `anchor`
+        rows (which its fit left out) and the prefix rows whose split state's norm exceeds `exact_norm` (later
+        sinks), and applies its configuration: `row_share` for ridgefill+rows, `corrections=("kscale",)` for
+        ridgefill+kscale, `protected` (the table) for ridgefill+protected. Any of them may be overridden:
         `prefill(..., **rel.options(), tail=256)` is an error, `prefill(..., **{**rel.options(), "tail": 256})` is
         not."""
-        opts = {"split": self.split, "tail": self.tail, "maps": self.maps, "map_kinds": self.map_kinds,
-                "anchor": self.anchor, "exact_norm": self.exact_norm}
-        if self.configuration == ROWS_CONFIGURATION:
-            opts["row_share"] = self.row_share
-        elif self.configuration == KSCALE_CONFIGURATION:
-            opts["corrections"] = ("kscale",)
-        elif self.configuration == PROTECTED_CONFIGURATION:
-            opts["protected"] = self.protected
-        return opts
+        return {**self.release.fill_options(), "maps": self.maps}
 
 
 def maps_on_devices(lm, maps: dict, layers) -> dict:
@@ -102,7 +102,8 @@ def load_release_maps(lm, folder, release=None) -> ReleaseMaps:
 
     BadInput (one line) when the folder does not verify (a configuration the format refuses, an impossible split or
     tail included), when it was made for another model (another fingerprint, layer count, width or KV shape than
-    `lm`'s, or a protected-token table past its vocabulary: `Release.check_model`), when its terminal-state offsets
+    `lm`'s, a protected-token table past its vocabulary, or maps that write past the range of the dtype it computes
+    in: `Release.check_model`), when its terminal-state offsets
     do not match the model's layers, or when its configuration's correction has no layers above the split on this
     model. Every fact comes from the reader's `Release`, checked there once."""
     from ridgefill.formats.release import read_release
@@ -116,7 +117,7 @@ def load_release_maps(lm, folder, release=None) -> ReleaseMaps:
     ref, ad = lm.ref, lm.adapter
     rel.check_model(fingerprint=ref.fingerprint, num_layers=ad.num_layers, hidden_size=ad.hidden_size,
                     num_kv_heads=ad.num_kv_heads, head_dim=ad.head_dim, vocab_size=ad.vocab_size, name=ref.spec,
-                    where=str(folder))
+                    where=str(folder), dtype=lm.dtype)
     split, L = rel.split, ad.num_layers
     late = {l: (rel.maps[l]["weight"], rel.maps[l]["bias"]) for l in range(split, L)}
     offsets = rel.state_offsets
@@ -132,8 +133,4 @@ def load_release_maps(lm, folder, release=None) -> ReleaseMaps:
             check_corrections(ad, split, ("kscale",))
         except BadInput as e:
             raise BadInput(f"{folder}: configuration {KSCALE_CONFIGURATION}: {e}") from None
-    table = None if rel.protected is None else torch.as_tensor(rel.protected.astype("int64"))
-    return ReleaseMaps(maps_on_devices(lm, late, range(split, L)), split, rel.tail, rel.manifest, folder, offsets,
-                       anchor=rel.anchor, exact_norm=rel.exact_norm, configuration=conf["arm"],
-                       row_share=conf.get("row_share", ROW_SHARE), protected=table, sweep=conf["sweep"],
-                       map_kinds=dict(rel.map_kinds))
+    return ReleaseMaps(rel, maps_on_devices(lm, late, range(split, L)), folder, offsets)

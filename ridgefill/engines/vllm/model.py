@@ -336,7 +336,7 @@ class EngineFill(nn.Module):
             kv[i].weight.data.copy_(sa.qkv_proj.weight.data[rows])
             if kv[i].bias is not None:
                 kv[i].bias.data.copy_(sa.qkv_proj.bias.data[rows])
-        self.release = dataclasses.replace(self.release, maps={})  # the float32 copies are no longer needed
+        self.release = self.release.without_maps()  # the float32 copies are no longer needed
         maps_only = [p for n, p in self.own() if n.startswith("filled.maps.")]
         self.stats["map_bytes"] = sum(p.numel() * p.element_size() for p in maps_only)
         return {f"ridgefill.{name}" for name, _ in self.own()}
@@ -475,9 +475,7 @@ class FillMixin:
 
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        from ridgefill.engines.vllm.plugin import current_fill
-
-        release = current_fill()  # read and verified once per process, by the plugin
+        release = served.PROCESS.for_model()  # the release the plugin verified, with its maps
         self.ridgefill = EngineFill(self, vllm_config, release)
         self._ridgefill_source = (vllm_config.model_config.model, vllm_config.model_config.revision,
                                   vllm_config.load_config.download_dir)  # fmt: skip

@@ -37,16 +37,13 @@ import sys
 from ridgefill.engines.vllm import internals, served
 from ridgefill.errors import RidgefillError
 
-_STATE: dict = {}  # "fill": the served.Fill of this process
-
-
 class Refused(RuntimeError):
     """The fill cannot start as configured: one line naming the problem."""
 
 
 def register() -> None:
     """vLLM's `vllm.general_plugins` entry point."""
-    if _STATE or not os.environ.get(served.ENV):  # unset or empty: vLLM untouched (blanks are refused below)
+    if served.PROCESS.fill is not None or not os.environ.get(served.ENV):  # unset or empty: vLLM untouched (blanks are refused below)
         return
     sys.excepthook = _one_line(sys.excepthook)
     try:
@@ -62,7 +59,7 @@ def register() -> None:
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
         raise Refused("ridgefill: the fill runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    _STATE["fill"] = fill
+    served.PROCESS.remember(fill)  # its facts: every vLLM process runs this, and only one that builds the model reads
     from vllm import ModelRegistry
 
     from ridgefill.engines.vllm.model import CLASSES
@@ -72,12 +69,6 @@ def register() -> None:
     from ridgefill.engines.vllm import patches
 
     patches.apply(check_engine, functools.partial(block_key, fill))
-
-
-def current_fill() -> served.Fill:
-    """The release this process serves: the one `register` read and verified (every vLLM process runs the plugin
-    before its model is built), so the model reads no second copy; read here only where `register` did not run."""
-    return _STATE.get("fill") or served.from_environment()
 
 
 def _one_line(previous):
@@ -99,7 +90,7 @@ def check_engine(config) -> None:
     """Refused naming the first reason the engine configuration `config` (a VllmConfig) cannot serve the fill."""
     from vllm.config import CompilationMode
 
-    fill = _STATE["fill"]
+    fill = served.PROCESS.fill
     mc = config.model_config
     problems = []
     if config.parallel_config.pipeline_parallel_size > 1:
@@ -137,6 +128,10 @@ def check_engine(config) -> None:
     if config.kv_transfer_config is not None:
         problems.append("a KV connector (kv_transfer_config; keys and values loaded from outside would stand in for "
                         "rows the fill plans)")
+    cache_dtype = str(config.cache_config.cache_dtype)
+    if cache_dtype not in ("auto", "float16", "bfloat16"):
+        problems.append(f"--kv-cache-dtype {cache_dtype} (a quantized cache: the filled keys and values are not "
+                        f"measured in it; serve with auto, the model's own dtype)")
     if fill.tail >= mc.max_model_len:
         problems.append(f"a context of {mc.max_model_len} tokens (max_model_len) and the release's tail of "
                         f"{fill.tail}: no prompt row would ever be filled; export the release with a shorter tail")
@@ -149,9 +144,25 @@ def check_engine(config) -> None:
         raise Refused(f"ridgefill: the served model is a {arch}; the fill runs in {', '.join(sorted(CLASSES))}")
     path = mc.model if os.path.isdir(mc.model) else None
     try:
-        served.check_model(fill, mc.hf_text_config.to_dict(), path)
+        served.check_model(fill, mc.hf_text_config.to_dict(), path, dtype=str(mc.dtype))
     except RidgefillError as e:
         raise Refused(f"ridgefill: {e}") from None
+    key_compiled_parts(config, fill)
+
+
+def key_compiled_parts(config, fill: served.Fill) -> None:
+    """Make the release part of the key of every part vLLM compiles. vLLM keys its compile cache (the piecewise
+    cache's folder, and the AOT artifact's hash) by its configuration's hash, the VLLM_* variables and the source
+    location of the forward, none of which knows the release; yet the release fixes what the fill's parts trace
+    (`Early` holds layers 0..split-1, `Filled` branches on each layer's map kind). So the release's identity goes
+    into `additional_config`, which `VllmConfig.compute_hash` covers: a server with another release never loads
+    these parts from a cache that one with this release wrote (and its stock backbone is compiled under its own key
+    too)."""
+    if not isinstance(config.additional_config, dict):
+        raise Refused(f"ridgefill: the fill does not run with an additional_config of type "
+                      f"{type(config.additional_config).__name__} (it keys the compile cache by the release there)")
+    kinds = sorted(set(fill.map_kinds.values()))
+    config.additional_config["ridgefill"] = {"release": fill.sha256, "split": fill.split, "maps": kinds}
 
 
 # -- prefix-cache block hashes -------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ A `Release` is the one place a runtime takes "the release as applied" from: `spl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
@@ -27,11 +27,12 @@ import numpy as np
 from ridgefill.errors import BadInput
 from ridgefill.formats import int8, safetensors
 from ridgefill.formats.release.names import (BIAS, CODES, CORRECTIONS_FILE, DEFAULT_SKIP_FIRST_ROWS, DTYPE_LIMITS,
-                                             EXACT_NORM, FIT, KV_MAP, LINEAR_KIND, MANIFEST, MAPS_FILE, MAX_MAP_OUTPUT,
-                                             OFFSET_RE, PLAIN, PROJECTOR_DTYPES, PROTECTED_FILE, PROTECTED_IDS, SCALES,
-                                             SKIP_FIRST_ROWS, STATE_OFFSET, WEIGHT, applied_problem,
-                                             configuration_problem, exact_norm_problem, integer, kv_width,
-                                             layer_indices, map_kinds, maps_problem, parse_tensor_name,
+                                             EXACT_NORM, FIT, KSCALE_CONFIGURATION, KV_MAP, LINEAR_KIND, MANIFEST,
+                                             MAPS_FILE, MAX_MAP_OUTPUT, OFFSET_RE, PLAIN, PROJECTOR_DTYPES,
+                                             PROTECTED_CONFIGURATION, PROTECTED_FILE, PROTECTED_IDS,
+                                             ROWS_CONFIGURATION, SCALES, SKIP_FIRST_ROWS, STATE_OFFSET, WEIGHT,
+                                             applied_problem, configuration_problem, exact_norm_problem, integer,
+                                             kv_width, layer_indices, map_kinds, maps_problem, parse_tensor_name,
                                              protected_problem, tensor_name, width_problem)
 from ridgefill.formats.release.manifest import ABSENT, check_format, verified_manifest
 from ridgefill.numerics import bf16_bits_to_f32
@@ -57,6 +58,36 @@ class Release:
     map_kinds: Mapping[int, str]  # {layer: "input" | "kv"} for every layer of `layers` (all "input" in a /1), read-only
     kv_width: int | None  # a kv map's d_out, 2 * model.num_kv_heads * model.head_dim; None in a /1 release
     output_bound: float  # the largest value any map writes for a split state it fills (`map_bound`), <= MAX_MAP_OUTPUT
+    map_shapes: Mapping[int, tuple[int, int]]  # {layer: (d_out, d_in)}: kept by `without_maps`, for `check_model`
+
+    def without_maps(self) -> "Release":
+        """The same release with its decoded maps let go (a process that only checks and plans keeps the facts, not
+        the weights); `check_model` still checks the maps' widths."""
+        return replace(self, maps={})
+
+    @property
+    def arm(self) -> str:
+        """The fill arm that applies the release as made: "ridgefill+rows" for that configuration, else "ridgefill"
+        (the other configurations are options of it: `fill_options`)."""
+        return ROWS_CONFIGURATION if self.configuration["arm"] == ROWS_CONFIGURATION else PLAIN
+
+    def fill_options(self) -> dict:
+        """The fill options the release prescribes, the one mapping every runtime applies it with (the reference
+        runtime's `prefill(lm, ids, rel.arm, maps=..., **rel.fill_options())`, eval, the vLLM plugin): its split,
+        default tail, map kinds, the first `anchor` rows and the prefix rows above `exact_norm` run exactly, and its
+        configuration: `row_share` for ridgefill+rows, `corrections=("kscale",)` for ridgefill+kscale, `protected`
+        (the table, int64, ascending) for ridgefill+protected. The maps are not in it: where they live (devices,
+        dtype, a rank's rows) is each runtime's own."""
+        opts = {"split": self.split, "tail": self.tail, "anchor": self.anchor, "exact_norm": self.exact_norm,
+                "map_kinds": dict(self.map_kinds)}
+        arm = self.configuration["arm"]
+        if arm == ROWS_CONFIGURATION:
+            opts["row_share"] = float(self.configuration["row_share"])
+        elif arm == KSCALE_CONFIGURATION:
+            opts["corrections"] = ("kscale",)
+        elif arm == PROTECTED_CONFIGURATION:
+            opts["protected"] = self.protected.astype(np.int64)
+        return opts
 
     def check_model(self, *, fingerprint: str | None, num_layers: int, hidden_size: int, num_kv_heads: int | None,
                     head_dim: int | None, vocab_size: int | None, name: str, where: str,
@@ -90,15 +121,15 @@ def model_problem(rel: Release, *, fingerprint: str | None, num_layers: int, hid
         if ours is not None and (recorded is not None or key in ("num_layers", "hidden_size")) and \
                 integer(recorded) != ours:
             return f"the release is for a model with {key} {recorded!r}, but '{name}' has {ours}"
-    missing = [l for l in range(rel.split, num_layers) if l not in rel.maps]
+    missing = [l for l in range(rel.split, num_layers) if l not in rel.map_shapes]
     if missing:
         return f"the release has no maps for late layers {missing} (split {rel.split}, {num_layers} layers)"
-    for l in sorted(rel.maps):
+    for l in sorted(rel.map_shapes):
         kv = rel.map_kinds.get(l) == KV_MAP
         if kv and (num_kv_heads is None or head_dim is None):
             continue  # the kv shape is not known here: the widths were checked against the release's own facts
         want = (2 * num_kv_heads * head_dim if kv else hidden_size, hidden_size)
-        got = rel.maps[l]["weight"].shape
+        got = rel.map_shapes[l]
         if tuple(got) != want:
             return (f"layer {l}'s {'kv' if kv else 'input'} map is {list(got)}, expected {list(want)} for "
                     f"'{name}'")
@@ -133,7 +164,8 @@ def read_release(dir: Path) -> Release:
                    tail=integer(manifest["tail_default"]),
                    anchor=integer(fit.get(SKIP_FIRST_ROWS, DEFAULT_SKIP_FIRST_ROWS)),
                    exact_norm=float(fit[EXACT_NORM]), configuration=MappingProxyType(configuration),
-                   map_kinds=MappingProxyType(map_kinds(manifest)), kv_width=kv_width(manifest), output_bound=bound)
+                   map_kinds=MappingProxyType(map_kinds(manifest)), kv_width=kv_width(manifest), output_bound=bound,
+                   map_shapes=MappingProxyType({l: tuple(m["weight"].shape) for l, m in maps.items()}))
 
 
 def map_bound(weight: np.ndarray, bias: np.ndarray, norm: float) -> float:
@@ -202,9 +234,9 @@ def _maps(dir: Path, manifest: dict) -> dict[int, dict[str, np.ndarray]]:
     if proj.get("dtype") not in PROJECTOR_DTYPES:
         raise BadInput(f"{MANIFEST}: 'projector.dtype' is {proj.get('dtype')!r}, expected one of "
                        f"{', '.join(PROJECTOR_DTYPES)}")
-    dtype, group = proj["dtype"], proj.get("group_size")
-    if dtype == "int8" and (not isinstance(group, int) or isinstance(group, bool) or group < 1):
-        raise BadInput(f"{MANIFEST}: 'projector.group_size' must be a positive integer, got {group!r}")
+    dtype, group = proj["dtype"], integer(proj.get("group_size"))  # 128.0 is 128, as a JavaScript reader sees it
+    if dtype == "int8" and (group is None or group < 1):
+        raise BadInput(f"{MANIFEST}: 'projector.group_size' must be a positive integer, got {proj.get('group_size')!r}")
     raw: dict[int, dict[str, tuple[str, np.ndarray]]] = {}
     where: dict[str, str] = {}
     for fname in proj["files"]:
