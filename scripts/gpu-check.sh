@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check (bench/gpu_check.py): on a lent GPU machine, install the wheels scripts/gpu-wheels.sh fetched
 # (carried as .whl) into /tmp/site, put them and this working tree on PYTHONPATH (ridgefill is not installed), and
-# run the check; gpu.json and gpu-check.log land in $OUT (default bench/out/gpu).
+# run the check; gpu.json and gpu-check.log land in $OUT (default bench/out/gpu). It measures ridgefill's runtime
+# (capture, solve, eval, the prefill at an 8B model's shape), not the vLLM plugin: no vLLM GPU build can be installed
+# on the lent machines (docs/bench.md, "The GPU check").
 #   bash scripts/gpu-check.sh            # on the GPU machine (the image's python3)
 #   bash scripts/gpu-check.sh --dry-run  # here: the same steps on the CPU at tiny sizes, with .venv
 set -euo pipefail
