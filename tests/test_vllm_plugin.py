@@ -57,6 +57,17 @@ def engine_env(release: Path | None, **extra) -> dict:
     return env | {"OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2")} | extra
 
 
+def extra_plugin(site: Path, module: str, source: str) -> Path:
+    """A test-only vLLM plugin `module` (its `register` a `vllm.general_plugins` entry point) in the folder `site`, to
+    put on an engine's PYTHONPATH beside ridgefill's plugin."""
+    info = site / f"{module}-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{module} = {module}:register\n")
+    (site / f"{module}.py").write_text(source)
+    return site
+
+
 def run_engine(work: Path, name: str, model: Path, prompts: dict, runs: list, env: dict, timeout=None) -> dict:
     spec, out = work / f"jobs-{name}.json", work / f"results-{name}.json"
     spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "runs": runs}))
@@ -746,13 +757,7 @@ def test_host_syncs_per_filling_step(tiny, tmp_path):
     test-only vLLM plugin, installed beside ridgefill's for these engines only; vLLM's own checker,
     VLLM_GPU_SYNC_CHECK, runs on CUDA only): one, the read of the fill mask, for a plain release and for a
     ridgefill+protected one (whose protected tokens are looked up in a table: torch.isin would sort, and wait)."""
-    site = tmp_path / "site"
-    (site / "ridgefill_syncs-0.dist-info").mkdir(parents=True)
-    (site / "ridgefill_syncs-0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: ridgefill-syncs\n"
-                                                                   "Version: 0\n")  # fmt: skip
-    (site / "ridgefill_syncs-0.dist-info" / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nridgefill_syncs = ridgefill_syncs:register\n")
-    (site / "ridgefill_syncs.py").write_text(SYNC_PLUGIN)
+    site = extra_plugin(tmp_path / "site", "ridgefill_syncs", SYNC_PLUGIN)
     figures = {}
     for arch, configuration in (("qwen2", "ridgefill"), ("qwen3", "ridgefill+protected")):
         t = tiny(arch, configuration, "input")
@@ -855,13 +860,7 @@ def test_ranks_that_would_decide_differently_agree_on_the_exact_rows(tiny, tmp_p
     t = tiny("qwen2", "ridgefill", "kv")
     names = [f"p{i}" for i in range(4)]
     prompts = {n: t["prompts"][n] for n in names}
-    site = tmp_path / "site"
-    (site / "ridgefill_fault-0.dist-info").mkdir(parents=True)
-    (site / "ridgefill_fault-0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: ridgefill-fault\n"
-                                                                   "Version: 0\n")  # fmt: skip
-    (site / "ridgefill_fault-0.dist-info" / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nridgefill_fault = ridgefill_fault:register\n")
-    (site / "ridgefill_fault.py").write_text(FAULT_PLUGIN)
+    site = extra_plugin(tmp_path / "site", "ridgefill_fault", FAULT_PLUGIN)
     runs = [{"name": name, "engine": TP_ENGINE | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
              "prompts": names, "submit": "together", "max_new": NEW} for name in ("agreed",)]  # fmt: skip
     plain = run_engine(tmp_path, "plain", t["model"], prompts, [runs[0] | {"name": "plain"}],
