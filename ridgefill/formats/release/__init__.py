@@ -15,8 +15,8 @@ from ridgefill.formats.release.folder import (check_out_dir, move_into_place, ou
 from ridgefill.formats.release.names import (BIAS, CARD, CODES, CONFIGURATIONS, CORRECTIONS_FILE,
                                              DEFAULT_SKIP_FIRST_ROWS, DOC_FILES, FORMAT, FORMAT_V1, FORMATS,
                                              GITATTRIBUTES, HUB_LEFTOVERS, INPUT_MAP, KV_MAP, LINEAR_KIND, MANIFEST,
-                                             MAP_KINDS, MAPS_FILE, MAX_MAP_OUTPUT, MAX_TAIL, META_FACTS, META_FORMAT, NOT_FACTS,
-                                             PLAIN, PROJECTOR_DTYPES, PROTECTED_FILE, PROTECTED_IDS, SCALES,
+                                             MAP_KINDS, MAPS_FILE, MAX_MAP_OUTPUT, MAX_TAIL, META_FACTS, META_FORMAT,
+                                             NOT_FACTS, PLAIN, PROJECTOR_DTYPES, PROTECTED_FILE, PROTECTED_IDS, SCALES,
                                              STATE_OFFSET, UNHASHED, WEIGHT, facts_json, facts_of, is_bare_name,
                                              offset_name, parse_tensor_name, tensor_name)
 from ridgefill.formats.release.manifest import read_manifest
@@ -26,9 +26,9 @@ from ridgefill.formats.release.write import write_eval, write_release
 
 __all__ = ["BIAS", "CARD", "CODES", "CONFIGURATIONS", "CORRECTIONS_FILE", "DEFAULT_SKIP_FIRST_ROWS", "DOC_FILES",
            "FORMAT", "FORMAT_V1", "FORMATS", "GITATTRIBUTES", "HUB_LEFTOVERS", "INPUT_MAP", "KV_MAP", "LINEAR_KIND",
-           "MANIFEST", "MAP_KINDS", "MAPS_FILE", "MAX_MAP_OUTPUT", "MAX_TAIL", "META_FACTS", "META_FORMAT", "NOT_FACTS", "PLAIN",
-           "PROJECTOR_DTYPES", "PROTECTED_FILE", "PROTECTED_IDS", "Release", "SCALES", "STATE_OFFSET", "UNHASHED",
-           "WEIGHT", "check_out_dir", "facts_json", "facts_of", "is_bare_name", "load_protected", "load_release",
-           "load_state_offsets", "map_bound", "move_into_place", "offset_name", "out_lock", "parse_tensor_name", "read_manifest",
-           "read_release", "read_tensors", "recover", "release_configuration", "same_files", "sibling",
-           "staging_dir", "tensor_name", "verify_release", "write_eval", "write_release"]  # fmt: skip
+           "MANIFEST", "MAP_KINDS", "MAPS_FILE", "MAX_MAP_OUTPUT", "MAX_TAIL", "META_FACTS", "META_FORMAT", "NOT_FACTS",
+           "PLAIN", "PROJECTOR_DTYPES", "PROTECTED_FILE", "PROTECTED_IDS", "Release", "SCALES", "STATE_OFFSET",
+           "UNHASHED", "WEIGHT", "check_out_dir", "facts_json", "facts_of", "is_bare_name", "load_protected",
+           "load_release", "load_state_offsets", "map_bound", "move_into_place", "offset_name", "out_lock",
+           "parse_tensor_name", "read_manifest", "read_release", "read_tensors", "recover", "release_configuration",
+           "same_files", "sibling", "staging_dir", "tensor_name", "verify_release", "write_eval", "write_release"]  # fmt: skip

@@ -6,13 +6,15 @@
 name), the folder's entries (nothing unlisted, no symbolic link), every file's sha256, the facts maps.safetensors
 records against the manifest (compared by value), the hashes the facts record for the other tensor files, and then
 the release's `configuration`, its `fit.exact_norm` and every tensor of every file, decoded as a runtime would use
-it, then the facts it is applied with (split, tail, the rows the fit left out, the layers) and, in a
-`ridgefill-maps/2` release, the map kinds and the maps' widths. `verify_release` and `load_release` are it;
-`release_configuration` is the configuration a verified manifest records.
+it, then the facts it is applied with (split, tail, the rows the fit left out, the layers, the model's name and
+data), in a `ridgefill-maps/2` release the map kinds and the maps' widths, and last the largest value a map writes
+(rule 13, `map_bound`). `verify_release` and `load_release` are it; `release_configuration` is the configuration a
+verified manifest records.
 
 A `Release` is the one place a runtime takes "the release as applied" from: `split`, `tail`, `anchor`,
-`exact_norm`, `configuration`, `map_kinds`, `kv_width`, computed and checked once when it is read, and
-`check_model(...)`, the one-line refusal of a model it was not made for.
+`exact_norm`, `configuration`, `map_kinds`, `kv_width`, `output_bound`, computed and checked once when it is read;
+`fill_options()`, the one mapping of those facts to the options every runtime fills with; and `check_model(...)`,
+the one-line refusal of a model it was not made for, which the reference runtime, eval and the vLLM plugin all make.
 """
 
 from __future__ import annotations
