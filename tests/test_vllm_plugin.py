@@ -279,14 +279,17 @@ def test_the_fill_in_bfloat16_is_no_further_from_its_reference_than_stock_bfloat
 
 
 def test_every_vllm_internal_the_fill_touches_is_in_the_installed_vllm():
-    """internals.INTERNALS resolves, entry by entry, in the installed vLLM, and CommonAttentionMetadata has every
-    field the fill sets: a vLLM that moved one is caught here, by name, not in a server."""
+    """internals.INTERNALS resolves, entry by entry, in the installed vLLM, CommonAttentionMetadata has every
+    field the fill sets, and the configuration has every field the startup checks read (internals.CONFIG_FIELDS):
+    a vLLM that moved one is caught here, by name, not in a server."""
     code = ("import dataclasses, json\nfrom ridgefill.engines.vllm import internals\nmissing = []\n"
             "for where, _, _ in internals.INTERNALS:\n    try:\n        internals.resolve(where)\n"
             "    except (ImportError, AttributeError) as e:\n        missing.append(f'{where}: {e}')\n"
             "cam = internals.resolve('vllm.v1.attention.backend:CommonAttentionMetadata')\n"
             "fields = {f.name for f in dataclasses.fields(cam)}\n"
             "missing += [f'CommonAttentionMetadata.{f}' for f in internals.COMMON_FIELDS if f not in fields]\n"
+            "for path in internals.CONFIG_FIELDS:\n    try:\n        internals.resolve_field(path)\n"
+            "    except AttributeError as e:\n        missing.append(f'{path}: {e}')\n"
             "print(json.dumps([internals.version_problem(), missing]))")  # fmt: skip
     r = subprocess.run([vllm_python(), "-c", code], capture_output=True, text=True, cwd=ROOT, env=engine_env(None))
     assert r.returncode == 0, r.stderr[-4000:]

@@ -25,6 +25,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ridgefill import environment
 from ridgefill.capture.stats import FIELDS, Moments
 from ridgefill.errors import BadInput, RidgefillError
 
@@ -37,10 +38,9 @@ class World:
     """This process's place among torchrun's workers (rank 0 of 1 without torchrun)."""
 
     def __init__(self) -> None:
-        env = os.environ
-        self.size = int(env.get("WORLD_SIZE", "1") or 1)
-        self.rank = int(env.get("RANK", "0") or 0) if self.size > 1 else 0
-        self.local_rank = int(env.get("LOCAL_RANK", "0") or 0) if self.size > 1 else 0
+        self.size = int(environment.get(environment.WORLD_SIZE))
+        self.rank = int(environment.get(environment.RANK)) if self.size > 1 else 0
+        self.local_rank = int(environment.get(environment.LOCAL_RANK)) if self.size > 1 else 0
         self._up = False
 
     @property
@@ -154,7 +154,7 @@ class World:
 
     def fault_point(self, block: int) -> None:
         """Test hook: RIDGEFILL_FAULT=RANK:BLOCK kills this rank (no cleanup, like kill -9) after that block."""
-        spec = os.environ.get("RIDGEFILL_FAULT", "")
+        spec = environment.get(environment.RIDGEFILL_FAULT)
         if self.distributed and spec == f"{self.rank}:{block}":
             os._exit(137)
 

