@@ -58,7 +58,7 @@ def main() -> None:
         lm.model.save_pretrained(hf)
         spec, out = bench.scratch / "jobs.json", bench.scratch / "results.json"
         spec.write_text(json.dumps({"model": str(hf), "jobs": jobs}))
-        r = subprocess.run([py, "-m", "ridgefill.engines.vllm.runner", spec, out], capture_output=True, text=True,
+        r = subprocess.run([py, REPO / "tests" / "vllm_runner.py", spec, out], capture_output=True, text=True,
                            cwd=REPO)  # fmt: skip
         if r.returncode:
             raise SystemExit(f"engine_ttft: the vLLM runner failed:\n{r.stderr[-3000:]}")

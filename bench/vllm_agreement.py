@@ -13,7 +13,7 @@ the standard library's long modules that the calibration corpus leaves out):
    `--new` tokens and its own top-2 log-probability margin at every position (tests/engine_refs.py, the engine
    tests' code), kept per prompt in `--work` (default bench/out/vllm_agreement-<model>.work.json, keyed by the
    prompt's tokens, begun again when the release or the settings differ): a stopped run resumes;
-2. vLLM's offline engine (ridgefill.engines.vllm.plugin_runner) in `--engine-dtype` with each `--tp` number of
+2. vLLM's offline engine (tests/vllm_plugin_runner.py) in `--engine-dtype` with each `--tp` number of
    ranks, chunked prefill, the prompts one after another: with RIDGEFILL_RELEASE (the fill) and without it (stock);
 3. the distances (engine_refs.distance): first token and greedy answer equal, the first-token margin's and every
    step's margin's absolute difference (mean, max; the steps up to each answer's first difference); for the fill
@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from engine_refs import agreement, distance, reference  # noqa: E402
 
 VLLM = REPO / ".engines" / "vllm"
-RUNNER = "ridgefill.engines.vllm.plugin_runner"
+RUNNER = REPO / "tests" / "vllm_plugin_runner.py"
 MARGIN_TOL = 1e-3  # nats, float32 on both sides (the engine tests' tolerance)
 
 
@@ -98,7 +98,7 @@ def run_engine(bench, name: str, folder: Path, prompts: dict, args, tp: int, rel
     if release_dir is not None:
         env["RIDGEFILL_RELEASE"] = str(release_dir)
     t = time.perf_counter()
-    r = subprocess.run([VLLM / "bin" / "python", "-m", RUNNER, spec, out], capture_output=True, text=True, cwd=REPO,
+    r = subprocess.run([VLLM / "bin" / "python", RUNNER, spec, out], capture_output=True, text=True, cwd=REPO,
                        env=env)  # fmt: skip
     if r.returncode:
         raise SystemExit(f"vllm_agreement: the {name} engine failed:\n{r.stderr[-4000:]}")

@@ -34,7 +34,7 @@ import pytest
 from engine_refs import NEAR_TIE, margin, reference_path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINES = {"vllm": "ridgefill.engines.vllm.runner", "llamacpp": "ridgefill.engines.llamacpp_runner"}
+ENGINES = {"vllm": ROOT / "tests" / "vllm_runner.py", "llamacpp": ROOT / "tests" / "llamacpp_runner.py"}
 RELEASE = Path(os.environ.get("RIDGEFILL_ENGINE_RELEASE", ROOT / "release" / "smollm2-135m"))
 PROMPTS, N, T, NEW = 20, 512, 128, 16
 FOLD_CONTEXTS, QUESTIONS = 4, 5
@@ -163,7 +163,7 @@ def run_engine(engine: str, served, kinds, *, flash_attn: bool = False, prompts:
     jobs = [j for k in kinds for j in served["jobs"][k][:prompts]]
     spec, out = served["work"] / f"jobs-{engine}.json", served["work"] / f"results-{engine}.json"
     spec.write_text(json.dumps({"model": str(model), "jobs": jobs, "flash_attn": flash_attn}))
-    r = subprocess.run([py, "-m", ENGINES[engine], spec, out], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([py, ENGINES[engine], spec, out], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-4000:]
     return {x["name"]: x for x in json.loads(out.read_text())["results"]}
 
@@ -269,7 +269,7 @@ def test_vllm_connector_serves_a_batch_with_preempted_and_bad_requests(served):
              "prompts": [j["name"] for j in good], "submit": "together", "max_new": NEW}]  # fmt: skip
     spec, out = work / "jobs-connector.json", work / "results-connector.json"
     spec.write_text(json.dumps({"model": str(served["hf"]), "prompts": prompts, "runs": runs, "requests": requests}))
-    r = subprocess.run([py, "-m", "ridgefill.engines.vllm.plugin_runner", spec, out], capture_output=True, text=True,
+    r = subprocess.run([py, ROOT / "tests" / "vllm_plugin_runner.py", spec, out], capture_output=True, text=True,
                        cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "RIDGEFILL_RELEASE"})  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(out.read_text())["runs"]
@@ -389,7 +389,7 @@ def test_vllm_connector_with_two_tensor_parallel_ranks(tmp_path):
     spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "runs": runs, "requests": requests}))
     env = {k: v for k, v in os.environ.items() if k != "RIDGEFILL_RELEASE"}
     env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    r = subprocess.run([py, "-m", "ridgefill.engines.vllm.plugin_runner", spec, out], capture_output=True, text=True,
+    r = subprocess.run([py, ROOT / "tests" / "vllm_plugin_runner.py", spec, out], capture_output=True, text=True,
                        cwd=ROOT, env=env)  # fmt: skip
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     got = {run: {o["prompt"]: o for o in v["outputs"]} for run, v in json.loads(out.read_text())["runs"].items()}

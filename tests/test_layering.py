@@ -18,8 +18,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ridgefill"
 # ridgefill imports; formats reads and writes files; hub talks to the Hub; models loads them; runtime is the fill; then the
 # stages in pipeline order (sweep measures splits with eval's code; fold stands apart); recipe runs the chain; cli
 # parses and prints. engines (connectors for serving engines) has its place before it exists.
-ORDER = ["errors", "output", "numerics", "lazy", "memory", "artifacts", "formats", "hub", "models", "runtime", "capture", "solve",
-         "quantize", "export", "evaluate", "sweep", "fold", "engines", "recipe", "cli", "__main__"]
+ORDER = ["environment", "errors", "output", "numerics", "lazy", "memory", "artifacts", "formats", "hub", "models",
+         "runtime", "capture", "solve", "quantize", "export", "evaluate", "sweep", "fold", "engines", "recipe", "cli",
+         "__main__"]  # environment: the table of variables read, below everything
 
 
 def _modules():
@@ -49,10 +50,9 @@ def graph() -> dict[str, set[str]]:
         if parts == ("__init__",):
             continue
         me = _top(parts)
-        for module, _ in _imports(tree):
-            other = module.split(".")[1] if "." in module else None
-            if other and other != me:
-                edges[me].add(other)
+        for module, names in _imports(tree):
+            others = [module.split(".")[1]] if "." in module else [n for n in names if n != "__version__"]
+            edges[me].update(o for o in others if o != me)
     return edges
 
 

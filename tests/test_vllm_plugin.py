@@ -39,7 +39,7 @@ VLLM = ROOT / ".engines" / "vllm"
 RELEASE = Path(os.environ.get("RIDGEFILL_ENGINE_RELEASE", ROOT / "release" / "smollm2-135m"))
 PROMPTS, N, NEW, EXTEND, BLOCK = 12, 1536, 16, 256, 128
 MARGIN_TOL = 1e-3  # nats: the engine's first-token margin against the reference's (float32 on both sides)
-RUNNER = "ridgefill.engines.vllm.plugin_runner"
+RUNNER = ROOT / "tests" / "vllm_plugin_runner.py"
 
 pytestmark = [pytest.mark.engines, pytest.mark.slow]
 
@@ -71,7 +71,7 @@ def extra_plugin(site: Path, module: str, source: str) -> Path:
 def run_engine(work: Path, name: str, model: Path, prompts: dict, runs: list, env: dict, timeout=None) -> dict:
     spec, out = work / f"jobs-{name}.json", work / f"results-{name}.json"
     spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "runs": runs}))
-    r = subprocess.run([vllm_python(), "-m", RUNNER, spec, out], capture_output=True, text=True, cwd=ROOT, env=env,
+    r = subprocess.run([vllm_python(), RUNNER, spec, out], capture_output=True, text=True, cwd=ROOT, env=env,
                        timeout=timeout)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(out.read_text())["runs"]

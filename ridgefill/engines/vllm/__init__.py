@@ -14,7 +14,9 @@ vLLM runs a server in up to three kinds of process, and calls the plugin (`plugi
     served.py         the release an engine fills with: located, read, checked (numpy only)
     connector.py      RidgefillConnector: engine caches loaded into vLLM's paged KV cache
     loads.py          the connector's rules (numpy only)
-    runner.py, plugin_runner.py   offline runners of job files (the tests and benches drive vLLM through them)
+
+The offline runners of job files the tests and benches drive vLLM through are tests/vllm_runner.py and
+tests/vllm_plugin_runner.py, outside the package.
 
 `ridgefill.engines.vllm.RidgefillConnector` is the name a user gives vLLM (`kv_connector_module_path`); it is
 imported on first use, so the numpy-only modules load without vLLM.

@@ -2,7 +2,7 @@
 fill plugin) or the engine settings name (the ridgefill KV connector), under several engine settings in one
 process; in vLLM's environment:
 
-    python -m ridgefill.engines.vllm.plugin_runner JOBS.json RESULTS.json
+    python tests/vllm_plugin_runner.py JOBS.json RESULTS.json
 
 JOBS: {"model": path, "prompts": {name: [token ids]}, "runs": [run, ...],
        "requests": {name: {"cache": str, "salt": str}}}    # optional: a prompt's ridgefill cache and cache_salt
@@ -32,7 +32,7 @@ import os
 import sys
 import time
 
-from ridgefill.engines.jobs import main_args, top2
+from engine_jobs import main_args, top2
 
 DEFAULTS = {"dtype": "float32", "skip_tokenizer_init": True, "seed": 0, "enforce_eager": True,
             "disable_log_stats": False}  # fmt: skip

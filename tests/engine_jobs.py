@@ -1,4 +1,4 @@
-"""The job and result files between ridgefill and an engine runner (`python -m ridgefill.engines.<engine>_runner`).
+"""The job and result files between ridgefill and an engine runner (`python tests/<engine>_runner.py`).
 
 A job file is JSON: {"model": <engine model path>, "jobs": [job, ...]}; a job is
 
@@ -12,6 +12,9 @@ and its result {"name", "greedy": [int, ...], "forced_top1": [int, ...], "forced
 "seconds": float} (a measure_only job: "name" and "seconds"): `forced_top1[i]` is the engine's top-1 token after
 ids + forced[:i] (len(forced) + 1 entries), `forced_margin[i]` its log-probability margin over the engine's second
 choice, and `seconds` the time to the first token (cache loading included). Standard library only.
+
+The runners are test and bench tools, not part of the package: run as scripts with an engine environment's python,
+they import this module from their own folder and ridgefill from the checkout that environment has on its path.
 """
 
 from __future__ import annotations
@@ -42,5 +45,5 @@ def top2(entry) -> list[list]:
 
 def main_args() -> tuple[Path, Path]:
     if len(sys.argv) != 3:
-        raise SystemExit(f"usage: python -m {sys.argv[0]} JOBS.json RESULTS.json")
+        raise SystemExit(f"usage: python {sys.argv[0]} JOBS.json RESULTS.json")
     return Path(sys.argv[1]), Path(sys.argv[2])

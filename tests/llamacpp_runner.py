@@ -1,6 +1,6 @@
-"""Run engine jobs (ridgefill.engines.jobs) in llama.cpp through llama-cpp-python; in its environment:
+"""Run engine jobs (tests/engine_jobs.py) in llama.cpp through llama-cpp-python; in its environment:
 
-    python -m ridgefill.engines.llamacpp_runner JOBS.json RESULTS.json
+    python tests/llamacpp_runner.py JOBS.json RESULTS.json
 
 The GGUF (`model` in the job file, F32 or F16) runs with F32 keys and values, one sequence. Per job: the cache is
 injected (`llamacpp.inject`) and the remaining prompt positions evaluated, timed to the first token; greedy
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from ridgefill.engines.jobs import main_args, read_jobs, write_results
+from engine_jobs import main_args, read_jobs, write_results
 from ridgefill.engines.llamacpp import clear, inject, probe
 
 

@@ -1,6 +1,6 @@
-"""Run engine jobs (ridgefill.engines.jobs) in vLLM, offline, with the ridgefill connector; in vLLM's environment:
+"""Run engine jobs (tests/engine_jobs.py) in vLLM, offline, with the ridgefill connector; in vLLM's environment:
 
-    python -m ridgefill.engines.vllm.runner JOBS.json RESULTS.json
+    python tests/vllm_runner.py JOBS.json RESULTS.json
 
 The model runs in float32 with prefix caching on, as in a server (each request salted with its cache's sha256), in
 one process (VLLM_ENABLE_V1_MULTIPROCESSING=0), the connector reading caches from the job file's "cache_dir" (by
@@ -15,8 +15,8 @@ import os
 import time
 from pathlib import Path
 
+from engine_jobs import main_args, read_jobs, top2, write_results
 from ridgefill.artifacts import sha256_file
-from ridgefill.engines.jobs import main_args, read_jobs, top2, write_results
 
 
 def _margin(entry) -> tuple[int, float]:
