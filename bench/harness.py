@@ -98,6 +98,8 @@ FIGURES = {
     "long_context": Figure("long_context.py", "a release at its split on long prompts (4K-32K): single needles in "
                            "the filled prefix, exact / fitted maps / identity fill, paired; ΔNLL on all and key tokens "
                            "of long code and prose", "points, nats", None),
+    "release_memory": Figure("release_memory.py", "decoded maps a vLLM process holds once the fill plugin read a "
+                             "release: bytes kept (the facts) / bytes of the release as read", "ratio", "<= 0.05"),
     "sweep": Figure("sweep_bench.py", "adaptive and exhaustive `ridgefill sweep` (given its capture) / one default "
                     "eval: wall, CPU; whether they recommend the same", "ratio", "adaptive_cpu <= 4"),
 }
