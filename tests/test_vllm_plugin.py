@@ -37,7 +37,7 @@ from engine_refs import agreement, distance
 ROOT = Path(__file__).resolve().parents[1]
 VLLM = ROOT / ".engines" / "vllm"
 RELEASE = Path(os.environ.get("RIDGEFILL_ENGINE_RELEASE", ROOT / "release" / "smollm2-135m"))
-PROMPTS, N, NEW, EXTEND, BLOCK = 12, 1536, 16, 256, 128
+PROMPTS, N, NEW, EXTEND, BLOCK = 8, 1536, 16, 256, 128
 MARGIN_TOL = 1e-3  # nats: the engine's first-token margin against the reference's (float32 on both sides)
 RUNNER = ROOT / "tests" / "vllm_plugin_runner.py"
 
@@ -155,7 +155,9 @@ def smol(smol_model):
     for run in runs:
         run.setdefault("max_new", NEW)
     fill = run_engine(work, "fill", model, prompts, runs, engine_env(RELEASE))
-    off_runs = [runs[3] | {"name": "off"}]
+    # The switch off against no plugin: a few requests of the prefix-caching run (two prompts, each sent
+    # again, one extended) show bit-for-bit equality as well as all of them.
+    off_runs = [runs[3] | {"name": "off", "prompts": ["p0", "p1", "p0", "p1", "e0"]}]
     off = run_engine(work, "off", model, prompts, off_runs, engine_env(None))
     stock = run_engine(work, "stock", model, prompts, off_runs, engine_env(None, VLLM_PLUGINS=""))
     return smol_model | {"refs": refs, "fill": fill, "off": off["off"], "stock": stock["off"]}
@@ -253,16 +255,16 @@ def test_a_preempted_prompt_logprobs_request_is_recomputed_exactly(smol_model, t
 BF16_PROMPTS = 8
 
 
-def test_the_fill_in_bfloat16_is_no_further_from_its_reference_than_stock_bfloat16(smol_model, tmp_path):
+def test_the_fill_in_bfloat16_is_no_further_from_its_reference_than_stock_bfloat16(smol_model, smol, tmp_path):
     """bfloat16, the dtype a GPU server runs: the fill in vLLM in bfloat16 against the float32 reference fill,
     beside stock vLLM in bfloat16 against the float32 exact model, on the same prompts. The rule: the fill is no
     further from its reference than stock is from its own, on greedy answers (as many equal, less one: a near-tie
     may part either way) and on the mean top-2 margin difference over every generated token (at most 1.5 x stock's:
     bfloat16's rounding in the fill's own GEMMs, the maps' included, is of the same size as the model's)."""
-    lm, rel = smol_model["lm"], smol_model["rel"]
+    lm = smol_model["lm"]
     names = [f"p{i}" for i in range(BF16_PROMPTS)]
     prompts = {n: smol_model["prompts"][n] for n in names}
-    fill_refs = {n: reference(lm, prompts[n], rel.arm, **rel.options()) for n in names}
+    fill_refs = {n: smol["refs"][n] for n in names}  # the float32 reference fill: computed once, by `smol`
     exact_refs = {n: reference(lm, prompts[n], "exact", split=0, tail=N) for n in names}
     run = {"name": "bf16", "engine": CHUNKED | {"max_num_batched_tokens": 512, "dtype": "bfloat16"}, "prompts": names,
            "max_new": NEW}  # fmt: skip
@@ -466,7 +468,7 @@ def test_the_switch_off_is_vllm_without_the_plugin_bit_for_bit(smol):
     assert off["stats"] is None and stock["stats"] is None
     assert off["outputs"] == stock["outputs"]
     fig = agreement(off["outputs"], smol["refs"])  # and the stock engine is not the fill
-    assert fig["first_margin_max_diff"] > MARGIN_TOL or fig["first_token_equal"] < PROMPTS, fig
+    assert fig["first_margin_max_diff"] > MARGIN_TOL or fig["first_token_equal"] < fig["prompts"], fig
 
 
 KV_PROMPTS = 4  # a few prompts: the key/value release's runs add little to the engine suite's time
