@@ -904,3 +904,33 @@ def test_the_compile_cache_is_keyed_by_the_release(tiny, tmp_path):
         assert len({str(k[part]) for k in keys}) == 3, (part, keys)
     assert got["input-3"]["ridgefill"] == {"release": json.loads((releases["input-3"] / "ridgefill.json").read_text())
                                            ["files"]["maps.safetensors"], "split": 3, "maps": ["input"]}
+
+
+def test_two_compiled_servers_sharing_one_compile_cache_answer_as_their_releases(tiny, tmp_path):
+    """Two compiled engines (vLLM's default) on one VLLM_CACHE_ROOT, one after the other, with releases at two splits
+    and of two kinds: each answers as its own release's reference (what an engine on an empty cache answers), and each
+    compiled its parts into a cache folder of its own, so the second never loaded the first's."""
+    a, b = tiny("qwen2", "ridgefill", "input"), tiny("qwen2", "ridgefill", "kv", split=3)
+    cache = tmp_path / "vllm-cache"
+    names = [f"p{i}" for i in range(2)]
+    engine = {"max_model_len": 256, "enable_prefix_caching": False, "max_num_batched_tokens": 128,
+              "max_num_seqs": 2, "enforce_eager": False}
+    folders = []
+    for name, t in (("input-2", a), ("kv-3", b)):
+        prompts, refs = {n: t["prompts"][n] for n in names}, {n: t["refs"][n] for n in names}
+        run = {"name": name, "engine": engine, "prompts": names, "submit": "together", "max_new": NEW}
+        got = run_engine(tmp_path, name, t["model"], prompts, [run], engine_env(t["release"], VLLM_CACHE_ROOT=str(cache)))
+        check(agreement(got[name]["outputs"], refs), len(names))
+        assert got[name]["stats"]["warm_up_s"] is not None  # compiled, and run once at start-up
+        folders.append(compile_folders(cache))
+    # vLLM 0.32 compiles ahead of time on the CPU: one folder per part (the backbone and the fill's three), each named
+    # by its key; the second engine added four of its own rather than finding the first's
+    assert len(folders[0]) == 4 and len(folders[1]) == 8 and folders[0] < folders[1], folders
+
+
+def compile_folders(root: Path) -> set[str]:
+    """The keyed folders of vLLM's compile cache under VLLM_CACHE_ROOT `root`: each AOT artifact's
+    (torch_aot_compile/<hash>) and each piecewise cache's (<hash>)."""
+    cache = root / "torch_compile_cache"
+    aot = {f"aot/{p.name}" for p in (cache / "torch_aot_compile").glob("*") if p.is_dir()}
+    return aot | {p.name for p in cache.glob("*") if p.is_dir() and p.name != "torch_aot_compile"}
