@@ -24,8 +24,8 @@ hf://owner/name[@rev] pulled and verified once, then read from the cache), and
   and how many of the block's rows were prefix rows for the request that computed it (`plan.prefix_rows_in_block`),
   so a cached block is reused only where it holds what the plan would write.
 
-The patches (patches.py) are written for vLLM 0.32 (`internals.supported()`, ridgefill's `vllm` extra); another version is refused at startup
-rather than run on guesses.
+The patches (patches.py) are written for vLLM 0.32 (`internals.supported()`, ridgefill's `vllm` extra); another
+version is refused at startup rather than run on guesses.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Refused(RuntimeError):
 
 def register() -> None:
     """vLLM's `vllm.general_plugins` entry point."""
-    if served.PROCESS.fill is not None or not environment.raw(served.ENV):  # unset or empty: vLLM untouched (blanks are refused below)
+    if served.PROCESS.fill is not None or not environment.raw(served.ENV):  # unset or empty: vLLM runs untouched
         return
     sys.excepthook = _one_line(sys.excepthook)
     try:

@@ -31,4 +31,5 @@ __all__ = ["BIAS", "CARD", "CODES", "CONFIGURATIONS", "CORRECTIONS_FILE", "DEFAU
            "UNHASHED", "WEIGHT", "check_out_dir", "facts_json", "facts_of", "is_bare_name", "load_protected",
            "load_release", "load_state_offsets", "map_bound", "move_into_place", "offset_name", "out_lock",
            "parse_tensor_name", "read_manifest", "read_release", "read_tensors", "recover", "release_configuration",
-           "same_files", "sibling", "staging_dir", "tensor_name", "verify_release", "write_eval", "write_release"]  # fmt: skip
+           "same_files", "sibling", "staging_dir", "tensor_name", "verify_release", "write_eval",
+           "write_release"]  # fmt: skip

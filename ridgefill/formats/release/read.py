@@ -2,14 +2,14 @@
 "Verifying"). numpy only.
 
 `read_release(dir)` checks, in this order, and refuses the first problem in one line naming the file or field
-(the first five, rules 1-9, are manifest.py's `verified_manifest`): the manifest (JSON without duplicate keys, NaN or infinity, format), `files` (bare names, hashes, the files the facts
-name), the folder's entries (nothing unlisted, no symbolic link), every file's sha256, the facts maps.safetensors
-records against the manifest (compared by value), the hashes the facts record for the other tensor files, and then
-the release's `configuration`, its `fit.exact_norm` and every tensor of every file, decoded as a runtime would use
-it, then the facts it is applied with (split, tail, the rows the fit left out, the layers, the model's name and
-data), in a `ridgefill-maps/2` release the map kinds and the maps' widths, and last the largest value a map writes
-(rule 13, `map_bound`). `verify_release` and `load_release` are it; `release_configuration` is the configuration a
-verified manifest records.
+(the first five, rules 1-9, are manifest.py's `verified_manifest`): the manifest (JSON without duplicate keys, NaN
+or infinity, format), `files` (bare names, hashes, the files the facts name), the folder's entries (nothing unlisted,
+no symbolic link), every file's sha256, the facts maps.safetensors records against the manifest (compared by
+value), the hashes the facts record for the other tensor files, and then the release's `configuration`, its
+`fit.exact_norm` and every tensor of every file, decoded as a runtime would use it, then the facts it is applied
+with (split, tail, the rows the fit left out, the layers, the model's name and data), in a `ridgefill-maps/2`
+release the map kinds and the maps' widths, and last the largest value a map writes (rule 13, `map_bound`).
+`verify_release` and `load_release` are it; `release_configuration` is the configuration a verified manifest records.
 
 A `Release` is the one place a runtime takes "the release as applied" from: `split`, `tail`, `anchor`,
 `exact_norm`, `configuration`, `map_kinds`, `kv_width`, `output_bound`, computed and checked once when it is read;
