@@ -81,7 +81,7 @@ class Builtin:
 # `ridgefill sweep`'s default budget (at most 10 points below exact on 40 single needles at 4K, 0.5 nats of key-token
 # ΔNLL; docs/sweep.md). For Gemma that is also the sweep's recommendation; why SmolLM2 keeps it although the sweep
 # recommends a shallower split with a longer tail, and Qwen although the sweep recommends a shallower split with
-# protected rows: the README's results. At the generic rule's splits (SmolLM2 15 of 30, Gemma 7 of 18) both small
+# protected rows: docs/sweep.md. At the generic rule's splits (SmolLM2 15 of 30, Gemma 7 of 18) both small
 # built-ins lose every filled-region needle.
 BUILTINS = {
     # The package's README: a copy of QuantFactory's Q4_1 GGUF of HuggingFaceTB's SmolLM2-135M-Instruct.
