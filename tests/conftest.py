@@ -4,6 +4,7 @@ on one of them (`tiny_chain`, `ChainSpec`), and the `slow` marker.
 Tests marked `slow` load the real built-in models (tens of seconds each); skip them with `-m "not slow"`.
 """
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,25 @@ def pytest_configure(config):
     # Registered here so that no pytest.ini is needed and `--strict-markers` accepts it.
     config.addinivalue_line("markers", "slow: loads a real built-in model (tens of seconds); -m 'not slow' skips")
     config.addinivalue_line("markers", "engines: runs a serving engine from .engines/ (scripts/test-engines.sh)")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # under pytest-xdist (scripts/test-engines.sh: `-n 2`)
+    if worker:  # one core per worker: its torch, and the engines it starts, bound there (vLLM binds every core)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(worker.removeprefix("gw")) % (os.cpu_count() or 1)))
+        torch.set_num_threads(1)
+
+
+# Under pytest-xdist's `--dist loadgroup`, the tests that share one of these costly module fixtures run on one worker,
+# which builds it once: {fixture: group}.
+SHARED_FIXTURES = {"smol_model": "smollm2-release", "served": "engine-caches"}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for item in items:
+        group = next((g for f, g in SHARED_FIXTURES.items() if f in getattr(item, "fixturenames", ())), None)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def tiny_model_fixture(name: str, arch: str, folder: str, **options):

@@ -36,8 +36,8 @@ from engine_refs import NEAR_TIE, margin, reference_path
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = {"vllm": ROOT / "tests" / "vllm_runner.py", "llamacpp": ROOT / "tests" / "llamacpp_runner.py"}
 RELEASE = Path(os.environ.get("RIDGEFILL_ENGINE_RELEASE", ROOT / "release" / "smollm2-135m"))
-PROMPTS, N, T, NEW = 12, 512, 128, 16
-FOLD_CONTEXTS, QUESTIONS = 3, 4  # as many folded prompts as PROMPTS
+PROMPTS, N, T, NEW = 6, 512, 128, 16
+FOLD_CONTEXTS, QUESTIONS = 2, 3  # as many folded prompts as PROMPTS
 CONTROL_MAX = 0.8
 QUESTION_TEXTS = ["\n\nQuestion: What is the text above about?\nAnswer:", "\n\nSummary of the text above:",
                   "\n\nQuestion: Which keyword does the text above describe?\nAnswer:",
