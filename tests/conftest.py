@@ -32,20 +32,6 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-# Under pytest-xdist's `--dist loadgroup`, the tests that share one of these costly module fixtures run on one worker,
-# which builds it once: {fixture: group}.
-SHARED_FIXTURES = {"smol_model": "smollm2-release", "served": "engine-caches"}
-
-
-def pytest_collection_modifyitems(config, items):
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    for item in items:
-        group = next((g for f, g in SHARED_FIXTURES.items() if f in getattr(item, "fixturenames", ())), None)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
 def tiny_model_fixture(name: str, arch: str, folder: str, **options):
     """The session fixture `name`: the tiny `arch` model (`make_tiny_model(..., **options)`), written once per session
     into a fresh temporary `tiny*/<folder>`."""
