@@ -95,9 +95,10 @@ FIGURES = {
     "capture_dtype": Figure("capture_dtype.py", "maps fitted from a bfloat16 capture vs a float32 capture: held-out "
                             "K/V cosine on the same rows, the maps' relative difference, eval figures (model in "
                             "float32), paired differences", "difference", None),
-    "long_context": Figure("long_context.py", "a release at its split on long prompts (4K-32K): single needles in "
-                           "the filled prefix, exact / fitted maps / identity fill, paired; ΔNLL on all and key tokens "
-                           "of long code and prose", "points, nats", None),
+    "long_context": Figure("long_context.py", "a release at its split on long prompts (4K-32K): the sweep's needle "
+                           "mix (eval's three tasks, both prompt forms) in the filled prefix, exact / fitted maps / "
+                           "identity fill, paired; ΔNLL on all and key tokens of long code and prose", "points, nats",
+                           None),
     "release_memory": Figure("release_memory.py", "decoded maps a vLLM process holds once the fill plugin read a "
                              "release: bytes kept (the facts) / bytes of the release as read", "ratio", "<= 0.05"),
     "sweep": Figure("sweep_bench.py", "adaptive and exhaustive `ridgefill sweep` (given its capture) / one default "

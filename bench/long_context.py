@@ -7,9 +7,10 @@
 The sweep and eval measure a release at 2K-4K tokens; people serve prompts of 16K-128K. Per length N (each of
 `--lengths`, with its own count of needle prompts and of documents per kind):
 
-1. **Needles**: the sweep's single-needle prompts at N tokens (ridgefill.sweep.needles.needle_suite: half in RULER's
-   noise filler, half in real prose, alternating, spread over eight depths of the filled prefix, the release's
-   tail). Each prompt runs the exact model once, keeping the state entering the split; the fitted maps
+1. **Needles**: the sweep's needle prompts at N tokens (ridgefill.sweep.needles.needle_suite: rounds of eval's
+   single, multi-key and multi-value needles through the chat template and as plain text, single needles in RULER's
+   noise filler and real prose in turn, the others in prose, spread over eight depths of the filled prefix, the
+   release's tail). Each prompt runs the exact model once, keeping the state entering the split; the fitted maps
    (`ridgefill`) and the identity fill (`identity`, x_hat = h_S) build only their late layers on it; the three
    answer by greedy decoding in one batch (evaluate.measure.fills, evaluate.needles.decode_and_score: eval's and
    the sweep's code). Per arm: accuracy; the drop against exact, paired by prompt (exact's points minus the arm's)
@@ -147,7 +148,7 @@ def measure_length(lm, src, n: int, tail: int, needles: int, per_kind: int, args
     from ridgefill.sweep.needles import needle_suite
 
     arms = plan(ARMS)
-    suite = needle_suite(lm, SweepConfig(length=n, tail=tail, needles=needles))
+    suite = needle_suite(lm, SweepConfig(length=n, long_length=0, tail=tail, needles=needles))
     rows = []
     for i, (hay, s) in enumerate(suite):
         key = f"{n}/needle/{digest(s.prompt_ids)}"  # by content: a run with other counts reuses what matches
@@ -157,12 +158,13 @@ def measure_length(lm, src, n: int, tail: int, needles: int, per_kind: int, args
             run = exact_run(lm, torch.tensor(s.prompt_ids), splits=[src.split])
             res, _ = fills(lm, run, src, arms, tail, logits_rows=1)
             ok = decode_and_score(lm, s, [res[a] for a in ARMS])
-            row = {"haystack": hay, "depth": s.depth, "tokens": len(s.prompt_ids), "answers": s.answers,
+            row = {"task": hay.task, "haystack": hay.haystack, "form": hay.form, "depth": s.depth,
+                   "tokens": len(s.prompt_ids), "answers": s.answers,
                    "correct": dict(zip(ARMS, map(bool, ok))), "seconds": round(time.perf_counter() - t, 2)}
             work.put(key, row)
             del run, res
         rows.append(row)
-        print(f"{n}: needle {i + 1}/{len(suite)} ({hay}, depth {s.depth}): "
+        print(f"{n}: needle {i + 1}/{len(suite)} ({hay.label}, depth {s.depth}): "
               f"{' '.join(a + ('+' if row['correct'][a] else '-') for a in ARMS)} {row['seconds']} s", flush=True)
     drows = []
     for kind, name, ids, _ in documents(lm, n, per_kind, src.calibration):
@@ -190,9 +192,12 @@ def needle_figures(rows: list[dict], args) -> dict:
     import numpy as np
 
     from ridgefill.numerics import paired_bootstrap
+    from ridgefill.sweep.needles import FORMS, TASKS
 
-    def pts(arm, sel=None):
-        return np.array([100.0 * r["correct"][arm] for r in rows if sel is None or r["haystack"] == sel])
+    before = {"task": "single", "form": "chat"}  # what a row kept from before the mix was
+
+    def pts(arm, sel=None, key="task"):
+        return np.array([100.0 * r["correct"][arm] for r in rows if sel is None or r.get(key, before[key]) == sel])
 
     def boot(a, b):
         return paired_bootstrap(a, b, samples=args.bootstrap, seed=0) if len(a) else None
@@ -200,9 +205,10 @@ def needle_figures(rows: list[dict], args) -> dict:
     out = {"prompts": len(rows), "accuracy": {a: float(pts(a).mean()) for a in ARMS},
            "drop": {a: boot(pts("exact"), pts(a)) for a in FILLS},
            "ridgefill_minus_identity": boot(pts("ridgefill"), pts("identity")),
-           "by_haystack": {h: {"prompts": int(len(pts("exact", h))),
-                               "accuracy": {a: float(pts(a, h).mean()) for a in ARMS} if len(pts("exact", h)) else None}
-                           for h in ("noise", "prose")}}
+           **{f"by_{key}": {h: {"prompts": int(len(pts("exact", h, key))),
+                                "accuracy": {a: float(pts(a, h, key).mean()) for a in ARMS}
+                                if len(pts("exact", h, key)) else None} for h in values}
+              for key, values in (("task", TASKS), ("form", FORMS))}}
     return out
 
 

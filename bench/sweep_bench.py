@@ -7,13 +7,13 @@ default `ridgefill eval` at one split, and whether the two recommend the same (s
 
 All run in this process, each in a fresh store (nothing is a cache hit) whose models/ links to the bench's model
 cache: first `evaluate` with the default settings on RELEASE_DIR, then the adaptive `sweep` with the default
-settings (8 splits, at most 40 needle prompts and 4 documents of 4,096 tokens), then the exhaustive one, each given
-capture ID (hard-linked from the store DIR, which must hold it with every split swept; the one capture pass is left
-out, as a release's own capture is). A sweep's time includes solving and quantizing every split. Value: adaptive /
-eval and exhaustive / eval, wall and CPU, with `agree` (the same recommended split, configuration and tail).
-`--splits` sweeps other splits than the default ones (`ridgefill sweep --splits` syntax); `--no-exhaustive` skips
-the exhaustive sweep (hours on one CPU thread); `--quick`: a tiny sweep and eval (one 1024-token length, a few
-needles, one document), which checks that the bench runs; its ratios mean little.
+settings (8 splits, at most 48 needle prompts in rounds of eval's kinds, and 4 documents of 4,096 tokens), then the
+exhaustive one, each given capture ID (hard-linked from the store DIR, which must hold it with every split swept;
+the one capture pass is left out, as a release's own capture is). A sweep's time includes solving and quantizing
+every split. Value: adaptive / eval and exhaustive / eval, wall and CPU, with `agree` (the same recommended split,
+configuration and tail). `--splits` sweeps other splits than the default ones (`ridgefill sweep --splits` syntax);
+`--no-exhaustive` skips the exhaustive sweep (hours on one CPU thread); `--quick`: a tiny sweep and eval (one
+1024-token length, a few needles, one document), which checks that the bench runs; its ratios mean little.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_bench import QUICK  # noqa: E402
 from harness import Bench, parser, release  # noqa: E402
 
-QUICK_SWEEP = {"length": 1024, "tail": 256, "scored": 128, "needles": 8, "documents": 1, "bootstrap": 200}
+QUICK_SWEEP = {"length": 1024, "long_length": 0, "tail": 256, "scored": 128, "needles": 8, "documents": 1,
+               "bootstrap": 200}
 
 
 def main() -> None:

@@ -29,7 +29,8 @@ def key_budget(monkeypatch):
     everything else within, so the needles decide splits 2 and 3, and the configurations are measured at split 1."""
     from ridgefill.sweep import documents
 
-    monkeypatch.setattr(documents, "key_over", lambda job, figures, cfg: job in ((1, "ridgefill"), (1, "identity")))
+    monkeypatch.setattr(documents, "over_budget",
+                        lambda job, figures, cfg: "key ΔNLL" if job in ((1, "ridgefill"), (1, "identity")) else None)
 
 
 @pytest.fixture(scope="module")
@@ -91,21 +92,22 @@ def test_adaptive_and_exhaustive_recommend_the_same(both):
     assert ad["search"]["ridgefill"]["edge"] == ex["search"]["ridgefill"]["edge"] == 2
     assert ad["recommended"]["split"] is not None
     # The prompts each job was measured on, counted by hand. The random model's exact forward answers no needle, so
-    # every pair is (wrong, wrong): no early look decides (within at 8 prompts needs P(Binomial(8, 0.2) = 0) =
-    # 0.168 below 0.05), and every job measured runs to the last look, all 16 prompts. Exhaustive: every split and
-    # arm, and every configuration and control at split 1 (rows, rows:tail, kscale, protected, protected:tail).
+    # every pair is (wrong, wrong): no early look decides (within at 12 prompts needs P(Binomial(12, 0.2) = 0) =
+    # 0.069 below 0.05), and every job measured runs to the last look, all 18 prompts (16 asked: 3 rounds of 6).
+    # Exhaustive: every split and arm, and every configuration and control at split 1 (rows, rows:tail, kscale,
+    # protected, protected:tail).
     # Adaptive: split 1 is over on key ΔNLL (no needle there), bisection measures 2 and 3 side by side (the last
     # open splits), and of the configurations only +kscale (the highest ceiling, within; test below).
     plain = [f"{s}/{a}" for s in (1, 2, 3) for a in ("ridgefill", "identity")]
     confs = ["1/ridgefill+rows", "1/ridgefill+rows:tail", "1/ridgefill+kscale", "1/ridgefill+protected",
              "1/ridgefill+protected:tail"]
-    assert ex["cost"]["needle_prompts"] == {job: 16 for job in plain + confs}
-    assert ad["cost"]["needle_prompts"] == {job: 16 for job in plain[2:] + ["1/ridgefill+kscale"]}
+    assert ex["cost"]["needle_prompts"] == {job: 18 for job in plain + confs}
+    assert ad["cost"]["needle_prompts"] == {job: 18 for job in plain[2:] + ["1/ridgefill+kscale"]}
     # Each prompt's exact forward runs once, in the needle pass, which keeps its early layers; the configuration
-    # pass (one pass of 16 prompts in both modes) reads them back for every prompt instead of running them again.
+    # pass (one pass of 18 prompts in both modes) reads them back for every prompt instead of running them again.
     for res in (ad, ex):
-        assert (res["cost"]["exact_forwards"], res["cost"]["early_layers_read_back"]) == (16, 16)
-        assert res["cost"]["prompts_with_exact_answer"] == 16 and res["exact"]["needle"] == 0.0
+        assert (res["cost"]["exact_forwards"], res["cost"]["early_layers_read_back"]) == (18, 18)
+        assert res["cost"]["prompts_with_exact_answer"] == 18 and res["exact"]["needle"] == 0.0
     # adaptive: split 1 is over on key ΔNLL (no needle there), and bisection visits 2 first
     assert not any(k.startswith("1/ridgefill") and not k.startswith("1/ridgefill+") for k in ad["cost"]["needle_prompts"])
     assert ad["search"]["ridgefill"]["measured"][0] == 2
@@ -115,12 +117,12 @@ def test_adaptive_and_exhaustive_recommend_the_same(both):
     summary = ad_art.manifest["summary"]
     assert summary["recommended"] == ad["recommended"]["split"] and summary["mode"] == "adaptive"
     assert summary["needle_prompts"] == ad["cost"]["needle_prompts"]
-    assert ad["rule"]["looks"] == [8, 16] and ex["rule"]["looks"] == [16]
+    assert ad["rule"]["looks"] == [12, 18] and ex["rule"]["looks"] == [18]  # 16 prompts: 3 whole rounds of 6
 
 
 def test_needle_outcomes_equal_independent_prefills(both, tiny_llama_1k):
     """Every needle outcome recorded (exact and each (split, arm)) is what an independent prefill of that arm and a
-    greedy decode give; the suite alternates noise and prose haystacks."""
+    greedy decode give; the suite holds eval's three tasks in both prompt forms."""
     from ridgefill.evaluate.arms import parse_arm
     from ridgefill.evaluate.needles import score_answer
     from ridgefill.models import load_model, resolve_model
@@ -132,12 +134,14 @@ def test_needle_outcomes_equal_independent_prefills(both, tiny_llama_1k):
     _, res = arts["adaptive"]
     lm = load_model(resolve_model(str(tiny_llama_1k), store_root=st.root), store_root=st.root)
     suite = needle_suite(lm, CFG)
-    assert [k for k, _ in suite] == ["noise", "prose"] * 8
-    assert [r["haystack"] for r in res["needles"]] == [k for k, _ in suite][: len(res["needles"])]
+    assert len(suite) == 18 and {(k.task, k.form) for k, _ in suite[:6]} == {
+        (t, f) for t in ("single", "multikey", "multivalue") for f in ("chat", "plain")}
+    assert [(r["task"], r["haystack"], r["form"], r["length"]) for r in res["needles"]] == [
+        tuple(k) for k, _ in suite][: len(res["needles"])]
     maps = {e["split"]: float_maps(st.get(e["quantize"])) for e in res["splits"]}
     text = lambda smp, r: lm.tokenizer.decode(greedy(lm, r, smp.max_new_tokens), skip_special_tokens=True)  # noqa: E731
     checked = 0
-    for row in res["needles"][:4]:
+    for row in res["needles"][:6]:  # one of each task and form
         _, smp = suite[row["index"]]
         ids = torch.tensor(smp.prompt_ids)
         assert row["exact"] == score_answer(smp, text(smp, prefill(lm, ids, "exact", split=0, tail=48)))

@@ -24,9 +24,15 @@ def ceiling(split, tail=T):
     return L * N / (split * (N - tail) + L * tail)
 
 
+def by_task(n):
+    """Right answers / prompts per task of n prompts in rounds of the three tasks (all right)."""
+    k = n // 3
+    return {"single": [n - 2 * k, n - 2 * k], "multikey": [k, k], "multivalue": [k, k]}
+
+
 def arm(verdict, needle=40.0, key=0.3, n=40):
     return {"verdict": verdict, "decided": "needles, 40 prompts", "needle": needle, "needle_exact": 100.0,
-            "needle_n": n, "needle_by_suite": {"noise": [n // 2, n // 2], "prose": [n // 2, n // 2]},
+            "needle_n": n, "needle_by_suite": by_task(n),
             "needle_minus_exact": {"mean": needle - 100.0, "low": needle - 110.0, "high": min(needle - 90.0, 0.0)},
             "dnll_key": key, "dnll_key_ci": {"mean": key, "low": key * 0.8, "high": key * 1.2}}
 
@@ -49,7 +55,7 @@ def entry(split, rf, ident, configurations=None, speed=None):
 def result(splits, edges=(None, None)):
     return {"model": "builtin:smollm2-135m", "num_layers": L, "length": N, "tail": T, "samples": 40, "documents": 4,
             "mode": "adaptive", "budget": {"max_needle_drop": 10.0, "max_key_dnll": 0.5},
-            "exact": {"needle": 100.0, "needle_by_suite": {"noise": [20, 20], "prose": [20, 20]}},
+            "exact": {"needle": 100.0, "needle_by_suite": by_task(40)},
             "search": {"ridgefill": {"edge": edges[0]}, "identity": {"edge": edges[1]}}, "splits": splits}
 
 
@@ -191,7 +197,7 @@ def test_table_has_a_row_per_split_and_per_configuration():
     cells = [[c.strip() for c in row.strip("│").split("│")] for row in rows]
     assert [c[0] for c in cells] == ["14", "16", "16 +rows", "18", "18 +rows ★", "20", "22"]
     assert cells[5] == ["20", f"{ceiling(20):.2f}", "1.30 [1.20, 1.40]", "0.750", "0.960/0.810 (0.850/0.570)",
-                        "40.0 [-70.0, -50.0] (40) 20/20|20/20", "40.0 (40)", "0.300 (0.300)", "✓ (✗)"]
+                        "40.0 [-70.0, -50.0] (40) 14/14|13/13|13/13", "40.0 (40)", "0.300 (0.300)", "✓ (✗)"]
     assert cells[1][2] == "1.60 [1.50, 1.70] noise"  # above its ceiling? 1.6 > 1.5 flagged by the sweep
     assert cells[4][6] == f"tail {T + 410}: 40.0 (40)" and cells[4][8] == "✓ (✗) beats"
 
@@ -203,7 +209,7 @@ def test_markdown_rows_and_the_lines_after():
     rows = [line for line in md.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 7 and all(row.count(" | ") == 8 for row in rows)
     # every line of the table, the header and the rule included, has exactly the 10 pipes of 9 cells: a "|" inside a
-    # cell (the header's "noise|prose", the per-haystack counts) is escaped
+    # cell (the header's "single|multi-key|multi-value", the per-task counts) is escaped
     table = [line for line in md.splitlines() if line.startswith("|")]
     assert len(table) == 2 + 7 and all(len(re.findall(r"(?<!\\)\|", line)) == 10 for line in table)
     assert rows[1].startswith("| 14 | ") and "\\|" in rows[1]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from ridgefill.cli.common import ModelArg, done, output, placed, store
 from ridgefill.solve.config import SolveConfig
-from ridgefill.sweep.config import DEFAULT_SPLITS, FLAGS, SweepConfig, renamed
+from ridgefill.sweep.config import DEFAULT_SPLITS, FLAGS, LONG_LENGTH, SweepConfig, renamed
 
 D = SweepConfig()
 
@@ -21,13 +22,15 @@ def sweep(
     data: Annotated[Optional[list[str]], typer.Option("--data", help="Calibration text for the capture (as in `capture`; default builtin:default). Repeatable.")] = None,
     capture_ref: Annotated[Optional[str], typer.Option("--capture", help="Reuse this capture artifact (it must have every split).")] = None,
     length: Annotated[int, typer.Option("--length", help="Prompt length in tokens (needles, documents, speed).")] = D.length,
+    long_length: Annotated[Optional[int], typer.Option("--long-length", help=f"Length of the long needle prompts, in every round of the mix beside --length ones; 0 for none (default: {LONG_LENGTH} where the model's context holds it).")] = D.long_length,
     tail: Annotated[int, typer.Option("--tail", help="Exact tail in tokens.")] = D.tail,
-    needles: Annotated[int, typer.Option("--needles", help="Single-needle prompts in all, at most (not per depth and length, as eval's samples): half in noise filler, half in prose, drawn in the same order at every split (the sequential rule may stop sooner).")] = D.needles,
+    needles: Annotated[int, typer.Option("--needles", help="Needle prompts in all, at most, rounded up to whole rounds of the mix (eval's single, multi-key and multi-value needles, through the chat template and as plain text, at each length): drawn in the same order at every split (the sequential rule may stop sooner).")] = D.needles,
     samples: Annotated[Optional[int], typer.Option("--samples", hidden=True, help="Deprecated name of --needles.")] = None,
     documents: Annotated[int, typer.Option("--documents", help="Long documents for the ΔNLL figures.")] = D.documents,
     scored: Annotated[int, typer.Option("--scored", help="Scored stretch: the last tokens of each document.")] = D.scored,
     max_needle_drop: Annotated[float, typer.Option("--max-needle-drop", help="Budget: needle accuracy points below exact.")] = D.max_needle_drop,
     max_key_dnll: Annotated[float, typer.Option("--max-key-dnll", help="Budget: key-token ΔNLL in nats.")] = D.max_key_dnll,
+    gate: Annotated[Optional[Path], typer.Option("--gate", help="A release gate file (as eval's): its thresholds join the budget, so that nothing recommended fails them on the sweep's own measurements.")] = None,
     quantize: Annotated[bool, typer.Option("--quantize/--float", help="Measure the int8 maps a release ships, or the float maps.")] = D.quantize,
     alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Solve each layer at its own best alpha.")] = D.alpha_per_layer,
     maps: Annotated[str, typer.Option("--maps", help="What the maps measured predict: input, kv (keys and values; Gated DeltaNet layers keep input maps), or input,kv: a sweep of each on one capture and the same prompts, side by side, and the kind to ship.")] = SolveConfig().maps,
@@ -39,6 +42,7 @@ def sweep(
 ) -> None:
     """Measure splits and quality configurations (needles, key-token ΔNLL, speed-up) and recommend the (split,
     configuration) with the highest compute ceiling within budget."""
+    from ridgefill.evaluate.gate import load_gate
     from ridgefill.sweep import sweep as run
     from ridgefill.sweep.artifact import PLOT, load_result
     from ridgefill.sweep.kinds import parse_kinds
@@ -50,7 +54,9 @@ def sweep(
     if ctx.get_parameter_source("needles").name != "DEFAULT":  # typed too: both at once are refused
         named["needles"] = needles
     needles = renamed(named, FLAGS, out).get("needles", needles)
-    cfg = SweepConfig(splits=splits if splits is not None else (), length=length, tail=tail, needles=needles,
+    thresholds = tuple(sorted(load_gate(gate)["thresholds"].items())) if gate is not None else ()
+    cfg = SweepConfig(splits=splits if splits is not None else (), length=length, long_length=long_length, tail=tail,
+                      needles=needles, gate=thresholds,
                       documents=documents, scored=scored, max_needle_drop=max_needle_drop, max_key_dnll=max_key_dnll,
                       quantize=quantize, alpha_per_layer=alpha_per_layer, seed=seed, exhaustive=exhaustive,
                       configurations=configurations, repeats=repeats)

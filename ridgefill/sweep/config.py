@@ -18,6 +18,7 @@ from ridgefill.errors import BadInput
 from ridgefill.runtime.rows import DEFAULT_TAIL
 
 DEFAULT_SPLITS = 8  # evenly spaced over the middle half of the layers
+LONG_LENGTH = 16384  # the long needle prompts' length, where the model's context holds it (SweepConfig.long_length)
 # Settings renamed since the sweep's format was fixed, {old name: new name}: the old name is still taken, with a
 # warning, until the release after 0.1 (`renamed`). The artifact's recipe and sweep.json keep the old key (`recorded`),
 # so that no sweep id changes with the name.
@@ -28,12 +29,14 @@ RENAMED = {"samples": "needles"}
 class SweepConfig:
     splits: tuple[int, ...] | str = ()  # empty: DEFAULT_SPLITS evenly spaced over layers L/4 .. 3L/4; or --splits text
     length: int = 4096
+    long_length: int | None = None  # None: LONG_LENGTH where the model's context holds it; 0: no long prompts
     tail: int = DEFAULT_TAIL
-    needles: int = 40  # single-needle prompts in all, at most (at least 40: a 30-point difference is then significant)
+    needles: int = 48  # needle prompts in all, at most: whole rounds of the mix (`needles.Mix`), rounded up
     documents: int = 4
     scored: int = 256
     max_needle_drop: float = 10.0  # points below exact
     max_key_dnll: float = 0.5  # nats
+    gate: tuple[tuple[str, float], ...] = ()  # a release gate's thresholds ((name, limit), ...): also the budget
     quantize: bool = True  # measure the int8 maps a release ships (False: the float maps)
     alpha_per_layer: bool = False
     seed: int = 0
@@ -161,9 +164,36 @@ def check_splits(cfg: SweepConfig, num_layers: int, names: Names = FLAGS) -> tup
 
 def check_context(cfg: SweepConfig, context: int | None, names: Names = FLAGS) -> None:
     """Refuse prompts longer than the model's context (`context` positions; None: the model states none)."""
-    if context and cfg.length > context:
-        raise BadInput(f"{names.prefix}{names('length')} {cfg.length} is longer than the model's context ({context} "
-                       "positions)")
+    for name in ("length", "long_length"):
+        n = getattr(cfg, name)
+        if context and n and n > context:
+            raise BadInput(f"{names.prefix}{names(name)} {n} is longer than the model's context ({context} "
+                           "positions)")
+
+
+def long_length(cfg: SweepConfig, context: int | None) -> int:
+    """The long needle prompts' length (0: none): `cfg.long_length` as given, or by default LONG_LENGTH where the
+    model's context (None: it states none) holds it and it is longer than `cfg.length`."""
+    n = cfg.long_length
+    if n is None:
+        n = LONG_LENGTH if context and context >= LONG_LENGTH else 0
+    return n if n > cfg.length else 0
+
+
+def budget(cfg: SweepConfig) -> dict:
+    """The sweep's budget as {figure: ("max" | "min", limit)}: the needle drop in points ("needle_drop") and the
+    documents' figures (evaluate.gate.CHECKS's summary keys). A gate's threshold joins it, or tightens the sweep's
+    own limit on the same figure, so that nothing the sweep recommends fails a gate it was given on the figures
+    both measure."""
+    from ridgefill.evaluate.gate import CHECKS
+
+    out = {"needle_drop": ("max", float(cfg.max_needle_drop)), "dnll_key": ("max", float(cfg.max_key_dnll))}
+    for name, limit in cfg.gate:
+        key, kind = CHECKS[name]
+        if key in out:
+            limit = min(out[key][1], limit) if kind == "max" else max(out[key][1], limit)
+        out[key] = (kind, float(limit))
+    return out
 
 
 def check_config(cfg: SweepConfig, names: Names = FLAGS) -> None:
@@ -180,6 +210,14 @@ def check_config(cfg: SweepConfig, names: Names = FLAGS) -> None:
         v = getattr(cfg, name)
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
             raise BadInput(f"{at}{names(name)} must be a number >= 0 (got {v})")
+    if cfg.long_length is not None and (not isinstance(cfg.long_length, int) or cfg.long_length < 0):
+        raise BadInput(f"{at}{names('long_length')} must be a length in tokens, or 0 for none (got {cfg.long_length})")
+    from ridgefill.evaluate.gate import CHECKS
+
+    for item in cfg.gate:
+        name, limit = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
+        if name not in CHECKS or isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit != limit:
+            raise BadInput(f"{at}gate: {name!r} = {limit!r} is not a threshold (known: {', '.join(CHECKS)})")
     if not 0 < cfg.scored < cfg.tail:
         raise BadInput(f"{at}need 0 < {names('scored')} ({cfg.scored}) < {names('tail')} ({cfg.tail})")
     if cfg.length <= cfg.tail:

@@ -157,7 +157,7 @@ def extra_rows(split: int, arm: str, memo: NeedleMemo, done: Checkpoint) -> floa
 
 def _verdict(job, key_over: dict, got: dict, skipped: dict) -> dict:
     if key_over[job]:
-        return {"verdict": "over", "decided": "key ΔNLL"}
+        return {"verdict": "over", "decided": key_over[job]}
     if job not in got:
         return {"verdict": None, "decided": skipped.get(job, "not measured")}
     return {"verdict": got[job][0].verdict, "decided": decision_words(got[job][0])}

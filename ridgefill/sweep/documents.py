@@ -1,5 +1,6 @@
 """The sweep's long-document phase: ΔNLL, KL and top-1 of each (split, arm) against exact, measured with eval's
-code on eval's documents, and the key-token ΔNLL verdict that decides a (split, arm) before any needle.
+code on eval's documents, and the verdict on the budget's document figures (key-token ΔNLL, and a gate's ΔNLL, KL
+and top-1 limits) that decides a (split, arm) before any needle.
 
 Every document runs the exact model once; each (split, arm) runs only its late layers on top of it
 (`evaluate.measure.measure_documents`). The rows go to the build's `Checkpoint`, so a stopped sweep resumes at the
@@ -11,18 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ridgefill.evaluate.measure import Checkpoint, eval_documents, measure_documents
-from ridgefill.sweep.config import Setup, SweepConfig
+from ridgefill.sweep.config import Setup, SweepConfig, budget
 from ridgefill.sweep.sequential import TOLERANCE
 
 
 @dataclass(frozen=True)
 class Documents:
     """One document pass: the rows (per document: {"name", "tokens", split: {arm: doc_summary}, "added": {split:
-    {arm: rows}}}), each (split, arm)'s figures (`figures`), and whether each is over budget on key ΔNLL."""
+    {arm: rows}}}), each (split, arm)'s figures (`figures`), and which figure puts each over budget (`over`)."""
 
     rows: list
     figures: dict  # {(split, arm name): {"dnll", "dnll_key", "kl", "top1", ...}}
-    over: dict  # {(split, arm name): bool}
+    over: dict  # {(split, arm name): the first figure over budget, in words ("key ΔNLL 0.61 > 0.5"), or None}
 
 
 def measure(setup: Setup, splits, arms, done: Checkpoint, kind: str) -> Documents:
@@ -37,7 +38,7 @@ def measure(setup: Setup, splits, arms, done: Checkpoint, kind: str) -> Document
     rows = measure_documents(setup.lm, docs, cfg.length, {s: setup.sources[s] for s in splits}, arms, cfg.tail,
                              cfg.scored, setup.out, row=row, seed=cfg.seed, done=done, kind=kind)
     figures = {(s, a.name): figures_of(rows, s, a.name, cfg, setup.layers) for s in splits for a in arms}
-    return Documents(rows, figures, {job: key_over(job, f, cfg) for job, f in figures.items()})
+    return Documents(rows, figures, {job: over_budget(job, f, cfg) for job, f in figures.items()})
 
 
 def figures_of(rows: list[dict], split: int, arm: str, cfg: SweepConfig, layers: int) -> dict:
@@ -55,8 +56,19 @@ def figures_of(rows: list[dict], split: int, arm: str, cfg: SweepConfig, layers:
     return {k: v for k, v in summ["arms"][arm].items() if k.startswith(("dnll", "kl", "top1"))}
 
 
-def key_over(job, figures: dict, cfg: SweepConfig) -> bool:
-    """Whether `job` (split, arm) is over budget on key-token ΔNLL alone: a figure not measured (no key tokens in
-    the documents) is over, as it cannot show the arm within."""
-    v = figures.get("dnll_key")
-    return not (v is not None and v <= cfg.max_key_dnll + TOLERANCE)
+NAMES = {"dnll": "ΔNLL", "dnll_novel": "novel ΔNLL", "dnll_key": "key ΔNLL", "kl": "KL", "top1": "top-1"}
+
+
+def over_budget(job, figures: dict, cfg: SweepConfig) -> str | None:
+    """The first of the budget's document figures (`config.budget`) that puts `job` (split, arm) over, in words, or
+    None when it is within on all. A figure not measured (no key tokens in the documents) is over, as it cannot
+    show the arm within."""
+    for key, (kind, limit) in budget(cfg).items():
+        if key == "needle_drop":
+            continue
+        v = figures.get(key)
+        if v is None:
+            return f"{NAMES[key]} not measured"
+        if (kind == "max" and v > limit + TOLERANCE) or (kind == "min" and v < limit - TOLERANCE):
+            return f"{NAMES[key]} {v:.3g} {'>' if kind == 'max' else '<'} {limit:g}"
+    return None

@@ -19,8 +19,8 @@ projections); then the kind named first. A kind with no split within budget is n
 from __future__ import annotations
 
 from ridgefill.errors import BadInput
-from ridgefill.sweep.report import (arm_figures, fmt_cell, needle_cell, recommend, sorted_splits, speed_cell,
-                                     verdict_mark)
+from ridgefill.sweep.report import (arm_figures, budget_text, fmt_cell, needle_cell, recommend, sorted_splits,
+                                     speed_cell, verdict_mark)
 
 SAME = ("model", "num_layers", "length", "tail", "samples", "budget")  # what two sweeps compared must share
 
@@ -106,19 +106,20 @@ def choose(recs: dict, kinds: list[str]) -> dict:
 
 def paired_needles(a: dict, b: dict, split: int, bootstrap: int, seed: int) -> dict:
     """Needle accuracy of sweep `b`'s fitted maps minus sweep `a`'s at `split`, in points, on the prompts both
-    measured there (the same prompt: same index, haystack and depth), with a paired bootstrap interval. -> {"n",
+    measured there (the same prompt: same index, kind and depth), with a paired bootstrap interval. -> {"n",
     "mean", "low", "high"} (n 0 and no figures when they share no prompt)."""
     from ridgefill.numerics import paired_bootstrap
 
     def answers(result):
-        return {n["index"]: (n.get("haystack"), n.get("depth"), n["arms"][f"{split}/ridgefill"])
+        return {n["index"]: (tuple(n.get(k) for k in ("task", "haystack", "form", "length", "depth")),
+                             n["arms"][f"{split}/ridgefill"])
                 for n in result.get("needles") or [] if f"{split}/ridgefill" in (n.get("arms") or {})}
 
     x, y = answers(a), answers(b)
-    both = sorted(i for i in set(x) & set(y) if x[i][:2] == y[i][:2])
+    both = sorted(i for i in set(x) & set(y) if x[i][0] == y[i][0])
     if not both:
         return {"n": 0, "mean": None, "low": None, "high": None}
-    got = paired_bootstrap([100.0 * y[i][2] for i in both], [100.0 * x[i][2] for i in both], samples=bootstrap,
+    got = paired_bootstrap([100.0 * y[i][1] for i in both], [100.0 * x[i][1] for i in both], samples=bootstrap,
                            seed=seed)
     return {k: got[k] for k in ("n", "mean", "low", "high")}
 
@@ -148,7 +149,8 @@ def rows(both: dict) -> tuple[list[str], list[tuple[list[str], bool]]]:
     """The table's header and (cells, chosen?) rows: one row per (split, kind)."""
     kinds, choice = both["kinds"], both["choice"]
     head = ["split", "maps", "ceiling", "measured\n[min, max]", "MACs\n/ exact", "K / V cos",
-            "needle % [- exact CI]\n(prompts) noise|prose", f"needle - {kinds[0]}\npaired CI (prompts)", "key ΔNLL", "budget"]
+            "needle % [- exact CI]\n(prompts) single|multi-key|multi-value",
+            f"needle - {kinds[0]}\npaired CI (prompts)", "key ΔNLL", "budget"]
     out = []
     for r in both["splits"]:
         for k in kinds:
@@ -170,8 +172,7 @@ def table(both: dict):
     head, body = rows(both)
     b = both.get("budget") or {}
     t = Table(title=f"map kinds, {both.get('model')}: length {both.get('length')}, tail {both.get('tail')}",
-              caption=(f"budget: needle at most {b.get('max_needle_drop')} points below exact, key ΔNLL at most "
-                       f"{b.get('max_key_dnll')} nats. ★ chosen, ✓ within, ✗ over, – not measured (the "
+              caption=(f"budget: {budget_text(b)}. ★ chosen, ✓ within, ✗ over, – not measured (the "
                        "bisection did not need it). Paired: the same prompts, this kind's answers minus the first "
                        "kind's."),
               caption_justify="left")

@@ -8,51 +8,118 @@ back or cut at the deepest split), each split's fills on top of it, and one batc
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from ridgefill.artifacts.store import write_json
 from ridgefill.errors import BadInput
 from ridgefill.evaluate.arms import Arm, parse_arm
+from ridgefill.evaluate.needles import TASKS  # eval's needle kinds: the mix holds them in equal shares
 from ridgefill.evaluate.measure import fills
 from ridgefill.sweep.config import Setup, SweepConfig
 from ridgefill.sweep.early import EarlyCaches, attention_only, early_run
 
-HAYSTACKS = ("noise", "prose")  # the single needles' two haystacks, half the prompts each
-NEEDLE_DEPTHS = 8  # the single-needle samples spread over this many depths of the filled prefix
+HAYSTACKS = ("noise", "prose")  # the single needles' two haystacks, in turn
+FORMS = ("chat", "plain")  # through the chat template (where the model has one), and plain text with "Answer:"
+NEEDLE_DEPTHS = 8  # each kind's prompts spread over this many depths of the filled prefix
+MIN_GROUP = 8  # the rule looks after whole rounds of the mix, at least this many prompts apart
 DECODE_BATCH = 9  # prefills decoded together: one batched forward per step
 
 
-def needle_suite(lm, cfg: SweepConfig) -> list[tuple[str, object]]:
-    """`needles` single needles at `length` tokens as (haystack, sample): half in RULER's noise filler ("noise"),
-    half in real prose ("prose", eval's haystack documents), alternating, each half spread over NEEDLE_DEPTHS
-    depths of the filled prefix in turn, so that any first prompts cover both haystacks and every depth."""
+class Kind(NamedTuple):
+    """What one needle prompt tests: eval's task, the haystack it hides in, the prompt form and its length."""
+
+    task: str
+    haystack: str
+    form: str
+    length: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.task} {self.haystack} {self.form} {self.length}"
+
+
+@dataclass(frozen=True)
+class Mix:
+    """The needle prompts' kinds, drawn in rounds: every round holds each (length, form, task) once, so that the
+    pooled drop weighs eval's three tasks equally, as the release gate's does, in each prompt form the model takes
+    and at each length. The single needle's haystack turns between noise and prose from one (length, form) to the
+    next and from round to round. `group`: whole rounds of at least MIN_GROUP prompts, the sequential rule's look."""
+
+    lengths: tuple[int, ...]
+    forms: tuple[str, ...]
+
+    def round(self, r: int) -> list[Kind]:
+        out = []
+        for j, (n, form) in enumerate((n, f) for n in self.lengths for f in self.forms):
+            for task in TASKS:
+                hay = HAYSTACKS[(r + j) % 2] if task == "single" else "prose"
+                out.append(Kind(task, hay, form, n))
+        return out
+
+    @property
+    def size(self) -> int:
+        return len(TASKS) * len(self.lengths) * len(self.forms)
+
+    @property
+    def group(self) -> int:
+        return self.size * -(-MIN_GROUP // self.size)
+
+    def prompts(self, needles: int) -> int:
+        """`needles` rounded up to whole rounds: the most prompts a job draws."""
+        return self.size * -(-needles // self.size)
+
+
+def mix_of(lm, cfg: SweepConfig) -> Mix:
+    """The mix a sweep of `cfg` draws on `lm`: its length and the long length where the model's context holds it,
+    both prompt forms where the tokenizer has a chat template (else plain text alone)."""
+    from ridgefill.sweep.config import long_length
+
+    long = long_length(cfg, lm.ref.context_length)  # what check_context held the sweep to
+    chat = bool(getattr(lm.tokenizer, "chat_template", None))
+    return Mix(lengths=(cfg.length,) + ((long,) if long else ()), forms=FORMS if chat else ("plain",))
+
+
+def needle_suite(lm, cfg: SweepConfig, mix: Mix | None = None) -> list[tuple[Kind, object]]:
+    """The sweep's needle prompts as (kind, sample), `mix.prompts(cfg.needles)` of them: round after round of the
+    mix, each kind's prompts spread over NEEDLE_DEPTHS depths of its filled prefix in turn (one kind's k-th prompt
+    at depth k + its place in the round, modulo the depths), so that any first rounds cover every kind and depth.
+    Their needles lie before the tail. Single needles hide in RULER's noise filler or in real prose (eval's
+    haystack documents), the other tasks in prose, as in eval's suite."""
     from ridgefill.evaluate.needles import build_suite, noise_haystack
     from ridgefill.evaluate.texts import haystack_documents
 
-    top = (cfg.length - cfg.tail) / cfg.length  # the filled prefix ends here
-    depths = tuple(round(float(x), 4) for x in np.linspace(0.05, top * 0.9, NEEDLE_DEPTHS))
-    chat = bool(getattr(lm.tokenizer, "chat_template", None))
-    halves = {}
-    for kind, want in zip(HAYSTACKS, (cfg.needles - cfg.needles // 2, cfg.needles // 2)):
-        per = -(-want // len(depths))
-        hay = noise_haystack() if kind == "noise" else haystack_documents()
+    mix = mix or mix_of(lm, cfg)
+    rounds = mix.prompts(cfg.needles) // mix.size
+    kinds = [mix.round(r) for r in range(rounds)]
+    want: dict = {}  # {kind: [depth index of its k-th prompt]}
+    for r, ks in enumerate(kinds):
+        for place, k in enumerate(ks):
+            want.setdefault(k, []).append((r + place) % NEEDLE_DEPTHS)
+    made = {}
+    for k, at in want.items():
+        top = (k.length - cfg.tail) / k.length  # the filled prefix ends here
+        depths = tuple(round(float(x), 4) for x in np.linspace(0.05, top * 0.9, NEEDLE_DEPTHS))
+        per = max(at.count(d) for d in set(at))
+        hay = noise_haystack() if k.haystack == "noise" else haystack_documents()
         try:
-            suite = build_suite(lm.tokenizer, lengths=(cfg.length,), depths=depths, tasks=("single",), samples=per,
-                                seed=cfg.seed, tail=cfg.tail, chat=chat, haystack=hay)
+            suite = build_suite(lm.tokenizer, lengths=(k.length,), depths=depths, tasks=(k.task,), samples=per,
+                                seed=cfg.seed + FORMS.index(k.form), tail=cfg.tail, chat=k.form == "chat",
+                                haystack=hay)
         except ValueError as e:
-            raise BadInput(f"needles ({kind} haystack): {e}") from None
-        suite = [s for s in suite if s.in_filled_region(cfg.tail)]
-        order = sorted(range(len(suite)), key=lambda i: (i % per, i // per))  # every depth in turn
-        halves[kind] = [suite[i] for i in order][:want]
-        if len(halves[kind]) < want:
-            raise BadInput(f"only {len(halves[kind])} needle prompts of {cfg.length} tokens in the {kind} haystack "
-                           "have their needle before the tail")
-    out = []
-    for i in range(max(len(h) for h in halves.values())):
-        out += [(kind, halves[kind][i]) for kind in HAYSTACKS if i < len(halves[kind])]
-    return out
+            raise BadInput(f"needles ({k.label}): {e}") from None
+        by_depth = [[s for s in suite[d * per : (d + 1) * per] if s.in_filled_region(cfg.tail)]
+                    for d in range(NEEDLE_DEPTHS)]
+        made[k] = []
+        for d in at:
+            if not by_depth[d]:
+                raise BadInput(f"needles ({k.label}): a prompt of {k.length} tokens at depth {depths[d]} has its "
+                               f"needles in the tail of {cfg.tail} tokens")
+            made[k].append(by_depth[d].pop(0))
+    return [(k, made[k].pop(0)) for ks in kinds for k in ks]
 
 
 class NeedleMemo:

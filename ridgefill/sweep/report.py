@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 from ridgefill.errors import BadInput
+from ridgefill.evaluate.needles import TASKS
 from ridgefill.sweep.artifact import ARMS
 
 RECOMMENDED, WITHIN, OVER = "★", "✓", "✗"
@@ -101,22 +102,30 @@ def recommend(result: dict) -> dict:
             deepest = arm_figures(over[-1], "ridgefill")
             why = f"; even the deepest, split {over[-1]['split']}, is over ({deepest.get('decided', '?')})"
         return {"split": None, "configuration": None, "tail": None, "ceiling_speedup": None, "kind": None,
-                "reason": f"no split or configuration is within budget ({_budget_text(result)}){why}",
+                "reason": f"no split or configuration is within budget ({budget_text(result['budget'])}){why}",
                 "candidates": []}
     best = max(cands, key=lambda c: (round(c["ceiling_speedup"], 9), -PREFERENCE[c["kind"]], c["split"]))
     what = {"plain": "the fitted maps", "configuration": best["configuration"],
             "longer tail": f"the fitted maps with a {best['tail']}-token tail (as good as {best.get('instead_of')})"}
     line = (f"split {best['split']}, {what[best['kind']]}: the highest compute ceiling within budget, "
-            f"x{best['ceiling_speedup']:.2f} ({_budget_text(result)})")
+            f"x{best['ceiling_speedup']:.2f} ({budget_text(result['budget'])})")
     if best["kind"] == "configuration":
         line += f"; beats its equal-cost control: {best.get('why')}"
     return {**{k: best[k] for k in ("split", "configuration", "tail", "ceiling_speedup", "kind")}, "reason": line,
             "candidates": cands}
 
 
-def _budget_text(result: dict) -> str:
-    b = result["budget"]
-    return f"needle at most {b['max_needle_drop']:g} points below exact, key ΔNLL at most {b['max_key_dnll']:g} nats"
+LIMITS = {"needle_drop": "needle drop", "dnll": "ΔNLL", "dnll_novel": "novel ΔNLL", "dnll_key": "key ΔNLL",
+          "kl": "KL", "top1": "top-1"}
+
+
+def budget_text(b: dict) -> str:
+    """A sweep's budget (sweep.json's "budget") in words."""
+    if "limits" not in b:  # a sweep made before gates joined the budget
+        return (f"needle at most {b['max_needle_drop']:g} points below exact, key ΔNLL at most {b['max_key_dnll']:g} "
+                "nats")
+    return ", ".join(f"{LIMITS[k]} {'≤' if kind == 'max' else '≥'} {v:g}{' points' if k == 'needle_drop' else ''}"
+                     for k, (kind, v) in b["limits"].items())
 
 
 def advantage(result: dict) -> dict:
@@ -153,7 +162,8 @@ def advantage(result: dict) -> dict:
 # Table and markdown (the same cells)
 
 COLUMNS = ("split", "ceiling", "measured\n[min, max]", "MACs\n/ exact", "K / V cos\nfit (id)",
-           "needle % fit [- exact CI]\n(prompts) noise|prose", "needle %\nidentity (prompts)", "key ΔNLL\nfit (id)",
+           "needle % fit [- exact CI]\n(prompts) single|multi-key|multi-value", "needle %\nidentity (prompts)",
+           "key ΔNLL\nfit (id)",
            "budget\nfit (id)")
 
 
@@ -167,7 +177,7 @@ def needle_cell(a: dict) -> str:
     text += f" ({a.get('needle_n', '?')})"
     suites = a.get("needle_by_suite") or {}
     if suites:
-        text += " " + "|".join(f"{r}/{n}" for r, n in (suites.get(k, [0, 0]) for k in ("noise", "prose")))
+        text += " " + "|".join(f"{r}/{n}" for r, n in (suites.get(k, [0, 0]) for k in TASKS))
     return text
 
 
@@ -232,7 +242,8 @@ def _title(result: dict) -> str:
 
 
 def _legend(result: dict) -> str:
-    return (f"budget: {_budget_text(result)}. {RECOMMENDED} recommended, {WITHIN} within, {OVER} over. Ceiling: the "
+    return (f"budget: {budget_text(result['budget'])}. {RECOMMENDED} recommended, {WITHIN} within, {OVER} over. "
+            "Ceiling: the "
             "compute ceiling 1/r; measured: median speed-up of the timing rounds [min, max], 'noise' above the "
             "ceiling; MACs: the arm's multiply-accumulates / exact's. Configuration rows: the configuration "
             "(its equal-cost control)")
@@ -256,7 +267,7 @@ def write_markdown(result: dict) -> str:
     newline."""
     rec = result.get("recommended") or recommend(result)
 
-    def line(cells) -> str:  # a "|" inside a cell (noise|prose) is escaped, in the header as in the rows
+    def line(cells) -> str:  # a "|" inside a cell (single|multi-key|...) is escaped, in the header as in the rows
         return "| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |"
 
     head = [c.replace("\n", " ") for c in COLUMNS]

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from ridgefill.sweep.artifact import ARMS
-from ridgefill.sweep.config import Setup, SweepConfig
+from ridgefill.sweep.config import Setup, SweepConfig, budget
 from ridgefill.sweep.configurations import CONTROL
 from ridgefill.sweep.documents import Documents
-from ridgefill.sweep.needles import HAYSTACKS, Prompts
+from ridgefill.sweep.needles import TASKS, Prompts
 from ridgefill.sweep.search import Edges
 from ridgefill.sweep.sequential import WITHIN_FACTOR, Rule
 from ridgefill.sweep.timing import ceiling_at
@@ -25,7 +25,7 @@ def assemble(setup: Setup, model: str, fits: list, plain: Documents, edges: Edge
     cfg, memo, suite = setup.cfg, prompts.memo, prompts.suite
     exact = memo.data["exact"]
     measured = sorted(int(i) for i in exact)
-    by_suite = {k: [exact[str(i)] for i in measured if suite[i][0] == k] for k in HAYSTACKS}
+    by_suite = {k: [exact[str(i)] for i in measured if suite[i][0].task == k] for k in TASKS}
     jobs = dict(edges.jobs)  # every job measured, in this run's searches or (configurations) from the memo
     for k in memo.data["arms"]:
         _, s, a = k.split("/", 2)
@@ -36,14 +36,17 @@ def assemble(setup: Setup, model: str, fits: list, plain: Documents, edges: Edge
     return {"model": model, "num_layers": setup.layers, "length": cfg.length, "tail": cfg.tail,
             "samples": cfg.needles,  # the key the format has had from the start (RENAMED)
             "documents": cfg.documents, "mode": "exhaustive" if cfg.exhaustive else "adaptive",
-            "budget": {"max_needle_drop": cfg.max_needle_drop, "max_key_dnll": cfg.max_key_dnll},
+            "budget": {"max_needle_drop": cfg.max_needle_drop, "max_key_dnll": cfg.max_key_dnll,
+                       "gate": dict(cfg.gate), "limits": {k: list(v) for k, v in budget(cfg).items()}},
             "rule": {"alpha": rule.alpha, "group": rule.group, "within_factor": WITHIN_FACTOR,
                      "looks": list(rule.looks), "level": rule.level, "bounds": rule.bounds()},
             "exact": {"needle": 100.0 * float(np.mean([exact[str(i)] for i in measured])) if measured else None,
                       "needle_by_suite": {k: [sum(v), len(v)] for k, v in by_suite.items()}},
             "splits": [_split_entry(setup, fit, plain, edges, configs, suite) for fit in fits],
             "search": edges.search, "cost": cost,
-            "needles": [{"index": i, "haystack": suite[i][0], "depth": suite[i][1].depth, "exact": exact[str(i)],
+            "mix": {"lengths": sorted({k.length for k, _ in suite}), "forms": sorted({k.form for k, _ in suite}),
+                    "tasks": list(TASKS), "group": rule.group},
+            "needles": [{"index": i, **suite[i][0]._asdict(), "depth": suite[i][1].depth, "exact": exact[str(i)],
                          "arms": {k.split("/", 1)[1]: v for k, v in memo.data["arms"].items()
                                   if int(k.split("/", 1)[0]) == i}} for i in measured],
             "documents_detail": plain.rows}
@@ -83,8 +86,8 @@ def _configuration(setup: Setup, split: int, name: str, c: dict, suite: list) ->
 
 def needle_figures(pairs: list, suite: list, cfg: SweepConfig) -> dict:
     """Needle figures of one job's (exact right, arm right) pairs, on the suite's first prompts: accuracy, exact's
-    on the same prompts, per haystack, and the paired bootstrap interval of (arm - exact) in points. No accuracy
-    for a job never measured."""
+    on the same prompts, the right answers per task, and the paired bootstrap interval of (arm - exact) in points. No
+    accuracy for a job never measured."""
     from ridgefill.numerics import paired_bootstrap
 
     if not pairs:
@@ -92,8 +95,8 @@ def needle_figures(pairs: list, suite: list, cfg: SweepConfig) -> dict:
     e = np.array([100.0 * x for x, _ in pairs])
     a = np.array([100.0 * y for _, y in pairs])
     n = len(pairs)
-    kinds = [suite[i][0] for i in range(n)]
-    suites = {k: [int(sum(a[j] > 0 for j in range(n) if kinds[j] == k)), kinds.count(k)] for k in HAYSTACKS}
+    kinds = [suite[i][0].task for i in range(n)]
+    suites = {k: [int(sum(a[j] > 0 for j in range(n) if kinds[j] == k)), kinds.count(k)] for k in TASKS}
     return {"needle": float(a.mean()), "needle_exact": float(e.mean()), "needle_n": n, "needle_by_suite": suites,
             "needle_minus_exact": paired_bootstrap(a, e, samples=cfg.bootstrap, seed=cfg.seed)}
 

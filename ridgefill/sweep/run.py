@@ -7,12 +7,14 @@ text never used for calibration, phase by phase (`measure`):
 
 1. documents (documents.py): ΔNLL, KL and top-1 of the fitted maps and the identity fill on all, novel and key
    tokens of `documents` long documents of `length` tokens, the last `scored` scored; a (split, arm) over budget on
-   key-token ΔNLL is over without a needle.
-2. needles (needles.py, search.py): single-needle retrieval on at most `needles` prompts of `length` tokens, half in
-   RULER's noise filler and half in real prose, their needles in the filled prefix, the same prompts in the same
-   order at every split (so the differences are paired), answered by greedy decoding. Each arm's shallowest split
-   within budget is found by bisection, each (split, arm) visited drawing prompts until a sequential rule fixed in
-   advance decides (sequential.py); `exhaustive` measures every split and arm on every prompt instead.
+   one of them (key-token ΔNLL, and what a gate given limits) is over without a needle.
+2. needles (needles.py, search.py): retrieval on at most `needles` prompts drawn in rounds of the release gate's
+   kinds (eval's single, multi-key and multi-value needles, through the chat template and as plain text, at
+   `length` tokens and at `long_length` where the context holds it), their needles in the filled prefix, the same
+   prompts in the same order at every split (so the differences are paired), answered by greedy decoding. Each
+   arm's shallowest split within budget is found by bisection, each (split, arm) visited drawing prompts until a
+   sequential rule fixed in advance decides (sequential.py); `exhaustive` measures every split and arm on every
+   prompt instead.
 3. configurations (configurations.py): at the splits just shallower than the fitted maps' edge, +rows, +kscale and
    +protected, each beside its equal-cost control, measured only where they can change the recommendation. On the
    CPU the needle pass keeps its prompts' early layers on disk for this pass (early.py).
@@ -44,16 +46,15 @@ from ridgefill.sweep.artifact import ARMS, PLOT, RESULT, TABLE
 from ridgefill.sweep.config import (FLAGS, Names, Setup, SweepConfig, check_config, check_context, check_splits,
                                     recorded)
 from ridgefill.sweep.early import KEEP_EARLY_BYTES, EarlyCaches, keeps_early
-from ridgefill.sweep.needles import NeedleMemo, Prompts, needle_suite
+from ridgefill.sweep.needles import NeedleMemo, Prompts, mix_of, needle_suite
 from ridgefill.sweep.result import assemble
 from ridgefill.sweep.search import find_edges, rule_of
 from ridgefill.sweep.timing import Clock, add_speeds, ceiling_at, rounds
 
-FORMAT_VERSION = 4  # 2: later sinks (outlier rows) run exactly; 3: needles by bisection and a sequential rule, in
+FORMAT_VERSION = 5  # 2: later sinks (outlier rows) run exactly; 3: needles by bisection and a sequential rule, in
 # noise and prose haystacks; quality configurations beside their controls; timing in rounds; multiply-accumulates;
-# 4: an adaptive sweep measures only the configurations that can change the recommendation, by ceiling. Later sinks
-# by each split's exact-row norm (solve format 5) came without a new number here: the maps' ids in the recipe
-# changed with them, and with them every sweep's id. Raising it now would change every id again.
+# 4: an adaptive sweep measures only the configurations that can change the recommendation, by ceiling; 5: the
+# needles are eval's three tasks in both prompt forms, at a long length too, and a gate's thresholds join the budget.
 
 
 def sweep(
@@ -118,8 +119,9 @@ def measure(setup: Setup, model: str, fits: list) -> dict:
     clock.lap("documents")
     keep = configurations.kept_splits(setup.splits, plain.over) if cfg.configurations and keeps_early(setup.lm) else ()
     early = EarlyCaches(setup.work, setup.lm, keep, KEEP_EARLY_BYTES)
-    prompts = Prompts(setup, needle_suite(setup.lm, cfg), NeedleMemo(setup.work), early)
-    rule = rule_of(cfg)
+    mix = mix_of(setup.lm, cfg)
+    prompts = Prompts(setup, needle_suite(setup.lm, cfg, mix), NeedleMemo(setup.work), early)
+    rule = rule_of(cfg, mix)
     edges = find_edges(setup.splits, ARMS, plain.over, rule, prompts.measure, cfg.exhaustive, setup.out)
     clock.lap("needles")
     edge = edges.search["ridgefill"]["edge"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ridgefill.sweep.sequential import GROUP, Decision, Rule
+from ridgefill.sweep.sequential import Decision, Rule
 
 TOGETHER = 3  # the open splits measured in one pass once no more than this many remain
 
@@ -118,10 +118,15 @@ def bisect_arms(arms: dict, rule: Rule, measure) -> tuple[dict, dict]:
             results[(s, arm)] = (d, pairs)
 
 
-def rule_of(cfg) -> Rule:
-    """The sequential rule of a sweep's settings (a SweepConfig): the needle budget, at most `needles` prompts,
-    looking every GROUP prompts, or only at the last in an exhaustive sweep."""
-    return Rule(budget=cfg.max_needle_drop / 100.0, samples=cfg.needles, group=cfg.needles if cfg.exhaustive else GROUP)
+def rule_of(cfg, mix) -> Rule:
+    """The sequential rule of a sweep's settings (a SweepConfig) on its needle mix (`needles.Mix`): the needle budget
+    (the tighter of the sweep's and a gate's, `config.budget`), at most `needles` prompts rounded up to whole
+    rounds of the mix, looking after every group of rounds, or only at the last in an exhaustive sweep."""
+    from ridgefill.sweep.config import budget
+
+    samples = mix.prompts(cfg.needles)
+    return Rule(budget=budget(cfg)["needle_drop"][1] / 100.0, samples=samples,
+                group=samples if cfg.exhaustive else mix.group)
 
 
 @dataclass(frozen=True)
@@ -136,8 +141,8 @@ class Edges:
 
 def find_edges(splits: list[int], arms, key_over: dict, rule: Rule, measure, exhaustive: bool, out) -> Edges:
     """Each arm's edge among `splits`: by bisection with the sequential rule, or every split and arm on every prompt
-    (`exhaustive`). A (split, arm) over on key ΔNLL (`key_over`) is over without needles (in an exhaustive sweep it
-    is measured all the same, and over)."""
+    (`exhaustive`). A (split, arm) over budget on the documents (`key_over`: {job: the figure over, in words, or
+    None}) is over without needles (in an exhaustive sweep it is measured all the same, and over)."""
     if exhaustive:
         out.info(f"needles: every split and arm on all {rule.samples} prompts (--exhaustive)")
         jobs = run_pass([(s, a) for s in splits for a in arms], rule, measure)
@@ -172,7 +177,7 @@ def decision_words(d: Decision) -> str:
 
 def _decided(job, key_over: dict, jobs: dict, search: dict) -> str:
     if key_over[job]:
-        return "key ΔNLL"
+        return key_over[job]
     if job in jobs:
         return decision_words(jobs[job][0])
     s, arm = job
