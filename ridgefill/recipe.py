@@ -14,7 +14,8 @@
                                             # state_data (paths, as capture's data) and state_chunk
     split = "auto"                          # optional: run `ridgefill sweep` and release its recommended split
     [sweep]                                 # with split = "auto": SweepConfig fields (splits, length, needles,
-                                            # max_needle_drop, max_key_dnll, ...); tail defaults to [export]'s
+                                            # max_needle_drop, max_key_dnll, ...); tail defaults to [export]'s,
+                                            # and [eval]'s gate joins the sweep's budget
     [quantize]                              # enabled = true (false: release the float maps)
     [export]                                # tail
     [eval]                                  # enabled, gate (a gate file) and EvalConfig fields
@@ -217,7 +218,7 @@ def load_recipe(path: Path) -> Recipe:
         table = doc.get("sweep", {})
         if isinstance(table, dict):  # an old key name: its new one, with a warning (or refused beside it)
             table = renamed(table, RECIPE_KEYS, Output())
-        sweep, _ = stage_config(SweepConfig, table, "sweep", leave=frozenset({"quantize", "alpha_per_layer"}))
+        sweep, _ = stage_config(SweepConfig, table, "sweep", leave=frozenset({"quantize", "alpha_per_layer", "gate"}))
         if table.get("splits") == []:  # SweepConfig's empty splits mean its defaults: say so, do not guess
             raise BadInput("recipe [sweep]: splits is an empty array: name at least one split, or leave splits out "
                            "for the default ones")
@@ -247,7 +248,15 @@ def load_recipe(path: Path) -> Recipe:
 
 
 def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: str | None = None) -> dict:
-    """Run every stage; returns the JSON summary (a failed gate: summary["gate"]["passed"] is False, no push)."""
+    """Run every stage; returns the JSON summary (a failed gate: summary["gate"]["passed"] is False, no push). The
+    stages that run the model share one load of it where they run it alike (`models.load.kept_models`)."""
+    from ridgefill.models.load import kept_models
+
+    with kept_models():
+        return _run_stages(recipe, store, out, push, token)
+
+
+def _run_stages(recipe: Recipe, store, out: Output, push: bool, token: str | None) -> dict:
     from ridgefill.capture import capture
     from ridgefill.evaluate.gate import load_gate
     from ridgefill.evaluate import check, evaluate, record
@@ -284,7 +293,9 @@ def run_recipe(recipe: Recipe, store, out: Output, push: bool = False, token: st
 
         # the sweep's solves measure no terminal-state offsets: the released split's solve does
         shared = {k: getattr(solve_cfg, k) for k in ("alphas", "metric", "maps", "chat_share")}
-        sw = stage("sweep", lambda: sweep(store, recipe.model, recipe.sweep, out, data=list(recipe.data),
+        # the gate's thresholds are the sweep's budget too: it recommends nothing the gate would fail on them
+        sweep_cfg = replace(recipe.sweep, gate=tuple(sorted(rules["thresholds"].items())) if rules else ())
+        sw = stage("sweep", lambda: sweep(store, recipe.model, sweep_cfg, out, data=list(recipe.data),
                                           capture_args=asdict(recipe.capture), solve_args=shared, place=w,
                                           capture_place=cap_place, names=RECIPE_KEYS))
         rec = sw.manifest["summary"]

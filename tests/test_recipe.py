@@ -1,10 +1,12 @@
 """`ridgefill release RECIPE`: the whole chain from one file on a tiny model; cache hits; gate; refusals."""
 
 import json
+import re
 
 import pytest
 
 from ridgefill.artifacts import Store
+from ridgefill.errors import GateFailed
 from ridgefill.models.spec import HUB_ID
 from ridgefill.recipe import load_recipe, run_recipe
 from ridgefill.runtime.rows import DEFAULT_TAIL
@@ -231,8 +233,8 @@ def test_sample_ci_workflow():
 SWEEP = ["[sweep]", "splits = [1, 2, 3]", "length = 600", "scored = 16", "needles = 4", "documents = 2"]
 
 
-def _auto_recipe(tmp, model, budget):
-    path = write_recipe(tmp, model)
+def _auto_recipe(tmp, model, budget, gate=None):
+    path = write_recipe(tmp, model, gate=gate)
     text = path.read_text().replace("splits = [2]\n", "").replace("[solve]\n", '[solve]\nsplit = "auto"\n')
     path.write_text(text + "[export]\ntail = 48\n" + "\n".join(SWEEP + budget) + "\n")
     return path
@@ -240,7 +242,8 @@ def _auto_recipe(tmp, model, budget):
 
 def test_auto_split_releases_the_sweeps_recommendation(tmp_path, tiny_llama_1k, monkeypatch):
     """split = "auto": the sweep runs first (its capture has every split), the release is its recommended split,
-    and capture / solve / quantize are the sweep's own artifacts (cache hits). A budget no split meets: exit 3.
+    and capture / solve / quantize are the sweep's own artifacts (cache hits); the recipe's gate is part of the
+    sweep's budget. A budget no split meets, the gate's included: exit 3, naming the figure over.
 
     The random tiny model has no key tokens (none loses 2 nats without its context), and a split whose key-token
     ΔNLL cannot be measured is not within any budget: here every scored token counts as a key token."""
@@ -249,9 +252,11 @@ def test_auto_split_releases_the_sweeps_recommendation(tmp_path, tiny_llama_1k, 
     from ridgefill.evaluate import metrics
 
     monkeypatch.setattr(metrics, "key_mask", lambda full, cut, threshold=2.0: np.ones(len(full), dtype=bool))
-    path = _auto_recipe(tmp_path, tiny_llama_1k, ["max_needle_drop = 100.0", "max_key_dnll = 1e9"])  # 600 tokens
+    loose = ["max_needle_drop = 100.0", "max_key_dnll = 1e9"]
+    path = _auto_recipe(tmp_path, tiny_llama_1k, loose, gate="[thresholds]\nkl_max = 1e9\nneedle_drop_max = 100.0\n")
     s = run_recipe(load_recipe(path), Store(tmp_path / "store"), quiet())
     sw = Store(tmp_path / "store").get(s["stages"]["sweep"]["id"])
+    assert sw.recipe["gate"] == [["kl_max", 1e9], ["needle_drop_max", 100.0]]
     assert s["sweep"]["recommended"] == sw.manifest["summary"]["recommended"] == 1  # the shallowest: all qualify
     assert sw.recipe["tail"] == 48 and sw.recipe["splits"] == [1, 2, 3]
     assert s["stages"]["capture"] == {**s["stages"]["capture"], "id": sw.recipe["capture"], "cached": True}
@@ -263,10 +268,12 @@ def test_auto_split_releases_the_sweeps_recommendation(tmp_path, tiny_llama_1k, 
     assert manifest["configuration"] == {"arm": "ridgefill", "sweep": sw.id}
     assert s["sweep"]["configuration"] == "ridgefill" and s["sweep"]["tail"] == 48
 
-    path = _auto_recipe(tmp_path, tiny_llama_1k, ["max_needle_drop = 0.0", "max_key_dnll = 0.0"])
-    r = cli("release", path, "--store", tmp_path / "store", "--json")
-    assert r.returncode == 3, r.stderr
-    assert "no split or configuration is within budget" in r.stderr.strip().splitlines()[-1]
+    path = _auto_recipe(tmp_path, tiny_llama_1k, loose, gate="[thresholds]\nkl_max = 0.0\n")
+    with pytest.raises(GateFailed) as failed:  # exit 3 from the CLI
+        run_recipe(load_recipe(path), Store(tmp_path / "store"), quiet())
+    assert re.fullmatch(r"sweep \w+: no split or configuration is within budget \(needle drop ≤ 100 points, key ΔNLL "
+                        r"≤ 1e\+09, KL ≤ 0\); even the deepest, split 3, is over \(KL [0-9.e-]+ > 0\)",
+                        str(failed.value))
 
 
 @pytest.mark.parametrize("line, message", [
@@ -310,3 +317,31 @@ def test_a_sweep_past_the_models_context_is_refused_before_any_stage(tmp_path, t
     r = cli("release", path, "--store", tmp_path / "store")
     assert r.returncode == 2 and r.stderr.strip() == "Error: recipe [sweep]: bootstrap must be at least 1, got 0"
     assert not (tmp_path / "store").exists() and not (tmp_path / "rel").exists()
+
+
+def test_the_stages_share_one_load_of_the_model(tmp_path, tiny_llama, monkeypatch):
+    """One `ridgefill release` reads the model once: capture, solve, quantize and eval, which run it alike, share
+    the load; the release and the eval's figures are the ones stages loading it each on its own make."""
+    import contextlib
+
+    import ridgefill.models.load as load
+
+    loads, real = [], load._load
+    monkeypatch.setattr(load, "_load", lambda *a, **k: loads.append(a[0].path) or real(*a, **k))
+    summaries = {}
+    for name in ("shared", "apart"):
+        if name == "apart":
+            monkeypatch.setattr(load, "kept_models", contextlib.nullcontext)
+        (tmp_path / name).mkdir()
+        path = write_recipe(tmp_path / name, tiny_llama)
+        summaries[name] = run_recipe(load_recipe(path), Store(tmp_path / name / "store"), quiet())
+        assert load._KEPT is None  # let go once the recipe is done
+        if name == "shared":
+            assert len(loads) == 1
+    assert len(loads) == 5 and set(loads) == {loads[0]}
+    files = {name: {p.name: p.read_bytes() for p in (tmp_path / name / "rel").iterdir() if p.suffix == ".safetensors"}
+             for name in summaries}
+    assert files["shared"] == files["apart"] and "maps.safetensors" in files["shared"]
+    figures = {name: {arm: {k: v for k, v in f.items() if k not in ("prefill_s", "speedup")}  # timings apart
+                      for arm, f in s["eval"]["arms"].items()} for name, s in summaries.items()}
+    assert figures["shared"] == figures["apart"] and figures["shared"]["ridgefill"]["dnll"] > 0

@@ -21,7 +21,7 @@ import os
 import shutil
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +146,27 @@ def _listed_kinds(config_path: Path, num_layers: int) -> list[str] | None:
     return None
 
 
+_KEPT: list | None = None  # inside `kept_models()`: [(key, LoadedModel)], the last model loaded on one device
+
+
+@contextlib.contextmanager
+def kept_models():
+    """Inside it, `load_model` keeps the last model it loaded and gives it again to a later call with the same
+    model, dtype, device and trust_remote_code (no device map), instead of reading the weights once more: the
+    stages of one `ridgefill release` share one load. At most one model is kept (a call for another one loads it
+    and lets the kept one go); stages remove their hooks, so what they share is the model as loaded. Nested uses
+    share the outer one's."""
+    global _KEPT
+    if _KEPT is not None:
+        yield
+        return
+    _KEPT = []
+    try:
+        yield
+    finally:
+        _KEPT = None
+
+
 def load_model(
     ref: ModelRef,
     *,
@@ -165,10 +186,7 @@ def load_model(
     placed is refused before any weight is read. Disk-offloaded weights are read from the model's own
     safetensors files where possible; anything accelerate writes goes to `<store>/offload/<pid>-<n>/`, removed
     when the model is released, garbage collected or the process ends (a folder left by a killed process is
-    removed by the next load)."""
-    import torch
-
-    from ridgefill.models.adapters import adapter_for
+    removed by the next load). Inside `kept_models()` the last model loaded is given again to the same call."""
     from ridgefill.models.device import check_device_map
 
     check_transformers()
@@ -178,6 +196,23 @@ def load_model(
     if dtype not in DTYPES:
         raise BadInput(f"unknown dtype '{dtype}' (choose one of: {', '.join(DTYPES)})")
     device_map, max_memory = check_device_map(device_map, max_memory, device)
+    key = (str(ref.path), ref.fingerprint, str(Path(store_root).resolve()), dtype, device, bool(trust_remote_code))
+    if _KEPT is not None and device_map is None:
+        if _KEPT and _KEPT[0][0] == key:
+            return replace(_KEPT[0][1], seconds=0.0, built_cache=False)
+        _KEPT.clear()  # the kept model goes before another is read
+    lm = _load(ref, Path(store_root), dtype, device, device_map, max_memory, trust_remote_code)
+    if _KEPT is not None and device_map is None:
+        _KEPT.append((key, lm))
+    return lm
+
+
+def _load(ref: ModelRef, store_root: Path, dtype: str, device: str, device_map, max_memory,
+          trust_remote_code: bool) -> LoadedModel:
+    import torch
+
+    from ridgefill.models.adapters import adapter_for
+
     _quiet_transformers()
     start = time.perf_counter()
     built = False
