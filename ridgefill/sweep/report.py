@@ -122,8 +122,8 @@ LIMITS = {"needle_drop": "needle drop", "dnll": "ΔNLL", "dnll_novel": "novel Δ
 def budget_text(b: dict) -> str:
     """A sweep's budget (sweep.json's "budget") in words."""
     if "limits" not in b:  # a sweep made before gates joined the budget
-        return (f"needle at most {b['max_needle_drop']:g} points below exact, key ΔNLL at most {b['max_key_dnll']:g} "
-                "nats")
+        drop, key = (format(b[k], "g") if k in b else "?" for k in ("max_needle_drop", "max_key_dnll"))
+        return f"needle at most {drop} points below exact, key ΔNLL at most {key} nats"
     return ", ".join(f"{LIMITS[k]} {'≤' if kind == 'max' else '≥'} {v:g}{' points' if k == 'needle_drop' else ''}"
                      for k, (kind, v) in b["limits"].items())
 
