@@ -17,5 +17,5 @@ bash scripts/main.sh >/dev/null
 export RIDGEFILL_ENGINE_REPORT_DIR=${RIDGEFILL_ENGINE_REPORT_DIR:-bench/out}
 # Two workers, one core each (tests/conftest.py): much of an engine test is one thread (start-up, scheduling, small
 # models), so two side by side finish sooner than one on both cores.
-exec .venv/bin/python -m pytest -q -rs -n 2 tests/test_engines.py tests/test_vllm_plugin.py tests/test_engines_layout.py \
-  "$@"
+exec .venv/bin/python -m pytest -q -rs -n 2 \
+  tests/test_engines.py tests/test_vllm_plugin.py tests/test_engines_layout.py "$@"
