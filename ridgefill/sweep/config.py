@@ -180,6 +180,11 @@ def long_length(cfg: SweepConfig, context: int | None) -> int:
     return n if n > cfg.length else 0
 
 
+# The budget's figures in words (`budget`'s keys): the over reasons and the budget's text name them so.
+FIGURES = {"needle_drop": "needle drop", "dnll": "ΔNLL", "dnll_novel": "novel ΔNLL", "dnll_key": "key ΔNLL", "kl": "KL",
+           "top1": "top-1"}
+
+
 def budget(cfg: SweepConfig) -> dict:
     """The sweep's budget as {figure: ("max" | "min", limit)}: the needle drop in points ("needle_drop") and the
     documents' figures (evaluate.gate.CHECKS's summary keys). A gate's threshold joins it, or tightens the sweep's

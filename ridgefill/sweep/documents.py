@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ridgefill.evaluate.measure import Checkpoint, eval_documents, measure_documents
-from ridgefill.sweep.config import Setup, SweepConfig, budget
+from ridgefill.sweep.config import FIGURES, Setup, SweepConfig, budget
 from ridgefill.sweep.sequential import TOLERANCE
 
 
@@ -56,9 +56,6 @@ def figures_of(rows: list[dict], split: int, arm: str, cfg: SweepConfig, layers:
     return {k: v for k, v in summ["arms"][arm].items() if k.startswith(("dnll", "kl", "top1"))}
 
 
-NAMES = {"dnll": "ΔNLL", "dnll_novel": "novel ΔNLL", "dnll_key": "key ΔNLL", "kl": "KL", "top1": "top-1"}
-
-
 def over_budget(job, figures: dict, cfg: SweepConfig) -> str | None:
     """The first of the budget's document figures (`config.budget`) that puts `job` (split, arm) over, in words, or
     None when it is within on all. A figure not measured (no key tokens in the documents) is over, as it cannot
@@ -68,7 +65,7 @@ def over_budget(job, figures: dict, cfg: SweepConfig) -> str | None:
             continue
         v = figures.get(key)
         if v is None:
-            return f"{NAMES[key]} not measured"
+            return f"{FIGURES[key]} not measured"
         if (kind == "max" and v > limit + TOLERANCE) or (kind == "min" and v < limit - TOLERANCE):
-            return f"{NAMES[key]} {v:.3g} {'>' if kind == 'max' else '<'} {limit:g}"
+            return f"{FIGURES[key]} {v:.3g} {'>' if kind == 'max' else '<'} {limit:g}"
     return None

@@ -19,6 +19,7 @@ import math
 from ridgefill.errors import BadInput
 from ridgefill.evaluate.needles import TASKS
 from ridgefill.sweep.artifact import ARMS
+from ridgefill.sweep.config import FIGURES
 
 RECOMMENDED, WITHIN, OVER = "★", "✓", "✗"
 # Equal ceilings: the simpler recommendation first.
@@ -115,16 +116,12 @@ def recommend(result: dict) -> dict:
             "candidates": cands}
 
 
-LIMITS = {"needle_drop": "needle drop", "dnll": "ΔNLL", "dnll_novel": "novel ΔNLL", "dnll_key": "key ΔNLL",
-          "kl": "KL", "top1": "top-1"}
-
-
 def budget_text(b: dict) -> str:
     """A sweep's budget (sweep.json's "budget") in words."""
     if "limits" not in b:  # a sweep made before gates joined the budget
         drop, key = (format(b[k], "g") if k in b else "?" for k in ("max_needle_drop", "max_key_dnll"))
         return f"needle at most {drop} points below exact, key ΔNLL at most {key} nats"
-    return ", ".join(f"{LIMITS[k]} {'≤' if kind == 'max' else '≥'} {v:g}{' points' if k == 'needle_drop' else ''}"
+    return ", ".join(f"{FIGURES[k]} {'≤' if kind == 'max' else '≥'} {v:g}{' points' if k == 'needle_drop' else ''}"
                      for k, (kind, v) in b["limits"].items())
 
 
