@@ -1,5 +1,5 @@
 """What the engine tests compare an engine with: the reference runtime's greedy answer after a prefill and its own
-top-2 margin at every position, and how far an engine's outputs are from it (test_engines.py, test_vllm_plugin.py,
+top-2 margin at every position, and how far an engine's outputs are from it (test_engines.py, test_vllm_plugin*.py,
 bench/vllm_agreement.py)."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The vLLM connector's rules without vLLM (ridgefill/engines/vllm/loads.py): which file a request may name, what the
 server refuses before it claims a request's positions, the blocks a failed load spoils, the KV heads of a
-tensor-parallel rank. Default CI; the connector in vLLM is tests/test_engines.py's."""
+tensor-parallel rank. Default CI; the connector in vLLM is tests/test_engines.py's and
+tests/test_vllm_connector.py's."""
 
 from __future__ import annotations
 

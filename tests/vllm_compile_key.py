@@ -1,4 +1,4 @@
-"""Run in vLLM's environment by tests/test_vllm_plugin.py: the compile-cache key vLLM derives for the fill's parts
+"""Run in vLLM's environment by tests/test_vllm_plugin_tiny.py: the compile-cache key vLLM derives for the fill's parts
 under each release (`plugin.key_compiled_parts`), without compiling anything.
 
     RIDGEFILL_RELEASE=FIRST python tests/vllm_compile_key.py MODEL OUT.json NAME=RELEASE ...

@@ -1,6 +1,6 @@
 """The vLLM this code is written for, and every vLLM internal it touches beyond the public API (`LLM`,
 `SamplingParams`, the plugin and connector entry points): one list, so that a new vLLM version is checked in one
-place (tests/test_vllm_plugin.py resolves every entry in the installed vLLM).
+place (tests/test_vllm_plugin_tiny.py resolves every entry in the installed vLLM).
 
 `version_problem()` is the one version check of the plugin and the connector: another version is refused at
 startup rather than run on guesses. The version is stated once, as ridgefill's `vllm` extra (pyproject.toml), and
