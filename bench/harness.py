@@ -101,6 +101,9 @@ FIGURES = {
                            None),
     "release_memory": Figure("release_memory.py", "decoded maps a vLLM process holds once the fill plugin read a "
                              "release: bytes kept (the facts) / bytes of the release as read", "ratio", "<= 0.05"),
+    "map_designs": Figure("map_designs.py", "candidate designs of the late layers' maps against today's key/value "
+                          "maps at one split: held-out (K cos + V cos) / 2 per design, one alpha and one per layer; "
+                          "cost per filled row", "cosine", None),
     "sweep": Figure("sweep_bench.py", "adaptive and exhaustive `ridgefill sweep` (given its capture) / one default "
                     "eval: wall, CPU; whether they recommend the same", "ratio", "adaptive_cpu <= 4"),
 }
