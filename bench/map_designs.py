@@ -24,6 +24,9 @@ the cosine of what the layer writes from the prediction and from its true input;
 - `two-state k`: x = [h_S; c h_{S-k}] for each offset k, the early layers' earlier state beside the split's (free:
   the early layers run exactly), c scaling it to h_S's mean square so that one penalty means the same to both;
   one alpha, and one per layer.
+- `normalized`: x = h_S / rms(h_S), the split state at unit root mean square per row (every late layer reads its
+  input through an RMS norm, so what it writes depends on its input's direction more than on its size; cost: one
+  norm per row).
 - `split C` for each `--compare` split C: today's maps at C (the yardstick: a design at S as good as today's at C
   buys the layers between them).
 - `anchor C-1 (bound)`: a second anchor's upper bound. The second anchor runs one late layer R exactly on every row,
@@ -101,6 +104,7 @@ def states(hs: dict, S: int, offsets, compare) -> dict:
     import torch
 
     out = {"base": hs[S]}
+    out["normalized"] = hs[S] / hs[S].float().square().mean(-1, keepdim=True).sqrt().to(hs[S].dtype)
     for k in offsets:
         out[f"two-state {k}"] = torch.cat([hs[S], hs[S - k]], dim=1)
     for c in compare:
@@ -226,6 +230,9 @@ def designs(lm, p: Pass, args) -> tuple[dict, dict]:
     out["base/head"] = details["designs"]["base/head"]["late"]["score"]
     w, b = maps_at(e, best["alpha"])
     details["designs"]["exact by predicted error"] = exact_by_error(sc, list(w), list(b), p, args)
+    _, _, one, per, _, secs = fit("normalized", S)
+    out["normalized"], out["normalized/layer"] = one["late"]["score"], per["late"]["score"]
+    details["designs"]["normalized"] = {"one_alpha": one, "per_layer": per, "solve_s": secs}
     for k in args.offsets:
         name = f"two-state {k}"
         d = ad.hidden_size
