@@ -4,8 +4,8 @@ screen, before any design is built into solve and the runtime: a design that can
 rows they were fitted for, has nothing to offer eval's needles.
 
     .venv/bin/python bench/map_designs.py --model builtin:qwen2.5-coder-1.5b --split 14 [--dtype bfloat16]
-        [--offsets 1 2 4 7] [--compare 15 17 21] [--max-tokens 65536] [--held-out 4] [--held-rows 4096]
-        [--exact-share 0.1] [--chunk 1024] [--threads 2]
+        [--offsets 1 2 4 7] [--stacks 7,13 ...] [--compare 15 17 21] [--max-tokens 65536] [--held-out 4]
+        [--held-rows 4096] [--exact-share 0.1] [--chunk 1024] [--threads 2]
 
 One pass of the model over the built-in calibration text (builtin:default; its held-out documents as capture picks
 them: `--held-out`, seed 0), document by document through the KV cache in `--chunk`-token chunks as capture feeds
@@ -23,7 +23,7 @@ the cosine of what the layer writes from the prediction and from its true input;
   own cosine (ridge decouples over output columns: a per-head fit is a per-head penalty).
 - `two-state k`: x = [h_S; c h_{S-k}] for each offset k, the early layers' earlier state beside the split's (free:
   the early layers run exactly), c scaling it to h_S's mean square so that one penalty means the same to both;
-  one alpha, and one per layer.
+  one alpha, and one per layer. `--stacks 7,13` adds more states: x = [h_S; c_7 h_{S-7}; c_13 h_{S-13}].
 - `normalized`: x = h_S / rms(h_S), the split state at unit root mean square per row (every late layer reads its
   input through an RMS norm, so what it writes depends on its input's direction more than on its size; cost: one
   norm per row).
@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--split", type=positive, default=14)
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--offsets", type=positive, nargs="*", default=[1, 2, 4, 7])
+    ap.add_argument("--stacks", nargs="*", default=[], metavar="K,K,...",
+                    help="more than two states: x = [h_S; h_{S-k} for each k], e.g. 7,13")
     ap.add_argument("--compare", type=positive, nargs="*", default=[15, 17, 21])
     ap.add_argument("--max-tokens", type=positive, default=65536, help="calibration tokens at most")
     ap.add_argument("--held-out", type=positive, default=4)
@@ -75,7 +77,9 @@ def main() -> None:
         t0 = time.perf_counter()
         ref, lm = load(args.model, MODEL_CACHE, args.dtype)
         S, L = args.split, ref.num_layers
-        if not 0 < S < L or any(not 0 < S - k for k in args.offsets) or any(not S < c < L for c in args.compare):
+        args.stacks = [tuple(int(k) for k in spec.split(",")) for spec in args.stacks]
+        offsets = {k for ks in args.stacks for k in ks} | set(args.offsets)
+        if not 0 < S < L or any(not 0 < S - k for k in offsets) or any(not S < c < L for c in args.compare):
             raise SystemExit(f"map_designs: split {S}, offsets {args.offsets} and compared splits {args.compare} "
                              f"must fit the model's {L} layers")
         load_s = time.perf_counter() - t0
@@ -99,7 +103,7 @@ class Pass:
         self.seconds = 0.0
 
 
-def states(hs: dict, S: int, offsets, compare) -> dict:
+def states(hs: dict, S: int, offsets, compare, stacks=()) -> dict:
     """Each design's state for one chunk's rows: {name: tensor [rows, dx]}, its scale applied later."""
     import torch
 
@@ -107,6 +111,8 @@ def states(hs: dict, S: int, offsets, compare) -> dict:
     out["normalized"] = hs[S] / hs[S].float().square().mean(-1, keepdim=True).sqrt().to(hs[S].dtype)
     for k in offsets:
         out[f"two-state {k}"] = torch.cat([hs[S], hs[S - k]], dim=1)
+    for ks in stacks:
+        out[f"states {'+'.join(map(str, ks))}"] = torch.cat([hs[S], *(hs[S - k] for k in ks)], dim=1)
     for c in compare:
         out[f"split {c}"] = hs[c]
     return out
@@ -125,7 +131,8 @@ def feed(lm, args) -> Pass:
 
     ad, S, L = lm.adapter, args.split, lm.adapter.num_layers
     attn = [l for l in range(S, L) if not ad.is_linear(l)]
-    layers = sorted({S, *range(S, L), *(S - k for k in args.offsets), *args.compare})
+    layers = sorted({S, *range(S, L), *(S - k for k in args.offsets), *(S - k for ks in args.stacks for k in ks),
+                     *args.compare})
     corpus = read_corpus([BUILTIN])
     calib, held = split_held_out(corpus.documents, args.held_out, 0)
     ids = tokenize(lm.tokenizer, corpus, chat=False, max_length=None)["raw"]
@@ -145,14 +152,14 @@ def feed(lm, args) -> Pass:
                 if is_held:
                     pos = torch.arange(start + skip, start + skip + hs[S].shape[0])
                     keep &= pos % stride == 0
-                    for name, x in states(hs, S, args.offsets, args.compare).items():
+                    for name, x in states(hs, S, args.offsets, args.compare, args.stacks).items():
                         p.held.setdefault(name, []).append(x[keep].float().numpy())
                     for l in range(S, L):
                         p.held.setdefault(f"y.{l}", []).append(hs[l][keep].float().numpy())
                     p.held.setdefault("doc", []).append(np.full(int(keep.sum()), doc, dtype=np.int32))
                     continue
                 targets = {l: ad.kv_target(l, hs[l][keep]) for l in attn}
-                for name, x in states(hs, S, args.offsets, args.compare).items():
+                for name, x in states(hs, S, args.offsets, args.compare, args.stacks).items():
                     first = int(name.split()[1]) if name.startswith("split") else S
                     got = forward.grouped_moments(x[keep], [[targets[l] for l in attn if l >= first]])[0]
                     p.moments[name] = got if name not in p.moments else merge_into(p.moments[name], got)
@@ -241,6 +248,14 @@ def designs(lm, p: Pass, args) -> tuple[dict, dict]:
         _, _, one, per, _, secs = fit(name, S, np.concatenate([np.ones(d), np.full(d, c)]))
         out[name], out[f"{name}/layer"] = one["late"]["score"], per["late"]["score"]
         details["designs"][name] = {"one_alpha": one, "per_layer": per, "scale": c, "solve_s": secs}
+    for ks in args.stacks:
+        name, d = f"states {'+'.join(map(str, ks))}", ad.hidden_size
+        m = p.moments[name]
+        scale = [1.0] + [(np.trace(m.cxx[:d, :d]) / np.trace(m.cxx[(j + 1) * d:(j + 2) * d, (j + 1) * d:(j + 2) * d]))
+                         ** 0.5 for j in range(len(ks))]
+        _, _, one, per, _, secs = fit(name, S, np.repeat(scale, d))
+        out[name], out[f"{name}/layer"] = one["late"]["score"], per["late"]["score"]
+        details["designs"][name] = {"one_alpha": one, "per_layer": per, "scale": scale[1:], "solve_s": secs}
     for c in args.compare:
         _, _, one, per, _, secs = fit(f"split {c}", c)
         out[f"split {c}"], out[f"split {c}/layer"] = one["late"]["score"], per["late"]["score"]
