@@ -103,17 +103,21 @@ class Pass:
         self.seconds = 0.0
 
 
-def states(hs: dict, S: int, offsets, compare, stacks=()) -> dict:
+def stacked(args) -> dict[str, tuple[int, ...]]:
+    """The designs of several states by name: each offset alone ("two-state k"), then each --stacks entry."""
+    return {f"two-state {k}": (k,) for k in args.offsets} | {f"states {'+'.join(map(str, ks))}": ks
+                                                             for ks in args.stacks}
+
+
+def states(hs: dict, S: int, args) -> dict:
     """Each design's state for one chunk's rows: {name: tensor [rows, dx]}, its scale applied later."""
     import torch
 
     out = {"base": hs[S]}
     out["normalized"] = hs[S] / hs[S].float().square().mean(-1, keepdim=True).sqrt().to(hs[S].dtype)
-    for k in offsets:
-        out[f"two-state {k}"] = torch.cat([hs[S], hs[S - k]], dim=1)
-    for ks in stacks:
-        out[f"states {'+'.join(map(str, ks))}"] = torch.cat([hs[S], *(hs[S - k] for k in ks)], dim=1)
-    for c in compare:
+    for name, ks in stacked(args).items():
+        out[name] = torch.cat([hs[S], *(hs[S - k] for k in ks)], dim=1)
+    for c in args.compare:
         out[f"split {c}"] = hs[c]
     return out
 
@@ -131,8 +135,7 @@ def feed(lm, args) -> Pass:
 
     ad, S, L = lm.adapter, args.split, lm.adapter.num_layers
     attn = [l for l in range(S, L) if not ad.is_linear(l)]
-    layers = sorted({S, *range(S, L), *(S - k for k in args.offsets), *(S - k for ks in args.stacks for k in ks),
-                     *args.compare})
+    layers = sorted({*range(S, L), *(S - k for ks in stacked(args).values() for k in ks), *args.compare})
     corpus = read_corpus([BUILTIN])
     calib, held = split_held_out(corpus.documents, args.held_out, 0)
     ids = tokenize(lm.tokenizer, corpus, chat=False, max_length=None)["raw"]
@@ -152,14 +155,14 @@ def feed(lm, args) -> Pass:
                 if is_held:
                     pos = torch.arange(start + skip, start + skip + hs[S].shape[0])
                     keep &= pos % stride == 0
-                    for name, x in states(hs, S, args.offsets, args.compare, args.stacks).items():
+                    for name, x in states(hs, S, args).items():
                         p.held.setdefault(name, []).append(x[keep].float().numpy())
                     for l in range(S, L):
                         p.held.setdefault(f"y.{l}", []).append(hs[l][keep].float().numpy())
                     p.held.setdefault("doc", []).append(np.full(int(keep.sum()), doc, dtype=np.int32))
                     continue
                 targets = {l: ad.kv_target(l, hs[l][keep]) for l in attn}
-                for name, x in states(hs, S, args.offsets, args.compare, args.stacks).items():
+                for name, x in states(hs, S, args).items():
                     first = int(name.split()[1]) if name.startswith("split") else S
                     got = forward.grouped_moments(x[keep], [[targets[l] for l in attn if l >= first]])[0]
                     p.moments[name] = got if name not in p.moments else merge_into(p.moments[name], got)
@@ -240,22 +243,13 @@ def designs(lm, p: Pass, args) -> tuple[dict, dict]:
     _, _, one, per, _, secs = fit("normalized", S)
     out["normalized"], out["normalized/layer"] = one["late"]["score"], per["late"]["score"]
     details["designs"]["normalized"] = {"one_alpha": one, "per_layer": per, "solve_s": secs}
-    for k in args.offsets:
-        name = f"two-state {k}"
-        d = ad.hidden_size
-        m = p.moments[name]
-        c = (np.trace(m.cxx[:d, :d]) / np.trace(m.cxx[d:, d:])) ** 0.5
-        _, _, one, per, _, secs = fit(name, S, np.concatenate([np.ones(d), np.full(d, c)]))
-        out[name], out[f"{name}/layer"] = one["late"]["score"], per["late"]["score"]
-        details["designs"][name] = {"one_alpha": one, "per_layer": per, "scale": c, "solve_s": secs}
-    for ks in args.stacks:
-        name, d = f"states {'+'.join(map(str, ks))}", ad.hidden_size
-        m = p.moments[name]
-        scale = [1.0] + [(np.trace(m.cxx[:d, :d]) / np.trace(m.cxx[(j + 1) * d:(j + 2) * d, (j + 1) * d:(j + 2) * d]))
-                         ** 0.5 for j in range(len(ks))]
+    d = ad.hidden_size
+    for name, ks in stacked(args).items():  # each earlier state scaled to h_S's mean square
+        trace = np.diagonal(p.moments[name].cxx).reshape(len(ks) + 1, d).sum(1)
+        scale = (trace[0] / trace) ** 0.5
         _, _, one, per, _, secs = fit(name, S, np.repeat(scale, d))
         out[name], out[f"{name}/layer"] = one["late"]["score"], per["late"]["score"]
-        details["designs"][name] = {"one_alpha": one, "per_layer": per, "scale": scale[1:], "solve_s": secs}
+        details["designs"][name] = {"one_alpha": one, "per_layer": per, "scale": scale[1:].tolist(), "solve_s": secs}
     for c in args.compare:
         _, _, one, per, _, secs = fit(f"split {c}", c)
         out[f"split {c}"], out[f"split {c}/layer"] = one["late"]["score"], per["late"]["score"]
@@ -282,6 +276,7 @@ def per_head(ad, e, sc, summary) -> dict:
     import numpy as np
 
     from ridgefill.solve.ridge import DEFAULT_ALPHAS, maps_at
+    from ridgefill.solve.score import _cos as cosine
 
     heads, hd = ad.num_kv_heads, ad.head_dim
     best: dict = {}  # (i, part, h) -> (score, alpha, w rows, b rows)
@@ -307,15 +302,11 @@ def per_head(ad, e, sc, summary) -> dict:
     return out
 
 
-def cosine(a, b):
-    import numpy as np
-
-    return (a * b).sum(-1) / np.maximum(np.sqrt((a * a).sum(-1) * (b * b).sum(-1)), 1e-30)
-
-
 def exact_by_error(sc, w, b, p: Pass, args) -> dict:
     """Exact rows chosen by a predicted map error, against random rows and the oracle, at one share of the rows."""
     import numpy as np
+
+    from ridgefill.solve.score import _cos as cosine
 
     rows = []
     for i, l in enumerate(sc.layers):
