@@ -155,7 +155,7 @@ def measure_length(lm, src, n: int, tail: int, needles: int, per_kind: int, args
         row = work.get(key)
         if row is None:
             t = time.perf_counter()
-            run = exact_run(lm, torch.tensor(s.prompt_ids), splits=[src.split])
+            run = exact_run(lm, torch.tensor(s.prompt_ids), splits=list(src.reads))
             res, _ = fills(lm, run, src, arms, tail, logits_rows=1)
             ok = decode_and_score(lm, s, [res[a] for a in ARMS])
             row = {"task": hay.task, "haystack": hay.haystack, "form": hay.form, "depth": s.depth,
@@ -172,7 +172,7 @@ def measure_length(lm, src, n: int, tail: int, needles: int, per_kind: int, args
         row = work.get(key)
         if row is None:
             t = time.perf_counter()
-            doc = DocumentScore(lm, torch.tensor(ids), tail, args.scored, splits=[src.split])
+            doc = DocumentScore(lm, torch.tensor(ids), tail, args.scored, splits=list(src.reads))
             res, _ = fills(lm, doc.run, src, arms[1:], tail, logits_rows=doc.keep)
             row = {"kind": kind, "name": name, "tokens": len(ids), "arms": {a: doc(res[a]) for a in FILLS},
                    "seconds": round(time.perf_counter() - t, 2)}

@@ -21,7 +21,7 @@ import numpy as np
 from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts.store import write_json
 from ridgefill.capture.corpus import Corpus
-from ridgefill.capture.stats import INPUT, Moments, merge, mix
+from ridgefill.capture.stats import INPUT, Moments, merge, mix, select_x
 from ridgefill.errors import BadInput
 from ridgefill.formats import safetensors
 
@@ -42,15 +42,18 @@ def stats_prefix(key: tuple) -> str:
     return f"{variant}.split{split}" + ("" if target == INPUT else f".{target}")
 
 
-def write_stats(path: Path, moments: dict[tuple, Moments], splits, num_layers: int, kv_layers) -> None:
+def write_stats(path: Path, moments: dict[tuple, Moments], splits, num_layers: int, kv_layers, earlier=()) -> None:
     """stats.safetensors from {(variant, split, target): Moments}; `kv_layers`: the late attention layers whose keys
-    and values the "kv" moments hold (in order)."""
+    and values the "kv" moments hold (in order); `earlier`: the offsets of the states stacked under each split's
+    (recorded only when there are some)."""
     arrays: dict[str, np.ndarray] = {}
     for key, m in moments.items():
         arrays.update(m.to_arrays(stats_prefix(key)))
     variants = list(dict.fromkeys(key[0] for key in moments))
     meta = {"splits": ",".join(map(str, splits)), "variants": ",".join(variants), "num_layers": str(num_layers),
             "kv_layers": ",".join(map(str, kv_layers))}
+    if earlier:
+        meta["earlier"] = ",".join(map(str, earlier))
     safetensors.save(path / STATS, arrays, meta)
 
 
@@ -74,9 +77,40 @@ def write_documents(path: Path, corpus: Corpus, ids, calib, held) -> None:
 # ------------------------------------------------------------------------------------------------ reading
 
 
-def load_stats(art: Artifact, split: int, chat_share: float | None = None, target: str = INPUT) -> Moments:
+def captured_earlier(art: Artifact) -> tuple[int, ...]:
+    """The offsets k of the earlier states h_{S-k} the capture stacked under each split's state (--earlier)."""
+    return tuple(art.recipe.get("earlier", ()))
+
+
+def state_index(art: Artifact, earlier, d: int) -> np.ndarray | None:
+    """The columns of the capture's stacked state [h_S; h_{S-k1}; ...] (d wide each) that hold h_S and then the
+    earlier states `earlier` (offsets, in that order); None when that is the whole stacked state. BadInput for an
+    offset the capture has not."""
+    have = captured_earlier(art)
+    missing = [k for k in earlier if k not in have]
+    if missing:
+        held = f"offsets {', '.join(map(str, have))}" if have else "none"
+        raise BadInput(f"--earlier {', '.join(map(str, missing))}: capture {art.id} has no such earlier state (it "
+                       f"has {held}; capture with --earlier)")
+    blocks = [0, *(1 + have.index(k) for k in earlier)]
+    if blocks == list(range(1 + len(have))):
+        return None
+    return np.concatenate([np.arange(b * d, (b + 1) * d) for b in blocks])
+
+
+def load_stats(art: Artifact, split: int, chat_share: float | None = None, target: str = INPUT,
+               earlier=None) -> Moments:
     """The capture's moments for one split and target (stats.INPUT: the late layers' inputs; stats.KV: the late
-    attention layers' keys and values, `kv_layers` of them); raw and chat statistics mixed by `chat_share`."""
+    attention layers' keys and values, `kv_layers` of them); raw and chat statistics mixed by `chat_share`. Their x
+    is the split state with the earlier states `earlier` (offsets; None: every one the capture has) under it."""
+    m = _load_stats(art, split, chat_share, target)
+    if earlier is None:
+        return m
+    idx = state_index(art, earlier, m.mean_x.shape[0] // (1 + len(captured_earlier(art))))
+    return m if idx is None else select_x(m, idx)
+
+
+def _load_stats(art: Artifact, split: int, chat_share: float | None, target: str) -> Moments:
     arrays, meta = safetensors.load(art.file(STATS))
     splits = [int(s) for s in meta["splits"].split(",")]
     if split not in splits:

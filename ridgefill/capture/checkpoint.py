@@ -118,8 +118,8 @@ class State:
             lazy = self.doc_cache.tensors
         _write(work / STATE, arrays, lazy, meta)
 
-    def write_outputs(self, path: Path, splits, layers, num_layers, kv_layers) -> None:
-        artifact.write_stats(path, self.total, splits, num_layers, kv_layers)
+    def write_outputs(self, path: Path, splits, layers, num_layers, kv_layers, earlier=()) -> None:
+        artifact.write_stats(path, self.total, splits, num_layers, kv_layers, earlier)
         held = concat(self.held)
         if held:
             artifact.write_heldout(path, held, layers)

@@ -29,3 +29,6 @@ class CaptureConfig:
     product_dtype: str = "float32"  # the per-chunk centred products (totals are float64 either way)
     trust_remote_code: bool = False
     outlier_ratio: float = OUTLIER_RATIO  # rows whose split state exceeds this x their chunk's median norm: not fitted
+    # offsets k of the earlier states h_{S-k} stacked under each split's h_S as the maps' input (docs/method.md,
+    # "Maps from earlier states"); empty: the maps read h_S alone
+    earlier: tuple[int, ...] = ()

@@ -164,7 +164,8 @@ def _target_moments(xc, ys: list, name: str, mean_x, cxx) -> Moments:
 
 
 def fitted_moments(hs: dict, start: int, splits, num_layers: int, outlier_ratio: float,
-                   product_dtype: str = "float32", kv_layers=(), kv_of=None) -> dict[tuple[int, str], Moments]:
+                   product_dtype: str = "float32", kv_layers=(), kv_of=None,
+                   earlier=()) -> dict[tuple[int, str], Moments]:
     """One chunk's statistics per split and target over the rows the maps are fitted on:
     {(split, "input"): Moments of the late layers' inputs, (split, "kv"): Moments of their keys and values}.
 
@@ -175,12 +176,15 @@ def fitted_moments(hs: dict, start: int, splits, num_layers: int, outlier_ratio:
 
     `kv_of(l, h)` -> [rows, 2 * kv_heads * head_dim]: layer l's keys (before RoPE and QK-norm) and values for its
     true input h (`key_value_targets`); computed once per chunk for each of `kv_layers` (the late attention layers)
-    and fitted for every split below them, as a key/value map predicts them (docs/method.md#keyvalue-maps)."""
+    and fitted for every split below them, as a key/value map predicts them (docs/method.md#keyvalue-maps).
+
+    `earlier` (offsets k): the maps' input is the split state with h_{S-k} for each k stacked under it, [n, d (1 +
+    len(earlier))] (`stacked_state`); the outlier rule then looks at that stacked row's norm, as the fill does."""
     skip = SKIP_FIRST if start == 0 else 0
     targets = {l: kv_of(l, hs[l]) for l in kv_layers} if kv_of is not None else {}  # [rows, 2kv] each
     out = {}
     for s in splits:
-        x = hs[s][skip:]  # [n, d]
+        x = stacked_state(hs, s, earlier)[skip:]  # [n, dx]
         if x.shape[0] < 1:
             break
         ys = [hs[l][skip:] for l in range(s, num_layers)]  # k x [n, d]
@@ -193,6 +197,15 @@ def fitted_moments(hs: dict, start: int, splits, num_layers: int, outlier_ratio:
         if kvs:
             out[(s, KV)] = got[1]
     return out
+
+
+def stacked_state(hs: dict, split: int, earlier=()):
+    """The maps' input for the rows of hs ({layer: h_l [rows, d]}): h_S, or [h_S; h_{S-k1}; ...] side by side."""
+    import torch
+
+    if not earlier:
+        return hs[split]
+    return torch.cat([hs[split], *(hs[split - k] for k in earlier)], dim=-1)
 
 
 def key_value_targets(adapter):

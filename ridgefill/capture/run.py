@@ -110,6 +110,16 @@ def _check(cfg: CaptureConfig) -> None:
         raise BadInput(f"the outlier ratio must be 0 (off) or above 1, got {cfg.outlier_ratio}")
     if cfg.product_dtype not in PRODUCT_DTYPES:
         raise BadInput(f"unknown product dtype '{cfg.product_dtype}' (choose {' or '.join(PRODUCT_DTYPES)})")
+    check_earlier(cfg.earlier)
+
+
+def check_earlier(earlier) -> None:
+    """BadInput unless `earlier` (--earlier) is distinct positive offsets: h_{S-k} for each k, below the split."""
+    if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in earlier):
+        raise BadInput("--earlier takes offsets k >= 1 below the split (the states h_{S-k}), got "
+                       + ", ".join(map(str, earlier)))
+    if len(set(earlier)) != len(earlier):
+        raise BadInput(f"--earlier names an offset twice: {', '.join(map(str, earlier))}")
 
 
 def _placement(place, world: World):
@@ -130,6 +140,9 @@ def _splits(cfg: CaptureConfig, ref) -> tuple[int, ...]:
     for s in splits:
         if not 0 < s < ref.num_layers:
             raise BadInput(f"split {s} is out of range: the model has {ref.num_layers} layers (use 1..{ref.num_layers - 1})")
+        if cfg.earlier and s - max(cfg.earlier) < 0:
+            raise BadInput(f"--earlier {max(cfg.earlier)} reaches below layer 0 at split {s} (the deepest earlier "
+                           f"state there is h_0, offset {s})")
     if cfg.max_length is not None and ref.context_length and cfg.max_length > ref.context_length:
         raise BadInput(f"--max-length {cfg.max_length} is longer than the model's context ({ref.context_length} "
                        "positions)")
@@ -155,6 +168,7 @@ def _recipe(cfg: CaptureConfig, ref, corpus, splits: tuple[int, ...], place) -> 
         "product_dtype": cfg.product_dtype,
         "skip_first": SKIP_FIRST,
         "outlier_ratio": cfg.outlier_ratio,
+        **({"earlier": list(cfg.earlier)} if cfg.earlier else {}),  # only when given: other ids are unchanged
         # The id covers the model's own code being allowed (solve, quantize and fold load with it); only
         # when on, so the ids of other captures are unchanged.
         **({"trust_remote_code": True} if cfg.trust_remote_code else {}),

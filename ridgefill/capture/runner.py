@@ -129,11 +129,13 @@ class Runner:
         self.units = make_units(self.ids, job.calib, job.held, cfg.held_out_rows)
         self.blocks = make_blocks(self.units)
         self.lo = min(job.splits)
-        self.layers = list(range(self.lo, job.ref.num_layers))  # every input needed: split states, late-layer inputs
+        late = range(self.lo, job.ref.num_layers)
+        # every input needed: split states, late-layer inputs, the earlier states stacked under a split's
+        self.layers = sorted(set(late) | {s - k for s in job.splits for k in cfg.earlier})
         variants = ("raw", "chat") if cfg.chat else ("raw",)
         ad = self.lm.adapter
         # the late attention layers: their keys and values are fitted too (key/value maps), for every split below one
-        self.kv_layers = [l for l in self.layers if not ad.is_linear(l)]
+        self.kv_layers = [l for l in late if not ad.is_linear(l)]
         self.kv_width = ad.kv_width
         self.kv_of = forward.key_value_targets(ad)
         self.keys = [(v, s, t) for v in variants for s in job.splits
@@ -193,7 +195,7 @@ class Runner:
     def write(self) -> Artifact:
         """Rank 0: the statistics, held-out rows, token counts and document list, then the manifest."""
         job, state, build, ids = self.job, self.state, self.build, self.ids
-        state.write_outputs(build.path, job.splits, self.layers, job.ref.num_layers, self.kv_layers)
+        state.write_outputs(build.path, job.splits, self.layers, job.ref.num_layers, self.kv_layers, self.cfg.earlier)
         artifact.write_counts(build.path, ids["raw"], job.calib, _vocab_size(self.lm))
         artifact.write_documents(build.path, job.corpus, ids, job.calib, job.held)
         return build.commit(info=self.info(), summary=self.summary(),
@@ -205,11 +207,12 @@ class Runner:
         """Empty statistics per (variant, split, target): what a block is merged from. The inputs of every late
         layer (d wide), or the keys and values of every late attention layer (`kv_width` wide)."""
         d, num_layers = self.job.ref.hidden_size, self.job.ref.num_layers
+        dx = d * (1 + len(self.cfg.earlier))  # the split state, and the earlier states stacked under it
 
         def one(s: int, target: str) -> Moments:
             if target == INPUT:
-                return Moments.empty(num_layers - s, d, d)
-            return Moments.empty(sum(l >= s for l in self.kv_layers), d, self.kv_width)
+                return Moments.empty(num_layers - s, dx, d)
+            return Moments.empty(sum(l >= s for l in self.kv_layers), dx, self.kv_width)
 
         return {key: one(key[1], key[2]) for key in self.keys}
 
@@ -244,7 +247,7 @@ class Runner:
         """Merge one chunk's fitted rows (sink and outliers left out: forward.fitted_moments) into `part`."""
         cfg = self.cfg
         fitted = forward.fitted_moments(hs, start, self.job.splits, self.job.ref.num_layers, cfg.outlier_ratio,
-                                        cfg.product_dtype, self.kv_layers, self.kv_of)
+                                        cfg.product_dtype, self.kv_layers, self.kv_of, cfg.earlier)
         for (s, target), m in fitted.items():
             part[(u.variant, s, target)] = merge_into(part[(u.variant, s, target)], m)
 
@@ -342,6 +345,7 @@ class Runner:
         truncated = [i for i in range(len(job.corpus.documents)) if ids["full_length"][i] > len(ids["raw"][i])]
         return {
             "splits": list(job.splits),
+            **({"earlier": list(cfg.earlier)} if cfg.earlier else {}),
             "rows": {f"{v}.split{s}": int(self.state.total[(v, s, t)].n) for v, s, t in self.keys if t == INPUT},
             "calibration_documents": len(job.calib),
             "calibration_tokens": int(sum(len(ids["raw"][i]) for i in job.calib)),

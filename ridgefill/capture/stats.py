@@ -93,6 +93,20 @@ def merge_into(a: Moments, b: Moments) -> Moments:
     return Moments(n, a.mean_x + dx * (b.n / n), a.cxx, a.mean_y + dy * (b.n / n), a.cxy, a.yy)
 
 
+def select_x(m: Moments, idx: np.ndarray) -> Moments:
+    """The moments of the sub-vector x[idx] against the same targets (the moments of a part of x are the matching
+    blocks of its moments): the maps from some of the stacked states a capture holds."""
+    return Moments(m.n, m.mean_x[idx], m.cxx[np.ix_(idx, idx)], m.mean_y, np.ascontiguousarray(m.cxy[:, idx, :]),
+                   m.yy)
+
+
+def scale_x(m: Moments, scale: np.ndarray) -> Moments:
+    """The moments of D x against the same targets, D = diag(scale [dx]): a ridge fit on them is a fit on x with a
+    penalty of its own per coordinate, whose maps are the fitted ones times D (column j times scale[j])."""
+    return Moments(m.n, m.mean_x * scale, m.cxx * scale[:, None] * scale[None, :], m.mean_y,
+                   m.cxy * scale[None, :, None], m.yy)
+
+
 def mix(a: Moments, b: Moments, share_b: float) -> Moments:
     """Weighted mixture: rows of b weigh `share_b` of the total, rows of a the rest.
 

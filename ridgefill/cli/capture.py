@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from ridgefill.capture.config import CHECKPOINT_EVERY, DEFAULT_DATA, CaptureConfig
-from ridgefill.cli.common import ModelArg, done, output, placed, store
+from ridgefill.cli.common import ModelArg, done, offsets, output, placed, store
 
 D = CaptureConfig()  # each option's default
 
@@ -25,6 +25,7 @@ def capture(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out choice.")] = D.seed,
     outlier_ratio: Annotated[float, typer.Option("--outlier-ratio", help="Rows whose split state is above this many times their chunk's median norm are not fitted, and the fill runs such rows exactly (0: every row is fitted; the fill then keeps the default ratio, 4).")] = D.outlier_ratio,
     product_dtype: Annotated[str, typer.Option("--product-dtype", help="Per-chunk products on the device: float32 (TF32 off) or float64. Totals are float64 either way.")] = D.product_dtype,
+    earlier: Annotated[Optional[str], typer.Option("--earlier", help="Offsets k, like 2,7,13: the maps may read the earlier states h_(S-k) besides each split's h_S (maps from earlier states; solve picks which). Default: none.")] = None,
     place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own Python code (off unless given).")] = D.trust_remote_code,
     checkpoint_every: Annotated[float, typer.Option("--checkpoint-every", help="Seconds between resumable checkpoints (0: after every document).")] = CHECKPOINT_EVERY,
@@ -35,7 +36,7 @@ def capture(
     out = output()
     cfg = CaptureConfig(splits=tuple(split or D.splits), chat=chat, chunk=chunk, max_length=max_length,
                         held_out=held_out, held_out_rows=held_out_rows, seed=seed, product_dtype=product_dtype,
-                        outlier_ratio=outlier_ratio,
+                        outlier_ratio=outlier_ratio, earlier=offsets(earlier, "--earlier") or (),
                         trust_remote_code=trust_remote_code)
     art, cached = run(store(), model, list(data or DEFAULT_DATA), cfg, out, checkpoint_every, place=place)
     if art is None:  # a torchrun rank other than 0: rank 0 reports

@@ -137,6 +137,21 @@ _PLACEMENT = [
 ]
 
 
+def offsets(text: str | None, flag: str) -> tuple[int, ...] | None:
+    """--earlier's value, "2,7,13" (or "none": no earlier state) -> (2, 7, 13) or (); None when not given. BadInput
+    for anything else."""
+    from ridgefill.errors import BadInput
+
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(int(k) for k in text.split(","))
+    except ValueError:
+        raise BadInput(f"{flag} takes offsets separated by commas (like 2,7,13) or none, got {text!r}") from None
+
+
 def placed(command):
     """A command that runs a model: typer sees the four placement options in place of its `place` parameter, and
     the command is called with them resolved and checked into one `Where` (BadInput, one line, before anything

@@ -25,8 +25,9 @@ gates, residual adds, biases and the embedding lookup are not (they are O(d) per
   kernels do the same rule in a different order, with a different count.
 - "maps": the ridge maps, d x d per filled row per late layer ("ridgefill" arms; "identity" has none), or, where
   `map_kinds` names a key/value map, d x 2 kv_heads x head_dim, and then the filled row runs no k_proj/v_proj (the
-  map predicts what they would write). In a sliding-window layer only the filled rows some query sees are written
-  (docs/method.md), so only they are mapped.
+  map predicts what they would write); maps that read earlier states besides h_S (`states`) cost that many times
+  more. In a sliding-window layer only the filled rows some query sees are written (docs/method.md), so only they
+  are mapped.
 - "probe" ("ridgefill+rows"): in every attention layer below the split, each probe row's query (q_proj, at its
   full width) and its scores against the keys it sees (QK^T only: the selection sums the softmax weights, no AV).
   The reference computes the probe's full probe x N score matrix and masks it; this counts the visible entries.
@@ -191,12 +192,13 @@ def model_shape(source) -> ModelShape:
 
 
 def prefill_macs(shape: ModelShape, n: int, tail: int, split: int, arm: str, exact_rows=ANCHOR_ROWS,
-                 logits_rows: int = 1, probe=PROBE_ROWS, map_kinds: dict | None = None) -> dict:
+                 logits_rows: int = 1, probe=PROBE_ROWS, map_kinds: dict | None = None, states: int = 1) -> dict:
     """MACs of a prefill of `n` rows with `arm` at `split` and `tail` (module docstring): {"total", "layers",
     "attention", "maps", "probe", "head"}, Python ints. `exact_rows`: the fill arms' exact prefix rows, as
     positions or as a count (the first ones); `probe`: "ridgefill+rows"'s probe rows, as positions or as a count
     (the last ones, the runtime's default 64); `logits_rows`: the last rows that get logits (0..tail); `map_kinds`:
-    {layer: "input" | "kv"} (a layer it does not name: an input map)."""
+    {layer: "input" | "kv"} (a layer it does not name: an input map); `states`: how many states the maps read side
+    by side (1: h_S; maps from earlier states read more, and each costs d x d_out more per filled row)."""
     L = shape.layers
     if arm not in ARMS:
         raise BadInput(f"unknown arm '{arm}' (choose one of: {', '.join(ARMS)})")
@@ -239,18 +241,18 @@ def prefill_macs(shape: ModelShape, n: int, tail: int, split: int, arm: str, exa
                 macs["attention"] += shape.pair() * _visible(queries, keys, window)
             if arm.startswith("ridgefill"):
                 kv_map = (map_kinds or {}).get(l) == "kv"
-                macs["maps"] += len(written) * shape.hidden * (2 * shape.kv_heads * shape.head_dim if kv_map else
-                                                              shape.hidden)
+                macs["maps"] += len(written) * states * shape.hidden * (
+                    2 * shape.kv_heads * shape.head_dim if kv_map else shape.hidden)
     macs["head"] = logits_rows * shape.hidden * shape.vocab
     return {"total": sum(macs.values()), **macs}
 
 
 def result_macs(shape: ModelShape, result, logits_rows: int = 1, probe=PROBE_ROWS,
-                map_kinds: dict | None = None) -> dict:
+                map_kinds: dict | None = None, states: int = 1) -> dict:
     """`prefill_macs` of a `PrefillResult` (ridgefill.runtime): its arm, rows, split, tail and exact rows."""
     rows = list(result.exact_rows) if result.arm != "exact" else []
     return prefill_macs(shape, result.num_rows, result.tail, result.split, result.arm, exact_rows=rows,
-                        logits_rows=logits_rows, probe=probe, map_kinds=map_kinds)
+                        logits_rows=logits_rows, probe=probe, map_kinds=map_kinds, states=states)
 
 
 def _positions(spec, limit: int, what: str, first: bool) -> np.ndarray:

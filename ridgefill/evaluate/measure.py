@@ -54,6 +54,8 @@ def fill_args(src: MapsSource, arm: Arm, tail: int) -> dict:
     """prefill / prefill_from options of a fill arm ("+rows" with the source's row share)."""
     args = {"split": src.split, "tail": tail, "maps": src.maps if arm.base == "ridgefill" else None,
             "map_kinds": src.map_kinds, "anchor": src.anchor, "exact_norm": src.exact_norm}
+    if src.states:
+        args["states"] = src.states
     if arm.selector == "rows" and arm.control is None:
         args["row_share"] = src.row_share
     if arm.corrections:
@@ -205,7 +207,7 @@ def measure_documents(lm, docs, length: int, sources: dict, arms, tail: int, sco
     from ridgefill.runtime.rows import PROBE_ROWS
 
     rows = _Rows(kind, done)
-    splits = sorted({src.split for src in sources.values()})
+    splits = sorted({l for src in sources.values() for l in src.reads})  # the states every source's maps read
     with out.progress("documents", total=len(docs)) as bar:
         for i, d in enumerate(docs):
             if i < len(rows.rows):  # measured before a stop

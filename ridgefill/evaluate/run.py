@@ -199,7 +199,7 @@ def _needles(lm, src: MapsSource, cfg: EvalConfig, arms, suite: list, out: Outpu
         return {"task": s.task, "length": s.context_tokens, "depth": s.depth, "seed": s.seed, "answers": s.answers,
                 "correct": correct[None], **({"rows_added": added} if added else {})}
 
-    return measure_needles(lm, suite, [src.split], jobs, out, row=row)
+    return measure_needles(lm, suite, list(src.reads), jobs, out, row=row)
 
 
 def record(source: str, art: Artifact, rules: dict | None, out: Output, keep: bool = True) -> dict | None:

@@ -31,6 +31,12 @@ class MapsSource:
     row_share: float = ROW_SHARE  # the share of rows "+rows" runs exactly (a ridgefill+rows release's own)
     map_kinds: dict = field(default_factory=dict)  # {layer: "input" | "kv"}: what each map predicts
     release: object = None  # the reader's `Release` when the maps are a release's (checked against the model by it)
+    states: tuple = ()  # (split, l1, ...) when the maps read earlier states too; (): h_S alone
+
+    @property
+    def reads(self) -> tuple:
+        """The layers whose inputs the maps read: the split, then any earlier ones (what an exact run keeps)."""
+        return self.states or (self.split,)
 
 
 def locate_source(source: str) -> str:
@@ -75,21 +81,23 @@ def load_source(store: Store, source: str) -> MapsSource:
                           frozenset(manifest["fit"].get("calibration_sha256", [])), p, rel.state_offsets,
                           None if rel.protected is None else frozenset(rel.protected.tolist()),
                           anchor=opts["anchor"], exact_norm=opts["exact_norm"], configuration=rel.configuration["arm"],
-                          row_share=opts.get("row_share", ROW_SHARE), map_kinds=opts["map_kinds"], release=rel)
+                          row_share=opts.get("row_share", ROW_SHARE), map_kinds=opts["map_kinds"], release=rel,
+                          states=tuple(opts.get("states", ())))
     art = store.get(source)
     if art.stage not in ("solve", "quantize"):
         raise BadInput(f"artifact {art.id} is a {art.stage} artifact; eval takes a release folder, solve or quantize artifact")
     from ridgefill.capture.artifact import calibration_hashes
     from ridgefill.quantize.artifact import float_maps
-    from ridgefill.solve.artifact import load_exact_norm, load_extras, load_map_kinds
+    from ridgefill.solve.artifact import load_exact_norm, load_extras, load_map_kinds, load_states
 
     maps = float_maps(art)  # int8 decoded with the artifact's own group size
     cap = store.upstream(art, "capture")
     calib = calibration_hashes(cap)
     sol = art if art.stage == "solve" else store.upstream(art, "solve")
     offsets, table = load_extras(sol)
+    states = load_states(sol)
     # the split and the model from the recipes, which the ids cover (never from an artifact's `info`)
     return MapsSource(maps, int(sol.recipe["split"]), sol.recipe["model"], f"{art.stage}:{art.id}", calib, None, offsets,
                       None if table is None else frozenset(table),
                       **fit_rows(cap.recipe["skip_first"], load_exact_norm(sol), f"solve {sol.id}"),
-                      map_kinds=load_map_kinds(sol))
+                      map_kinds=load_map_kinds(sol), states=tuple(states) if len(states) > 1 else ())

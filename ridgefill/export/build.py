@@ -34,7 +34,7 @@ from ridgefill.solve import artifact as solved
 
 FORMAT_VERSION = 5  # 2: maps.safetensors records the release facts; 3: and the sha256 of the other tensor files;
 # 4: `fit.exact_norm`, the solve's exact-row norm; 5: ridgefill-maps/2, each layer's map kind (`layers[].map`) and
-# the model's KV heads and head_dim
+# the model's KV heads and head_dim; maps from earlier states are ridgefill-maps/3 (`states`), the rest unchanged
 RELEASE_DIR = "release"
 
 
@@ -194,6 +194,7 @@ def _manifest(src: Artifact, sol: Artifact, cap: Artifact, rep: dict, docs: list
                   "fingerprint": model.fingerprint, "num_kv_heads": kv_shape[0], "head_dim": kv_shape[1],
                   **{k: up[k] for k in ("base_model", "source", "spec") if k in up}},
         "split": split,
+        **({"states": states} if len(states := solved.load_states(sol)) > 1 else {}),
         "tail_default": tail,
         "layers": [{"index": l, "kind": kinds[l], "map": maps[l]} for l in layers],
         "fit": {**_ridge_setting(rep), "rows": rep["rows"], "documents": len(calib),

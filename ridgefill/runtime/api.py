@@ -30,7 +30,7 @@ Arms (N rows, L layers, split S, tail T, prefix P = N - T):
 
 Options (`FillOptions`, keyword arguments of `prefill`, `prefill_from` and `prefix_prefill`): `split`, `tail`,
 `maps`, `exact_rows`, `row_share`, `probe`, `anchor`, `logits_rows`, `exact_norm`, `corrections`, `state_offsets`,
-`correction_rows`, `protected`. A release's maps and configuration give them: `prefill(lm, ids, rel.arm,
+`correction_rows`, `protected`, `states`. A release's maps and configuration give them: `prefill(lm, ids, rel.arm,
 **rel.options())` (maps.py).
 
 How it runs (fill.py). The layers are the model's own decoder-layer modules, called one at a time with the model's own
@@ -72,7 +72,7 @@ from ridgefill.errors import BadInput
 from ridgefill.models.kinds import FULL, LINEAR, SLIDING
 from ridgefill.runtime import corrections as fixes
 from ridgefill.runtime.cache import SlotCache, cache_copy
-from ridgefill.runtime.fill import INPUT_MAP, KV_MAP, Fill, fill, late_layers, late_slots
+from ridgefill.runtime.fill import INPUT_MAP, KV_MAP, Fill, fill, late_layers, late_slots, stacked
 from ridgefill.runtime.layers import Layers
 from ridgefill.runtime.maps import maps_on_devices
 from ridgefill.runtime.rows import (ANCHOR_ROWS, PROBE_ROWS, ROW_SHARE, anchor_rows, attention_received, is_norm,
@@ -145,6 +145,7 @@ class FillOptions:
     state_offsets: dict | None = None
     correction_rows: int = fixes.CORRECTION_ROWS
     protected: Any = None  # token ids: prefix rows holding one run every layer (fill arms)
+    states: tuple | None = None  # (split, l1, ...): the maps read these layers' inputs side by side; None: h_S alone
 
 
 @dataclass(frozen=True)
@@ -156,13 +157,15 @@ class _Plan:
     fix: fixes.Fix
     keep: int
     map_kinds: dict
+    earlier: tuple = ()  # the earlier layers whose inputs the maps read under h_S (the states after the split)
 
     def fill(self, arm: str, o: FillOptions, maps, select=None, *, tail: int | None = None, keep: int | None = None,
              rows: list[int] | None = None) -> Fill:
         """The `Fill` these options make for `arm` (with the maps in place)."""
         return Fill(arm=arm, split=o.split, tail=o.tail if tail is None else tail,
                     rows=self.rows if rows is None else rows, keep=self.keep if keep is None else keep, maps=maps,
-                    map_kinds=self.map_kinds, fix=self.fix, exact_norm=o.exact_norm, select=select)
+                    map_kinds=self.map_kinds, fix=self.fix, exact_norm=o.exact_norm, select=select,
+                    earlier=self.earlier)
 
 
 def _protected_rows(ids: torch.Tensor, protected, prefix: int) -> list[int]:
@@ -200,7 +203,8 @@ def _plan(lm, ids: torch.Tensor, arm: str, o: FillOptions) -> _Plan:
         missing = [l for l in range(o.split, L) if l not in o.maps]
         if missing:
             raise BadInput(f"maps lack late layers {missing} (split {o.split}, {L} layers)")
-    map_kinds = _map_kinds(lm.adapter, o, arm)  # what each map predicts, checked against its shape
+    earlier = _earlier(o, L)
+    map_kinds = _map_kinds(lm.adapter, o, arm, 1 + len(earlier))  # what each map predicts, checked against its shape
     rows = sorted({int(r) for r in (o.exact_rows if o.exact_rows is not None else [])})
     prefix = prefix_end(n, o.tail)
     if rows and not (0 <= rows[0] and rows[-1] < prefix):
@@ -219,13 +223,25 @@ def _plan(lm, ids: torch.Tensor, arm: str, o: FillOptions) -> _Plan:
         rows = sorted(set(rows) | set(anchor_rows(n, tail=o.tail, anchor=o.anchor)))
         if o.protected is not None:
             rows = sorted(set(rows) | set(_protected_rows(ids, o.protected, prefix)))
-    return _Plan(rows, fix, keep, map_kinds)
+    return _Plan(rows, fix, keep, map_kinds, earlier)
 
 
-def _map_kinds(ad, o: FillOptions, arm: str) -> dict:
+def _earlier(o: FillOptions, L: int) -> tuple:
+    """The earlier layers of `o.states` (after the split, which must come first); BadInput for states that are not
+    the split then distinct layers below it."""
+    if o.states is None:
+        return ()
+    states = [int(l) for l in o.states]
+    if not states or states[0] != o.split or len(set(states)) != len(states) or \
+            any(not 0 <= l < o.split for l in states[1:]):
+        raise BadInput(f"states must be the split {o.split} then distinct layers below it, got {list(o.states)}")
+    return tuple(states[1:])
+
+
+def _map_kinds(ad, o: FillOptions, arm: str, states: int = 1) -> dict:
     """{layer: kind} of the late layers' maps, checked against the maps' shapes; BadInput names the first problem: an
     unknown kind, a key/value map on a Gated DeltaNet layer, or a map whose width is not its kind's (d_out d for an
-    input map, 2 * kv_heads * head_dim for a key/value map; d_in d)."""
+    input map, 2 * kv_heads * head_dim for a key/value map; d_in d times the count of `states` read)."""
     kinds = {int(l): k for l, k in (o.map_kinds or {}).items()}
     if not arm.startswith("ridgefill"):
         return kinds
@@ -238,8 +254,9 @@ def _map_kinds(ad, o: FillOptions, arm: str) -> dict:
             raise BadInput(f"map_kinds: layer {l} is a Gated DeltaNet layer, which needs an input map (it has no keys)")
         W, b = o.maps[l]
         rows = d if kind == INPUT_MAP else ad.kv_width
-        if tuple(W.shape) != (rows, d) or tuple(b.shape) != (rows,):
-            raise BadInput(f"layer {l}'s {kind} map is {tuple(W.shape)}, expected ({rows}, {d}) for this model")
+        if tuple(W.shape) != (rows, d * states) or tuple(b.shape) != (rows,):
+            raise BadInput(f"layer {l}'s {kind} map is {tuple(W.shape)}, expected ({rows}, {d * states}) for this "
+                           "model" + (f" and {states} states" if states > 1 else ""))
     return kinds
 
 
@@ -381,7 +398,8 @@ def prefill_from(lm, run: ExactRun, arm: str, **options) -> PrefillResult:
         rope = layers.rope(h[None], torch.arange(n, device=ad.device))
         # The early layers' cache, copied; the late Gated DeltaNet layers write their states into it as they run.
         cache = cache_copy(run.cache, split, lm.model.config)
-        logits, late = late_layers(lm, layers, h, rope, plan.fill(arm, o, maps, rows=rows), cache)
+        x = _read_from_run(run, split, plan.earlier)
+        logits, late = late_layers(lm, layers, h, rope, plan.fill(arm, o, maps, rows=rows), cache, x)
         if arm == "nofill":
             early = []
             for l in range(split):
@@ -423,9 +441,10 @@ def _rows_from_run(lm, run: ExactRun, arm: str, o: FillOptions) -> tuple[list[in
     if arm not in ("ridgefill", "identity", "nofill", "ridgefill+rows"):
         raise BadInput(f"prefill_from builds 'ridgefill', 'identity', 'nofill' or 'ridgefill+rows', not '{arm}' "
                        "(use prefill)")
-    if o.split not in run.states:
-        raise BadInput(f"the exact run kept no state for split {o.split} (it has {sorted(run.states)})")
     plan = _plan(lm, run.ids, arm, o)
+    missing = [l for l in (o.split, *plan.earlier) if l not in run.states]
+    if missing:
+        raise BadInput(f"the exact run kept no state for layer(s) {missing} (it has {sorted(run.states)})")
     rows, select, prefix = plan.rows, _select(arm, o, n), prefix_end(n, o.tail)
     if select:
         if not selects_from(lm, run, o.split):
@@ -434,7 +453,12 @@ def _rows_from_run(lm, run: ExactRun, arm: str, o: FillOptions) -> tuple[list[in
         with torch.no_grad():
             received = _received_from_run(lm, run, o.split, select[1])
         rows = sorted(set(rows) | set(most_attended(received, prefix, select[0])))
-    return with_norm_rows(rows, run.states[o.split], prefix, o.exact_norm), plan
+    return with_norm_rows(rows, _read_from_run(run, o.split, plan.earlier), prefix, o.exact_norm), plan
+
+
+def _read_from_run(run: ExactRun, split: int, earlier: tuple) -> torch.Tensor:
+    """What the maps read for every row, from the exact run: h_S [N, d], or [h_S; h_l1; ...] [N, d x states]."""
+    return stacked(run.states[split], [run.states[l] for l in earlier])
 
 
 def _received_from_run(lm, run: ExactRun, split: int, probe: list[int]) -> torch.Tensor:

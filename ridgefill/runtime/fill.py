@@ -38,6 +38,7 @@ class Fill:
     fix: fixes.Fix = field(default_factory=fixes.Fix)  # the corrections
     exact_norm: float | None = None  # prefix rows whose split state's norm exceeds it run exactly (None: none)
     select: tuple | None = None  # "+rows"'s (count, probe rows)
+    earlier: tuple = ()  # earlier layers whose inputs the maps read under h_S, side by side (maps from earlier states)
 
     def map_kind(self, l: int) -> str:
         return self.map_kinds.get(l, INPUT_MAP)
@@ -62,9 +63,12 @@ def fill(lm, ids, f: Fill):
     received = torch.zeros(n, device=device) if select else None
 
     early: list[tuple[torch.Tensor, torch.Tensor]] = []
+    kept = {}  # the inputs of the earlier layers the maps read
     # Early layers: every row, exactly.
     every = torch.ones(n, dtype=torch.bool, device=device)
     for l in range(split):
+        if l in f.earlier:
+            kept[l] = hidden[0]
         if ad.is_linear(l):
             hidden = layers.run_linear(l, hidden, cache)
             early.append(None)
@@ -78,8 +82,9 @@ def fill(lm, ids, f: Fill):
             received += attention_received(ad, l, layer_in[0, probe], probe, keys, layers.window).to(device)
     if select:  # "+rows": the most-attended prefix rows become exact rows
         rows = sorted(set(rows) | set(most_attended(received, prefix, select[0])))
-    rows = with_norm_rows(rows, hidden[0], prefix, f.exact_norm)
-    logits, late = late_layers(lm, layers, hidden[0], rope, replace(f, rows=rows), cache)
+    x = stacked(hidden[0], [kept[l] for l in f.earlier])  # what the maps read, whose norm the exact-row rule bounds
+    rows = with_norm_rows(rows, x, prefix, f.exact_norm)
+    logits, late = late_layers(lm, layers, hidden[0], rope, replace(f, rows=rows), cache, x)
     if f.arm == "nofill":
         slots = [None if e is None else {"keys": e[0][0], "values": e[1][0],
                                          "positions": all_pos.expand(ad.num_kv_heads, n)} for e in early]
@@ -88,6 +93,14 @@ def fill(lm, ids, f: Fill):
         if entry is not None:  # sliding layers keep their last window - 1 rows, as in a stock prefill
             cache.update(entry[0], entry[1], l)
     return logits, cache, rows
+
+
+def stacked(h_split, earlier: list) -> torch.Tensor:
+    """What the maps read for every row: h_S [N, d] itself, or [h_S; h_l1; ...] side by side [N, d x (1 + len)] (each
+    earlier state moved to h_S's device)."""
+    if not earlier:
+        return h_split
+    return torch.cat([h_split, *(h.to(h_split.device) for h in earlier)], dim=-1)
 
 
 def new_slots(ad, l: int, n: int) -> torch.Tensor:
@@ -104,11 +117,12 @@ def late_slots(ad, late, all_pos) -> list[dict]:
             for e in late]  # fmt: skip
 
 
-def late_layers(lm, layers, h_split, rope, f: Fill, states):
+def late_layers(lm, layers, h_split, rope, f: Fill, states, x=None):
     """Late layers from the split state h_split [N, d]: the query rows (f.rows + tail) run every layer; the filled
     rows only write keys/values (attention) or their state updates (Gated DeltaNet, into `states`, a transformers
-    cache). Returns the last `f.keep` rows' logits and, per late layer, (keys, values, valid slots), or None for a
-    Gated DeltaNet layer."""
+    cache). `x` [N, d x states]: what the maps read, when they read earlier states too (`stacked`); the identity arm
+    always writes from h_S. Returns the last `f.keep` rows' logits and, per late layer, (keys, values, valid slots),
+    or None for a Gated DeltaNet layer."""
     arm, split, tail, maps, rows, fix = f.arm, f.split, f.tail, f.maps, f.rows, f.fix
     kv_fix = [c for c in fix.which if c in fixes.KV_CORRECTIONS]
     ad = lm.adapter
@@ -128,7 +142,7 @@ def late_layers(lm, layers, h_split, rope, f: Fill, states):
         ahead = torch.cat([q_pos, q_pos.new_tensor([n + layers.window])])[nxt]
         fill_pos_sliding = fill_pos[ahead - fill_pos < layers.window]
     hq = h_split[q_pos.to(h_split.device)][None]  # [1, Q, d]
-    x_split = h_split.float()
+    x_split = (h_split if x is None or not arm.startswith("ridgefill") else x).float()
     late = []
     for l in range(split, L):
         dev = ad.layer_device(l)

@@ -6,7 +6,9 @@ of its maps. Later stages read a solve only through this module.
                             exact_norm (repr of a float: the exact-row norm, `runtime.rows.fit_exact_norm` of the
                             capture's held-out rows at the split; since format 5); map_kinds ("l:kind,...", kind
                             input (d_out = d) or kv (d_out = 2 * num_kv_heads * head_dim)), num_kv_heads and
-                            head_dim (since format 6; before it every map is an input map)
+                            head_dim (since format 6; before it every map is an input map); states ("S,l1,...":
+                            maps from earlier states read the inputs of these layers side by side, d_in = d x their
+                            count; absent: h_S alone)
     protected.safetensors   `token_ids` int32, ascending: the protected-token table (solve/protected.py);
                             metadata {share}
     state.safetensors       on a hybrid solved with --state-data: `layer.<l>.state_offset` float32 [value heads,
@@ -47,6 +49,17 @@ def kinds_metadata(kinds: dict[int, str], num_kv_heads: int, head_dim: int) -> d
     """The maps' metadata that says what each predicts: {map_kinds: "l:kind,...", num_kv_heads, head_dim}."""
     return {"map_kinds": ",".join(f"{l}:{k}" for l, k in sorted(kinds.items())), "num_kv_heads": str(num_kv_heads),
             "head_dim": str(head_dim)}
+
+
+def states_metadata(states: list[int]) -> dict[str, str]:
+    """{states: "S,l1,..."}: the layers whose inputs maps from earlier states read side by side ({} for h_S alone)."""
+    return {"states": ",".join(map(str, states))} if len(states) > 1 else {}
+
+
+def load_states(art: Artifact) -> list[int]:
+    """The layers whose inputs a solve's maps read, side by side: [split] alone, or the split then earlier layers."""
+    meta = safetensors.read_header(art.file(MAPS))[1]
+    return [int(l) for l in meta["states"].split(",")] if "states" in meta else [int(meta["split"])]
 
 
 def load_map_kinds(art: Artifact) -> dict[int, str]:
@@ -105,10 +118,10 @@ def load_report(art: Artifact) -> dict:
 
 
 def calibration_mean(store: Store, sol: Artifact) -> np.ndarray:
-    """mean_x [d_in] float64: the mean split state of the solve's calibration rows (its capture's statistics at its
-    split, raw and chat mixed by its chat_share), the direction a quantizer's bias correction folds the rounding
+    """mean_x [d_in] float64: the mean state the maps read (h_S, or h_S with the earlier states) of the solve's
+    calibration rows (its capture's statistics at its split, raw and chat mixed by its chat_share), the direction a quantizer's bias correction folds the rounding
     error along (ridgefill.formats.int8.bias_correction)."""
     from ridgefill.capture.artifact import load_stats
 
     cap = store.upstream(sol, "capture")
-    return load_stats(cap, sol.recipe["split"], sol.recipe["chat_share"]).mean_x
+    return load_stats(cap, sol.recipe["split"], sol.recipe["chat_share"], earlier=sol.recipe.get("earlier", ())).mean_x

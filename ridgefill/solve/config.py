@@ -31,6 +31,9 @@ class SolveConfig:
     alpha_per_layer: bool = False
     state_data: tuple[str, ...] = ()  # hybrids: documents kept apart from the capture's (capture's --data forms)
     state_chunk: int = 2048  # tokens between two measured states (--state-data)
+    # offsets k of the earlier states h_{S-k} the maps read besides h_S (the capture's --earlier, some or all of them,
+    # in this order); None: every one the capture has; (): h_S alone
+    earlier: tuple[int, ...] | None = None
 
 
 FLAGS = {"alphas": "--alpha"}  # the command's flag of a setting, where it is not --<setting>
@@ -54,5 +57,9 @@ def check_config(cfg: SolveConfig, prefix: str = "", name: Callable[[str], str] 
     if cfg.maps == KV_MAPS and cfg.metric != "kv":
         raise BadInput(f"{prefix}{name('metric')} input scores predicted layer inputs, and key/value maps predict "
                        f"none: use {name('metric')} kv with {name('maps')} kv")
+    if cfg.earlier is not None and (len(set(cfg.earlier)) != len(cfg.earlier) or any(
+            isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in cfg.earlier)):
+        raise BadInput(f"{prefix}{name('earlier')} must be distinct offsets >= 1 (the states h_{{S-k}}), got "
+                       f"{', '.join(map(str, cfg.earlier))}")
     if cfg.state_chunk < 1:
         raise BadInput(f"{prefix}{name('state_chunk')} must be >= 1, got {cfg.state_chunk}")

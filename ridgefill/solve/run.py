@@ -7,13 +7,14 @@ offsets (with --state-data), the report, and the artifact (solve/artifact.py's f
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ridgefill.artifacts import Artifact, Store
 from ridgefill.artifacts.store import write_json
+from ridgefill.capture.stats import scale_x
 from ridgefill.capture import artifact as captured
 from ridgefill.errors import BadInput
 from ridgefill.output import Output
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 7  # 2: the grid is extended past an open edge (ridge.search); 3: the protected-token table;
 # 4: added tokens flagged special are special (never protected); 5: the exact-row norm (`exact_norm`); 6: the map kind
 # (`maps`: input or key/value maps; the maps' metadata records each layer's and the model's KV heads and head_dim);
-# 7: the exact-row norm is the capture's own outlier ratio x the held-out median (it was always 20x)
+# 7: the exact-row norm is the capture's own outlier ratio x the held-out median (it was always 20x); maps from earlier
+# states record them (`states`) and are wider, with unchanged ids for the rest
 
 
 def _state_documents(cap: Artifact, kinds: list[str], split: int, paths: tuple[str, ...]) -> list:
@@ -81,12 +83,20 @@ def solve(store: Store, capture_ref: str, cfg: SolveConfig, out: Output, *, mode
     from ridgefill.solve.choose import choose_maps
     from ridgefill.solve.score import Scorer
 
-    m = captured.load_stats(cap, split, cfg.chat_share)
+    earlier = _earlier(cap, cfg)
+    m = captured.load_stats(cap, split, cfg.chat_share, earlier=earlier)
     kinds = _map_kinds(cap, split, ref.num_layers, cfg.maps)
-    kv = captured.load_stats(cap, split, cfg.chat_share, target=KV_MAPS) if cfg.maps == KV_MAPS else None
+    kv = captured.load_stats(cap, split, cfg.chat_share, target=KV_MAPS, earlier=earlier) \
+        if cfg.maps == KV_MAPS else None
     held = captured.load_heldout(cap)
+    states = [split, *(split - k for k in earlier)]
+    x_held = np.concatenate([held[f"hidden.{l}"] for l in states], axis=1)  # [R, d * len(states)]
     # the fill runs prefix rows above it exactly: the rows the capture left out of the fit, by the same ratio
-    exact_norm = fit_exact_norm(held[f"hidden.{split}"], cap.recipe.get("outlier_ratio") or OUTLIER_RATIO)
+    exact_norm = fit_exact_norm(x_held, cap.recipe.get("outlier_ratio") or OUTLIER_RATIO)
+    scales = state_scales(m, len(states))
+    if len(states) > 1:  # one ridge penalty over states of different sizes: each scaled to h_S's, folded back below
+        col = np.repeat(scales, m.mean_x.shape[0] // len(states))
+        m, kv, x_held = scale_x(m, col), kv and scale_x(kv, col), x_held * col
     t = time.perf_counter()
     # V^T Cxy of the inputs only where some late layer keeps an input map (a k d^3 product otherwise wasted)
     e = decompose(m, project=INPUT_MAPS in kinds.values())
@@ -94,8 +104,10 @@ def solve(store: Store, capture_ref: str, cfg: SolveConfig, out: Output, *, mode
     eig_s = time.perf_counter() - t
     lm = captured.open_model(cap, store, ref, place)
     out.info(f"scoring on {place.describe()}")
-    scorer = Scorer(lm.adapter, held, split, ref.num_layers, kinds)
+    scorer = Scorer(lm.adapter, held, split, ref.num_layers, kinds, x=x_held)
     fit = choose_maps(late, scorer, alphas, cfg.metric, cfg.alpha_per_layer)
+    if len(states) > 1:  # maps of the scaled states -> maps of the states themselves (W D on x = W (D x))
+        fit = replace(fit, w=[w * col for w in fit.w])
     identity = scorer.score(None, None)
     protected = _protected(cap, lm)
     state = None
@@ -104,7 +116,7 @@ def solve(store: Store, capture_ref: str, cfg: SolveConfig, out: Output, *, mode
     solved = Solved(split=split, metric=cfg.metric, layers=scorer.layers, kinds=kinds,
                     kv_shape=(lm.adapter.num_kv_heads, lm.adapter.head_dim), fit=fit, identity=identity,
                     exact_norm=exact_norm, rows=int(m.n), held_out_rows=int(scorer.x.shape[0]), eig_s=eig_s,
-                    protected=protected, state=state)
+                    protected=protected, state=state, states=states, state_scales=scales.tolist())
     return _write(store, recipe, cap, lm, solved), False
 
 
@@ -143,6 +155,24 @@ class Solved:
     eig_s: float  # seconds of the eigendecomposition
     protected: Protected | None
     state: StateCorrection | None
+    states: list[int]  # the layers whose inputs the maps read, side by side: the split, then the earlier ones
+    state_scales: list[float]  # per state: its scale in the ridge fit (1 for h_S), folded into the maps
+
+
+def _earlier(cap: Artifact, cfg: SolveConfig) -> tuple[int, ...]:
+    """The offsets of the earlier states the maps read: --earlier, or every one the capture has; BadInput for one the
+    capture has not or one below layer 0 at the split."""
+    earlier = captured.captured_earlier(cap) if cfg.earlier is None else tuple(cfg.earlier)
+    captured.state_index(cap, earlier, 1)  # refuses an offset the capture has not
+    return earlier
+
+
+def state_scales(m, n: int) -> np.ndarray:
+    """Per state of the stacked x (n blocks of equal width): sqrt(tr C_00 / tr C_jj), which gives every earlier state
+    the split state's spread, so that one ridge penalty (alpha x tr Cxx / d_in) weighs each alike; [n], 1 for h_S."""
+    d = m.cxx.shape[0] // n
+    tr = np.array([np.trace(m.cxx[j * d:(j + 1) * d, j * d:(j + 1) * d]) for j in range(n)])
+    return np.sqrt(tr[0] / np.maximum(tr, 1e-300))
 
 
 def _map_kinds(cap: Artifact, split: int, num_layers: int, maps: str) -> dict[int, str]:
@@ -168,6 +198,9 @@ def _recipe(cap: Artifact, ref, split: int, alphas: list[float], cfg: SolveConfi
               **place.recipe()}
     if cfg.alpha_per_layer:
         recipe["alpha_per_layer"] = True
+    earlier = _earlier(cap, cfg)
+    if earlier:
+        recipe["earlier"] = list(earlier)
     if state_docs is not None:
         recipe["state"] = {"data": [d.sha256 for d in state_docs], "chunk": cfg.state_chunk}
     return recipe
@@ -220,6 +253,9 @@ def _report(solved: Solved) -> dict:
         report["per_layer"] = fit.per_layer  # "alpha", "lambda" and "grid" above stay the shared search's
         report["timings"]["per_layer_s"] = fit.timings["per_layer_s"]
     report["maps"] = {str(l): k for l, k in solved.kinds.items()}
+    if len(solved.states) > 1:
+        report["states"] = solved.states
+        report["state_scales"] = solved.state_scales
     return report
 
 
@@ -232,7 +268,8 @@ def _write(store: Store, recipe: dict, cap: Artifact, lm, solved: Solved) -> Art
                 if per_layer else {"alpha": repr(fit.best["alpha"])})
         artifact.write_maps(build.path, layers, fit.w, fit.b,
                             {"split": str(solved.split), **meta, "exact_norm": repr(solved.exact_norm),
-                             **artifact.kinds_metadata(solved.kinds, *solved.kv_shape)})
+                             **artifact.kinds_metadata(solved.kinds, *solved.kv_shape),
+                             **artifact.states_metadata(solved.states)})
         if solved.protected is not None:
             artifact.write_protected(build.path, solved.protected.table, solved.protected.facts["share"])
         if solved.state is not None:
@@ -240,7 +277,7 @@ def _write(store: Store, recipe: dict, cap: Artifact, lm, solved: Solved) -> Art
         write_json(build.path / artifact.REPORT, _report(solved))
         summary = {"split": solved.split, "alpha": fit.best["alpha"], "score": fit.best["score"],
                    "exact_norm": solved.exact_norm, "fitted": fit.fitted["mean"], "identity": solved.identity["mean"],
-                   "layers": layers}
+                   "layers": layers, **({"states": solved.states} if len(solved.states) > 1 else {})}
         if per_layer:
             summary["per_layer"] = {k: per_layer[k] for k in ("alpha", "lambda", "score", "shared_score")}
         return build.commit(info={"capture": cap.id, "model": cap.info["model"],

@@ -31,15 +31,17 @@ class Scorer:
     `kinds` {layer: INPUT | KV} says what each late layer's map predicts (default: its input, for every layer). A
     key/value map's prediction [R, 2 * kv_heads * head_dim] is split into keys and values, the keys go through the
     layer's key norm (QK-norm models), and both are scored as an input map's are; its `input_cosine`, `rel_se` and
-    `explained_var` are measured on what it predicts, the keys before the norm and the values."""
+    `explained_var` are measured on what it predicts, the keys before the norm and the values. `x` [R, dx]: what the
+    maps read for the held-out rows, when it is not their split state alone (maps from earlier states too)."""
 
     def __init__(self, adapter, held: dict[str, np.ndarray], split: int, num_layers: int,
-                 kinds: dict[int, str] | None = None):
+                 kinds: dict[int, str] | None = None, x: np.ndarray | None = None):
         self.adapter = adapter
         self.split = split
         self.layers = list(range(split, num_layers))
         self.kinds = {l: (kinds or {}).get(l, INPUT) for l in self.layers}
-        self.x = held[f"hidden.{split}"].astype(np.float64)  # [R, d]
+        self.h = held[f"hidden.{split}"].astype(np.float64)  # [R, d]: the split state (the identity fill's)
+        self.x = self.h if x is None else np.asarray(x, dtype=np.float64)  # [R, dx]: what the maps read
         self.y = {l: held[f"hidden.{l}"].astype(np.float64) for l in self.layers}  # [R, d] each
         self.true_kv = {l: self._kv(l, self.y[l]) for l in self.layers}
         # what a key/value map predicts, from the true input: keys before the key norm, then values [R, 2kv]
@@ -88,7 +90,7 @@ class Scorer:
         identity fill (x_hat = h_S, into every layer's input)."""
         per = {}
         for i, l in enumerate(self.layers):
-            per[l] = self.layer_scores(l, self.x, INPUT) if w is None else self.layer_scores(l, self.x @ w[i].T + b[i])
+            per[l] = self.layer_scores(l, self.h, INPUT) if w is None else self.layer_scores(l, self.x @ w[i].T + b[i])
         mean = {m: float(np.mean([p[m] for p in per.values()])) for m in METRICS}
         return {"mean": mean, "layers": {str(l): p for l, p in per.items()}}
 

@@ -45,9 +45,10 @@ from __future__ import annotations
 import json
 import re
 
-FORMAT = "ridgefill-maps/2"  # what the writer writes
+FORMAT = "ridgefill-maps/2"  # what the writer writes for maps that read h_S alone
 FORMAT_V1 = "ridgefill-maps/1"  # still read: no `map` in `layers`, every map an input map
-FORMATS = (FORMAT_V1, FORMAT)
+FORMAT_STATES = "ridgefill-maps/3"  # /2 with `states`: maps that read earlier states besides h_S
+FORMATS = (FORMAT_V1, FORMAT, FORMAT_STATES)
 MANIFEST = "ridgefill.json"
 CARD = "README.md"
 MAPS_FILE = "maps.safetensors"
@@ -78,6 +79,11 @@ MAP_KINDS = (INPUT_MAP, KV_MAP)
 LAYER_KEYS = ("index", "kind", "map")  # exactly the keys of a /2 `layers` entry
 MAX_TAIL = 2**31 - 1  # `tail_default` fits an int32: a runtime's row counts never overflow
 SKIP_FIRST_ROWS, DEFAULT_SKIP_FIRST_ROWS = "skip_first_rows", 1  # `fit.skip_first_rows`; absent in an old /1: 1
+
+# `states` (/3 only, required there): the layers whose inputs a map reads, side by side, x = [h_S; h_l1; ...]: the
+# split first, then one or more distinct earlier layers 0 <= l < split. Every map's d_in is
+# hidden_size x len(states), and `fit.exact_norm` bounds the norm of that whole x. /1 and /2: x = h_S.
+STATES = "states"
 
 # `fit.exact_norm`: a prefix row whose split state's L2 norm (float32) is above it runs every layer exactly (a later
 # attention sink). Required since the rule replaced the prefix-median one; a release without it predates the field.
@@ -316,6 +322,37 @@ def _identity_problem(manifest: dict) -> str | None:
     return None
 
 
+def format_for(manifest: dict) -> str:
+    """The format a writer gives a release with these facts: /3 when its maps read earlier states, else /2."""
+    return FORMAT_STATES if STATES in manifest else FORMAT
+
+
+def states_problem(manifest: dict) -> str | None:
+    """What is wrong with the manifest's `states`, as a phrase for a one-line refusal; None when valid. /1 and /2:
+    absent. /3: a list of integers [split, l1, ...], two at least, the rest distinct and each 0 <= l < split. Checked
+    after `applied_problem` (the split is valid); a forged list longer than split + 1 is refused by its length."""
+    states = manifest.get(STATES)
+    if manifest.get("format") != FORMAT_STATES:
+        return None if STATES not in manifest else (
+            f"'{STATES}' is in a {manifest.get('format')} release (maps that read earlier states are {FORMAT_STATES})")
+    split = integer(manifest["split"])
+    want = f"expected [split, earlier layers...]: {split} first, then distinct layers below it"
+    if not isinstance(states, list) or not 2 <= len(states) <= split + 1:
+        return f"'{STATES}' is {_show(states)}, {want}"
+    got = [integer(x) for x in states]
+    if got[0] != split or any(l is None or not 0 <= l < split for l in got[1:]) or len(set(got)) != len(got):
+        return f"'{STATES}' is {_show(states)}, {want}"
+    return None
+
+
+def states_of(manifest: dict) -> list[int]:
+    """The layers whose inputs the maps read, side by side, of a manifest that passed `states_problem`: /3's
+    `states`, else [split]."""
+    if manifest.get("format") == FORMAT_STATES:
+        return [integer(x) for x in manifest[STATES]]
+    return [integer(manifest["split"])]
+
+
 def maps_problem(manifest: dict) -> str | None:
     """What is wrong with the manifest's map kinds (Verifying, rule 12, before the widths), as a phrase for a
     one-line refusal; None when valid. /1: no `layers` entry carries `map`. /2: `model.hidden_size`,
@@ -365,18 +402,20 @@ def kv_width(manifest: dict) -> int | None:
 
 
 def width_problem(manifest: dict, layer: int, shape: tuple[int, ...]) -> str | None:
-    """What is wrong with a layer's map weight shape [d_out, d_in] in a /2 release (rule 12), as a phrase; None when
-    d_in is model.hidden_size and d_out is hidden_size (an input map) or 2 * num_kv_heads * head_dim (a kv map). /1
+    """What is wrong with a layer's map weight shape [d_out, d_in] in a /2 or /3 release (rule 12), as a phrase; None
+    when d_in is model.hidden_size (times the count of `states` in /3) and d_out is hidden_size (an input map) or 2 *
+    num_kv_heads * head_dim (a kv map). /1
     widths are not the reader's to check (a runtime checks them against its model: `Release.check_model`)."""
     if manifest.get("format") == FORMAT_V1:
         return None
     d = integer(manifest["model"]["hidden_size"])
     kind = map_kinds(manifest)[layer]
-    want = (kv_width(manifest) if kind == KV_MAP else d, d)
+    n = len(states_of(manifest))
+    want = (kv_width(manifest) if kind == KV_MAP else d, d * n)
     if tuple(shape) == want:
         return None
     why = ("2 x model.num_kv_heads x model.head_dim rows" if kind == KV_MAP else "model.hidden_size rows") + \
-        " and model.hidden_size columns"
+        (" and model.hidden_size columns" if n == 1 else f" and model.hidden_size x {n} columns (one per state)")
     return f"has shape {list(shape)}, expected {list(want)} ({_a_map(kind)}: {why})"
 
 

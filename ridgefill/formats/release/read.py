@@ -35,7 +35,8 @@ from ridgefill.formats.release.names import (BIAS, CODES, CORRECTIONS_FILE, DEFA
                                              ROWS_CONFIGURATION, SCALES, SKIP_FIRST_ROWS, STATE_OFFSET, WEIGHT,
                                              applied_problem, configuration_problem, exact_norm_problem, integer,
                                              kv_width, layer_indices, map_kinds, maps_problem, parse_tensor_name,
-                                             protected_problem, tensor_name, width_problem)
+                                             protected_problem, states_of, states_problem, tensor_name,
+                                             width_problem)
 from ridgefill.formats.release.manifest import ABSENT, check_format, verified_manifest
 from ridgefill.numerics import bf16_bits_to_f32
 
@@ -51,7 +52,7 @@ class Release:
     maps: dict[int, dict[str, np.ndarray]]  # {layer: {"weight": float32 [d_out, d_in], "bias": float32 [d_out]}}
     protected: np.ndarray | None  # int32 token ids, ascending
     state_offsets: dict[int, np.ndarray] | None  # {layer: float32 [value heads, key dim, value dim]}
-    format: str  # "ridgefill-maps/1" or "ridgefill-maps/2"
+    format: str  # "ridgefill-maps/1", "/2" or "/3" (maps that read earlier states too)
     split: int  # S: the maps take h_S; layers split..num_layers-1 are filled
     tail: int  # `tail_default`: the exact tail the release was exported for, 1..2**31-1
     anchor: int  # `fit.skip_first_rows` (1 when an old release lacks it): leading rows that run exactly
@@ -61,6 +62,7 @@ class Release:
     kv_width: int | None  # a kv map's d_out, 2 * model.num_kv_heads * model.head_dim; None in a /1 release
     output_bound: float  # the largest value any map writes for a split state it fills (`map_bound`), <= MAX_MAP_OUTPUT
     map_shapes: Mapping[int, tuple[int, int]]  # {layer: (d_out, d_in)}: kept by `without_maps`, for `check_model`
+    states: tuple[int, ...]  # the layers whose inputs the maps read side by side: (split,), or /3's `states`
 
     def without_maps(self) -> "Release":
         """The same release with its decoded maps let go (a process that only checks and plans keeps the facts, not
@@ -76,12 +78,15 @@ class Release:
     def fill_options(self) -> dict:
         """The fill options the release prescribes, the one mapping every runtime applies it with (the reference
         runtime's `prefill(lm, ids, rel.arm, maps=..., **rel.fill_options())`, eval, the vLLM plugin): its split,
-        default tail, map kinds, the first `anchor` rows and the prefix rows above `exact_norm` run exactly, and its
+        default tail, map kinds, the layers whose inputs the maps read (`states`, /3 only), the first `anchor` rows and
+        the prefix rows above `exact_norm` run exactly, and its
         configuration: `row_share` for ridgefill+rows, `corrections=("kscale",)` for ridgefill+kscale, `protected`
         (the table, int64, ascending) for ridgefill+protected. The maps are not in it: where they live (devices,
         dtype, a rank's rows) is each runtime's own."""
         opts = {"split": self.split, "tail": self.tail, "anchor": self.anchor, "exact_norm": self.exact_norm,
                 "map_kinds": dict(self.map_kinds)}
+        if len(self.states) > 1:
+            opts["states"] = self.states  # the maps read the split's and these earlier layers' inputs, side by side
         arm = self.configuration["arm"]
         if arm == ROWS_CONFIGURATION:
             opts["row_share"] = float(self.configuration["row_share"])
@@ -130,7 +135,7 @@ def model_problem(rel: Release, *, fingerprint: str | None, num_layers: int, hid
         kv = rel.map_kinds.get(l) == KV_MAP
         if kv and (num_kv_heads is None or head_dim is None):
             continue  # the kv shape is not known here: the widths were checked against the release's own facts
-        want = (2 * num_kv_heads * head_dim if kv else hidden_size, hidden_size)
+        want = (2 * num_kv_heads * head_dim if kv else hidden_size, hidden_size * len(rel.states))
         got = rel.map_shapes[l]
         if tuple(got) != want:
             return (f"layer {l}'s {'kv' if kv else 'input'} map is {list(got)}, expected {list(want)} for "
@@ -156,7 +161,7 @@ def read_release(dir: Path) -> Release:
         raise BadInput(f"{MANIFEST}: {problem}")
     maps = _maps(dir, manifest)
     protected, offsets = _protected(dir, manifest), _state_offsets(dir, manifest)
-    for problem in (applied_problem(manifest), maps_problem(manifest)):  # rules 11 and 12
+    for problem in (applied_problem(manifest), maps_problem(manifest), states_problem(manifest)):  # rules 11, 12
         if problem is not None:
             raise BadInput(f"{MANIFEST}: {problem}")
     _check_widths(manifest, maps)
@@ -167,7 +172,8 @@ def read_release(dir: Path) -> Release:
                    anchor=integer(fit.get(SKIP_FIRST_ROWS, DEFAULT_SKIP_FIRST_ROWS)),
                    exact_norm=float(fit[EXACT_NORM]), configuration=MappingProxyType(configuration),
                    map_kinds=MappingProxyType(map_kinds(manifest)), kv_width=kv_width(manifest), output_bound=bound,
-                   map_shapes=MappingProxyType({l: tuple(m["weight"].shape) for l, m in maps.items()}))
+                   map_shapes=MappingProxyType({l: tuple(m["weight"].shape) for l, m in maps.items()}),
+                   states=tuple(states_of(manifest)))
 
 
 def map_bound(weight: np.ndarray, bias: np.ndarray, norm: float) -> float:

@@ -26,11 +26,11 @@ from ridgefill.artifacts.lock import pid_alive
 from ridgefill.errors import BadInput
 from ridgefill.formats import int8
 from ridgefill.formats.release import folder
-from ridgefill.formats.release.names import (BIAS, CARD, CODES, CORRECTIONS_FILE, FORMAT, LINEAR_KIND, MANIFEST,
-                                             MAPS_FILE, META_FACTS, META_FORMAT, PROTECTED_FILE, PROTECTED_IDS,
-                                             SCALES, WEIGHT, applied_problem, configuration_problem,
-                                             exact_norm_problem, facts_json, layer_indices, manifest_text,
-                                             maps_problem, offset_name, tensor_name, width_problem)
+from ridgefill.formats.release.names import (BIAS, CARD, CODES, CORRECTIONS_FILE, LINEAR_KIND, MANIFEST, MAPS_FILE,
+                                             META_FACTS, META_FORMAT, PROTECTED_FILE, PROTECTED_IDS, SCALES, WEIGHT,
+                                             applied_problem, configuration_problem, exact_norm_problem, facts_json,
+                                             format_for, layer_indices, manifest_text, maps_problem, offset_name,
+                                             states_problem, tensor_name, width_problem)
 from ridgefill.formats.safetensors import BF16, encode
 from ridgefill.numerics import f32_to_bf16_bits
 
@@ -143,7 +143,7 @@ def write_release(
 
     written = dict(manifest)
     written.pop("files", None)
-    written["format"] = FORMAT
+    written["format"] = fmt = format_for(manifest)
     written["projector"] = {
         **(manifest.get("projector") or {}),
         "dtype": dtype,
@@ -157,28 +157,29 @@ def write_release(
         if any(kinds.get(l) != LINEAR_KIND for l in layers):
             raise ValueError(f"state offsets for layers {layers}, which are not all linear_attention layers")
         offs = {offset_name(l): _f32(state_offsets[l], f"layer {l} state offset") for l in layers}
-        extra[CORRECTIONS_FILE] = encode(offs, {META_FORMAT: FORMAT})
+        extra[CORRECTIONS_FILE] = encode(offs, {META_FORMAT: fmt})
         written["corrections"] = {"state": {**(state_facts or {}), "file": CORRECTIONS_FILE, "layers": layers,
                                             "sha256": hashlib.sha256(extra[CORRECTIONS_FILE]).hexdigest()}}
     if protected is not None:
         ids = np.asarray(protected)
         if ids.dtype != np.int32 or ids.ndim != 1 or np.any(np.diff(ids) <= 0) or (len(ids) and ids[0] < 0):
             raise ValueError("protected token ids must be a strictly ascending 1-D int32 array of ids >= 0")
-        extra[PROTECTED_FILE] = encode({PROTECTED_IDS: ids}, {META_FORMAT: FORMAT})
+        extra[PROTECTED_FILE] = encode({PROTECTED_IDS: ids}, {META_FORMAT: fmt})
         written["protected_tokens"] = {**(protected_facts or {}), "file": PROTECTED_FILE,
                                        "sha256": hashlib.sha256(extra[PROTECTED_FILE]).hexdigest()}
     if "configuration" in written:  # a release the reader would refuse is never written
         problem = configuration_problem(written["configuration"], "protected_tokens" in written)
         if problem is not None:
             raise ValueError(problem)
-    for problem in (exact_norm_problem(written), applied_problem(written), maps_problem(written)):
+    for problem in (exact_norm_problem(written), applied_problem(written), maps_problem(written),
+                    states_problem(written)):
         if problem is not None:
             raise ValueError(problem)
     for layer, m in sorted(maps.items()):
         problem = width_problem(written, int(layer), np.shape(m["codes"] if "codes" in m else m["weight"]))
         if problem is not None:
             raise ValueError(f"layer {layer} map {problem}")
-    blob = encode(tensors, {META_FORMAT: FORMAT, META_FACTS: facts_json(written)})
+    blob = encode(tensors, {META_FORMAT: fmt, META_FACTS: facts_json(written)})
     written["files"] = {MAPS_FILE: hashlib.sha256(blob).hexdigest()}
     written["files"].update({name: hashlib.sha256(data).hexdigest() for name, data in extra.items()})
     text = manifest_text(written)
