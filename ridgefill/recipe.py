@@ -292,7 +292,7 @@ def _run_stages(recipe: Recipe, store, out: Output, push: bool, token: str | Non
         from ridgefill.sweep import sweep
 
         # the sweep's solves measure no terminal-state offsets: the released split's solve does
-        shared = {k: getattr(solve_cfg, k) for k in ("alphas", "metric", "maps", "chat_share")}
+        shared = {k: getattr(solve_cfg, k) for k in ("alphas", "metric", "maps", "chat_share", "earlier")}
         # the gate's thresholds are the sweep's budget too: it recommends nothing the gate would fail on them
         sweep_cfg = replace(recipe.sweep, gate=tuple(sorted(rules["thresholds"].items())) if rules else ())
         sw = stage("sweep", lambda: sweep(store, recipe.model, sweep_cfg, out, data=list(recipe.data),

@@ -44,32 +44,34 @@ def run(store, model, data, **kw):
     return capture(store, str(model), [str(data)], cfg, quiet(), checkpoint_every=0)
 
 
-def brute_force(model_dir, texts, docs, splits, max_length=256, outliers=None):
+def brute_force(model_dir, texts, docs, splits, max_length=256, outliers=None, earlier=()):
     """Moments from one plain forward per calibration document (no cache, no chunks), float64 numpy. With
     `outliers` = (ratio, chunk), a row whose split state's norm exceeds ratio x the median over its chunk's fitted
-    rows is left out."""
+    rows is left out. `earlier` (offsets k): x is [h_S; h_{S-k}...] side by side, and the outlier rule reads its
+    norm."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     L, d = model.config.num_hidden_layers, model.config.hidden_size
-    want = {s: Moments.empty(L - s, d, d) for s in splits}
+    want = {s: Moments.empty(L - s, d * (1 + len(earlier)), d) for s in splits}
     for i in docs:
         ids = tok(texts[i])["input_ids"][:max_length]
         with torch.inference_mode():
             hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
         hs = [h[0].double().numpy() for h in hs]
         for s in splits:
+            x = np.concatenate([hs[s], *(hs[s - k] for k in earlier)], axis=1)
             keep = np.arange(1, len(ids))  # a document's first row is not fitted
             if outliers:
                 ratio, chunk = outliers
-                norms = np.linalg.norm(hs[s], axis=1)
+                norms = np.linalg.norm(x, axis=1)
                 starts = keep // chunk * chunk
                 lower_median = lambda v: np.sort(v)[(len(v) - 1) // 2]  # noqa: E731 (torch.median's, for an even count)
                 medians = {c: lower_median(norms[max(c, 1) : c + chunk]) for c in set(starts.tolist())}
                 keep = keep[norms[keep] <= ratio * np.array([medians[c] for c in starts])]
-            want[s] = merge(want[s], moments_of(hs[s][keep], np.stack([h[keep] for h in hs[s:L]])))
+            want[s] = merge(want[s], moments_of(x[keep], np.stack([h[keep] for h in hs[s:L]])))
     return want
 
 
@@ -762,6 +764,11 @@ def test_non_utf8_is_replaced_with_a_warning(tmp_path, tiny_llama, corpus, capsy
         (["--device", "tpu"], "unknown device 'tpu' (choose auto, cpu, cuda or cuda:N)"),
         (["--dtype", "float8"], "unknown dtype 'float8' (choose one of: auto, float32, bfloat16, float16)"),
         (["--max-memory", "cpu=1GiB"], "--max-memory only applies with --device-map auto"),
+        (["--split", "2", "--earlier", "1,3"], "--earlier 3 reaches below layer 0 at split 2 (the deepest earlier "
+                                               "state there is h_0, offset 2)"),
+        (["--earlier", "0"], "--earlier takes offsets k >= 1 below the split (the states h_{S-k}), got 0"),
+        (["--earlier", "1,1"], "--earlier names an offset twice: 1, 1"),
+        (["--earlier", "1;2"], "--earlier takes offsets separated by commas (like 2,7,13) or none, got '1;2'"),
     ],
 )
 def test_capture_refusals(tmp_path, tiny_llama, corpus, extra, message):

@@ -258,8 +258,9 @@ def test_invalid_json(rel):
 
 
 def test_wrong_format(rel):
-    edit_manifest(rel, lambda m: m.update(format="ridgefill-maps/3"))
-    refused(rel, r"^ridgefill.json: format is 'ridgefill-maps/3', expected 'ridgefill-maps/1' or 'ridgefill-maps/2'$")
+    edit_manifest(rel, lambda m: m.update(format="ridgefill-maps/4"))
+    refused(rel, r"^ridgefill.json: format is 'ridgefill-maps/4', expected 'ridgefill-maps/1' or 'ridgefill-maps/2' "
+                 r"or 'ridgefill-maps/3'$")
     edit_manifest(rel, lambda m: m.pop("format"))
     refused(rel, "format is None")
 

@@ -190,7 +190,8 @@ class Prompts:
         lm, cfg, memo, data = self.setup.lm, self.setup.cfg, self.memo, self.memo.data
         sample = self.suite[i][1]
         splits = sorted({s for s, _ in todo})
-        run = self._exact_run(i, torch.tensor(sample.prompt_ids), splits)
+        reads = sorted({l for s in splits for l in self.setup.sources[s].reads})  # the states the maps read
+        run = self._exact_run(i, torch.tensor(sample.prompt_ids), reads)
         made, names = [], []  # the prefills to decode, and whose each is (None: exact's)
         if str(i) not in data["exact"]:
             made.append(run.result(cfg.tail))
@@ -215,7 +216,8 @@ class Prompts:
         memo.save()
 
     def _exact_run(self, i: int, ids, splits: list[int]):
-        """The exact run prompt i's fills at `splits` start from. Once exact's answer is known the fills need only
+        """The exact run prompt i's fills start from, keeping the states entering `splits` (the fills' splits and
+        any earlier layers their maps read). Once exact's answer is known the fills need only
         the layers below them: read back where they were kept, else cut at the deepest split (a model whose cache is
         keys and values alone). Otherwise the whole forward, whose early layers are kept for a later pass."""
         from ridgefill.runtime import exact_run

@@ -118,6 +118,7 @@ def measure(setup: Setup, model: str, fits: list) -> dict:
     plain = documents.measure(setup, setup.splits, [Arm(a) for a in ARMS], done, "documents")
     clock.lap("documents")
     keep = configurations.kept_splits(setup.splits, plain.over) if cfg.configurations and keeps_early(setup.lm) else ()
+    keep = sorted({l for s in keep for l in setup.sources[s].reads})  # with the earlier states maps may read
     early = EarlyCaches(setup.work, setup.lm, keep, KEEP_EARLY_BYTES)
     mix = mix_of(setup.lm, cfg)
     prompts = Prompts(setup, needle_suite(setup.lm, cfg, mix), NeedleMemo(setup.work), early)

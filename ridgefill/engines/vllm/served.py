@@ -145,6 +145,10 @@ def load(folder: Path) -> Fill:
     kinds = sorted({layer["kind"] for layer in m["layers"]} - {FULL, "attention"})
     if kinds:
         raise BadInput(f"{where}: layers of kind {kinds} above the split; the engine fills attention layers only")
+    if len(rel.states) > 1:
+        raise BadInput(f"{where}: a {rel.format} release, whose maps read the states entering layers "
+                       f"{', '.join(map(str, rel.states[1:]))} besides the split's; the plugin keeps the split's "
+                       "alone: serve a release of maps from the split state")
     conf = rel.configuration["arm"]
     if conf not in CAUSAL:
         raise BadInput(f"{where}: configuration {conf} needs the whole prompt's tail before any row is filled (a "

@@ -1,0 +1,262 @@
+"""Maps from earlier states (capture --earlier, solve --earlier, release format ridgefill-maps/3): the maps read
+[h_S; h_l1; ...] side by side. Capture's moments against a plain forward, the solve's maps against a float64 ridge
+with a penalty per state, the runtime against the exact model, the release's facts and every refusal."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from ridgefill.artifacts import Store
+from ridgefill.capture.artifact import DOCS, STATS, load_heldout, load_stats
+from ridgefill.capture.run import CaptureConfig, capture
+from ridgefill.capture.stats import Moments
+from ridgefill.errors import BadInput
+from ridgefill.export import export
+from ridgefill.export.config import ExportConfig
+from ridgefill.formats import release, safetensors
+from ridgefill.runtime import exact_run, prefill, prefill_from
+from ridgefill.solve import solve
+from ridgefill.solve.artifact import load_maps
+from ridgefill.solve.config import SolveConfig
+from clirun import cli
+from conftest import quiet
+from test_capture import TEXTS, assert_moments_close, brute_force
+from test_runtime import MAIN, hidden_states, tokens
+
+ALPHAS = (1e-3, 1e-1)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, tiny_llama):
+    """The tiny llama captured at splits 2 and 3 with the earlier states h_{S-2} and h_{S-1} (in that order), solved
+    at split 2 with both, with neither, and with h_{S-1} alone; a plain capture of the same text beside it."""
+    tmp = tmp_path_factory.mktemp("earlier")
+    data = tmp / "data"
+    data.mkdir()
+    for i, t in enumerate(TEXTS):
+        (data / f"doc{i}.txt").write_text(t)
+    store = Store(tmp / "store")
+    cfg = dict(chunk=32, held_out=2, held_out_rows=40)
+    cap, _ = capture(store, str(tiny_llama), [str(data)], CaptureConfig(splits=(2, 3), earlier=(2, 1), **cfg),
+                     quiet(), checkpoint_every=0)
+    plain, _ = capture(store, str(tiny_llama), [str(data)], CaptureConfig(splits=(2,), **cfg), quiet(),
+                       checkpoint_every=0)
+    sols = {e: solve(store, cap.id, SolveConfig(split=2, alphas=ALPHAS, earlier=e), quiet())[0]
+            for e in (None, (), (1,))}
+    sols["plain"] = solve(store, plain.id, SolveConfig(split=2, alphas=ALPHAS), quiet())[0]
+    return {"tmp": tmp, "data": data, "store": store, "cap": cap, "plain": plain, "sol": sols, "model": tiny_llama}
+
+
+def test_capture_stacks_the_earlier_states_as_a_plain_forward_does(chain):
+    """Each split's moments have x = [h_S; h_{S-2}; h_{S-1}] (the offsets' order), as one-shot forwards give them;
+    the held-out rows keep every layer the solve reads; the recipe and the statistics record the offsets."""
+    cap = chain["cap"]
+    arrays, meta = safetensors.load(cap.file(STATS))
+    calib = [i for i, d in enumerate(json.loads(cap.file(DOCS).read_text())) if d["role"] == "calibration"]
+    texts = [(chain["data"] / f"doc{i}.txt").read_text() for i in range(len(TEXTS))]
+    want = brute_force(chain["model"], texts, calib, (2, 3), earlier=(2, 1))
+    for s in (2, 3):
+        got = Moments.from_arrays(arrays, f"raw.split{s}")
+        assert got.cxx.shape == (3 * 64, 3 * 64)
+        assert_moments_close(got, want[s], 1e-5)
+    assert cap.recipe["earlier"] == [2, 1] and meta["earlier"] == "2,1" and cap.manifest["summary"]["earlier"] == [2, 1]
+    assert "earlier" not in chain["plain"].recipe  # a capture without them keeps the id it always had
+    held = load_heldout(cap)
+    assert {f"hidden.{l}" for l in range(4)} <= set(held)  # h_0 and h_1 too: split 2's earlier states
+    # a subset of the states is the matching blocks, in the order asked for
+    sub = load_stats(cap, 2, earlier=(1,))
+    full = load_stats(cap, 2)
+    idx = np.r_[0:64, 128:192]
+    np.testing.assert_array_equal(sub.cxx, full.cxx[np.ix_(idx, idx)])
+    np.testing.assert_array_equal(sub.cxy, full.cxy[:, idx])
+    with pytest.raises(BadInput, match=r"--earlier 5: capture .* has no such earlier state \(it has offsets 2, 1"):
+        load_stats(cap, 2, earlier=(5,))
+
+
+def _ridge_per_state(m: Moments, states: int, alpha: float):
+    """Brute force: the ridge fit with a penalty of its own per state, lambda / c_j^2 on state j, c_j^2 = tr C_00 /
+    tr C_jj and lambda = alpha x tr(D C D) / d_in (the penalty that scaling every state to h_S's spread gives): one
+    float64 solve of the normal equations per layer."""
+    d = m.cxx.shape[0] // states
+    tr = np.array([np.trace(m.cxx[j * d:(j + 1) * d, j * d:(j + 1) * d]) for j in range(states)])
+    c2 = np.repeat(tr[0] / tr, d)
+    lam = alpha * np.sum(c2 * np.diag(m.cxx)) / m.cxx.shape[0]
+    a = m.cxx + lam * np.diag(1.0 / c2)
+    w = np.stack([np.linalg.solve(a, m.cxy[i]).T for i in range(m.cxy.shape[0])])  # [k, dy, dx]
+    return w, m.mean_y - w @ m.mean_x
+
+
+def test_the_solve_is_a_ridge_with_one_penalty_per_state(chain):
+    """The maps read [h_2; h_0; h_1] (layers, recorded) and are the float64 ridge fit with each state's own penalty;
+    `--earlier none` on the same capture gives the plain capture's maps; the exact-row norm is the capture's ratio x
+    the median norm of what the maps read."""
+    cap, sols = chain["cap"], chain["sol"]
+    for earlier, states in ((None, [2, 0, 1]), ((1,), [2, 1])):
+        sol = sols[earlier]
+        summary = sol.manifest["summary"]
+        assert summary["states"] == states and sol.recipe["earlier"] == [2 - l for l in states[1:]]
+        m = load_stats(cap, 2, earlier=earlier)
+        w, b = _ridge_per_state(m, len(states), summary["alpha"])
+        got = load_maps(sol)
+        for i, l in enumerate((2, 3)):
+            assert got[l][0].shape == (64, 64 * len(states))
+            np.testing.assert_allclose(got[l][0], w[i], rtol=0, atol=2e-5 * np.abs(w[i]).max())
+            np.testing.assert_allclose(got[l][1], b[i], rtol=0, atol=2e-5 * np.abs(b[i]).max() + 1e-6)
+        held = load_heldout(cap)
+        x = np.concatenate([held[f"hidden.{l}"] for l in states], axis=1).astype(np.float64)
+        assert summary["exact_norm"] == pytest.approx(4.0 * np.median(np.linalg.norm(x, axis=1)), rel=1e-12)
+    none, plain = load_maps(sols[()]), load_maps(sols["plain"])
+    assert "states" not in sols[()].manifest["summary"] and "earlier" not in sols[()].recipe
+    for l in (2, 3):
+        np.testing.assert_allclose(none[l][0], plain[l][0], rtol=0, atol=1e-4 * np.abs(plain[l][0]).max())
+
+
+def test_a_release_of_earlier_states_is_format_3_and_fills_as_its_maps_say(chain, lm_of, tmp_path):
+    """export writes ridgefill-maps/3 with `states`; the reader gives them to the runtime, whose fill equals a
+    prefill with the same maps and states passed by hand, and prefill_from from an exact run that kept them; a
+    plain solve's release stays /2."""
+    store, sols = chain["store"], chain["sol"]
+    _, _, out = export(store, sols[None].id, ExportConfig(tail=8), quiet(), out_dir=tmp_path / "rel")
+    manifest = json.loads((out / release.MANIFEST).read_text())
+    assert manifest["format"] == "ridgefill-maps/3" and manifest["states"] == [2, 0, 1]
+    rel = release.read_release(out)
+    assert rel.states == (2, 0, 1) and rel.fill_options()["states"] == (2, 0, 1)
+    _, _, plain = export(store, sols[()].id, ExportConfig(tail=8), quiet(), out_dir=tmp_path / "plain")
+    assert json.loads((plain / release.MANIFEST).read_text())["format"] == "ridgefill-maps/2"
+    assert "states" not in release.read_release(plain).fill_options()
+
+    from ridgefill.runtime import load_release_maps
+
+    lm = lm_of("llama")
+    rm = load_release_maps(lm, out)
+    ids = tokens(40, seed=3)
+    got = prefill(lm, ids, rm.arm, **rm.options())
+    by_hand = prefill(lm, ids, "ridgefill", split=2, tail=8, maps={l: rm.maps[l] for l in (2, 3)}, anchor=1,
+                      exact_norm=rm.exact_norm, states=(2, 0, 1))
+    torch.testing.assert_close(got.logits, by_hand.logits, rtol=0, atol=0)
+    run = exact_run(lm, ids, splits=[0, 1, 2], logits_rows=8)
+    torch.testing.assert_close(prefill_from(lm, run, rm.arm, **rm.options()).logits, got.logits, rtol=1e-5,
+                               atol=1e-5)
+    # the earlier states really are read: the same maps given the states in another order fill otherwise
+    other = prefill(lm, ids, "ridgefill", split=2, tail=8, maps={l: rm.maps[l] for l in (2, 3)}, anchor=1,
+                    exact_norm=rm.exact_norm, states=(2, 1, 0))
+    assert (other.logits - got.logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", MAIN)
+def test_maps_that_read_an_earlier_state_alone_reproduce_exact(arch, lm_of):
+    """Maps [0 | 0 | W] that interpolate every late layer's input from h_1 alone (fewer prefix rows than d + 1) make
+    the fill write the true keys and values, and match exact, only when the runtime hands the maps h_1 in the last
+    block of [h_2; h_0; h_1]; the order (2, 1, 0) puts h_0 there and does not."""
+    lm = lm_of(arch)
+    ids, S, T, n = tokens(20, seed=5), 2, 6, 20
+    hs = hidden_states(lm, ids)
+    d, L = lm.adapter.hidden_size, lm.adapter.num_layers
+    x = hs[1][0, : n - T].double().numpy()
+    xa = np.concatenate([x, np.ones((len(x), 1))], axis=1)
+    maps = {}
+    for l in range(S, L):
+        coef = np.linalg.lstsq(xa, hs[l][0, : n - T].double().numpy(), rcond=None)[0]  # [d + 1, d]
+        w = np.concatenate([np.zeros((d, 2 * d)), coef[:-1].T], axis=1)
+        maps[l] = (torch.tensor(w, dtype=torch.float32), torch.tensor(coef[-1], dtype=torch.float32))
+    ex = prefill(lm, ids, "exact", split=S, tail=T)
+    rf = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, states=(2, 0, 1))
+    swapped = prefill(lm, ids, "ridgefill", split=S, tail=T, maps=maps, states=(2, 1, 0))
+    err = (rf.logits - ex.logits).abs().max()
+    assert err < 1e-3, err
+    assert (swapped.logits - ex.logits).abs().max() > 100 * err
+
+
+def test_runtime_refusals(lm_of):
+    lm = lm_of("llama")
+    ids = tokens(20)
+    d = lm.adapter.hidden_size
+    maps = {l: (torch.zeros(d, 2 * d), torch.zeros(d)) for l in (2, 3)}
+    for states, message in (((1, 0), "states must be the split 2 then distinct layers below it, got [1, 0]"),
+                            ((2, 2), "states must be the split 2 then distinct layers below it, got [2, 2]"),
+                            ((2, 3), "states must be the split 2 then distinct layers below it, got [2, 3]")):
+        with pytest.raises(BadInput, match=f"^{message}$".replace("[", r"\[").replace("]", r"\]")):
+            prefill(lm, ids, "ridgefill", split=2, tail=4, maps=maps, states=states)
+    with pytest.raises(BadInput, match=r"layer 2's input map is \(64, 128\), expected \(64, 192\) for this model and "
+                                       r"3 states"):
+        prefill(lm, ids, "ridgefill", split=2, tail=4, maps=maps, states=(2, 0, 1))
+    run = exact_run(lm, ids, splits=[2])
+    with pytest.raises(BadInput, match=r"the exact run kept no state for layer\(s\) \[0\] \(it has \[2\]\)"):
+        prefill_from(lm, run, "ridgefill", split=2, tail=4, maps=maps, states=(2, 0))
+
+
+def _forged(src, tmp_path, edit):
+    """A copy of release `src` whose manifest `edit` changes, re-hashed as a forger would: the facts inside
+    maps.safetensors are rewritten to match (release.write_release with the decoded maps)."""
+    rel = release.read_release(src)
+    manifest = {k: v for k, v in rel.manifest.items() if k not in ("files", "format", "projector")}
+    edit(manifest)
+    out = tmp_path / "forged"
+    shutil.rmtree(out, ignore_errors=True)
+    maps = {l: {"weight": m["weight"], "bias": m["bias"]} for l, m in rel.maps.items()}
+    try:
+        release.write_release(out, maps, manifest, "", weight_dtype="f32")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_the_format_refuses_states_that_do_not_fit(chain, tmp_path):
+    """Rule 12 for /3: `states` the split first, then distinct layers below it; /2 holds none; every map
+    hidden_size x len(states) wide. The writer refuses what the reader would."""
+    _, _, out = export(chain["store"], chain["sol"][None].id, ExportConfig(tail=8), quiet(), out_dir=tmp_path / "rel")
+    cases = [
+        (lambda m: m.update(states=[2, 2, 1]), "'states' is [2, 2, 1], expected [split, earlier layers...]"),
+        (lambda m: m.update(states=[1, 0, 2]), "'states' is [1, 0, 2], expected"),
+        (lambda m: m.update(states=[2, 0, 5]), "'states' is [2, 0, 5], expected"),
+        (lambda m: m.update(states=[2] + [0] * 10**6), "'states' is"),
+        (lambda m: m.update(states=[2, 1]), "layer 2 map has shape [64, 192], expected [64, 128] (an input map: "
+                                            "model.hidden_size rows and model.hidden_size x 2 columns (one per state))"),
+        (lambda m: m.pop("states"), "layer 2 map has shape [64, 192], expected [64, 64]"),
+    ]
+    for edit, message in cases:
+        problem = _forged(out, tmp_path, edit)
+        assert problem is not None and message in problem, (message, problem)
+    # the reader: a /2 manifest naming states, hashed as a forger would
+    rel = release.read_release(out)
+    forged = tmp_path / "v2"
+    shutil.copytree(out, forged)
+    manifest = json.loads((forged / release.MANIFEST).read_text())
+    manifest["format"] = "ridgefill-maps/2"
+    (forged / release.MANIFEST).write_text(json.dumps(manifest))
+    r = cli("verify", forged)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert rel.states == (2, 0, 1)
+
+
+def test_gguf_export_refuses_maps_of_earlier_states(chain, tmp_path):
+    """The GGUF layout has no field for the states: export --format gguf refuses, by name, and writes nothing."""
+    sol = chain["sol"][None]
+    r = cli("export", sol.id, "--format", "gguf", "--out", tmp_path / "maps.gguf", "--store", chain["store"].root)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"Error: solve {sol.id}: its maps read earlier states too (layers 2, 0, 1), which the "
+                                "GGUF layout does not record yet: export the release folder instead")
+    assert not (tmp_path / "maps.gguf").exists()
+
+
+def test_solve_refuses_an_earlier_state_the_capture_has_not(chain):
+    r = cli("solve", chain["plain"].id, "--earlier", "1", "--store", chain["store"].root)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"Error: --earlier 1: capture {chain['plain'].id} has no such earlier state (it has "
+                                "none; capture with --earlier)")
+
+
+def test_the_vllm_plugin_refuses_a_release_of_earlier_states(chain, tmp_path):
+    """The plugin's compiled early part returns the split state alone: a /3 release is refused at load, by name,
+    never served with its maps applied to h_S."""
+    from ridgefill.engines.vllm import served
+
+    _, _, out = export(chain["store"], chain["sol"][None].id, ExportConfig(tail=8), quiet(), out_dir=tmp_path / "rel")
+    with pytest.raises(BadInput) as e:
+        served.load(out)
+    assert str(e.value) == (f"RIDGEFILL_RELEASE={out}: a ridgefill-maps/3 release, whose maps read the states "
+                            "entering layers 0, 1 besides the split's; the plugin keeps the split's alone: serve a "
+                            "release of maps from the split state")
