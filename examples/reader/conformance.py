@@ -1,6 +1,6 @@
-"""The conformance corpus of the release format `ridgefill-maps/2` and of `ridgefill-maps/1`, which readers still
-read (docs/format.md): release folders that a reader must accept and folders it must refuse, one or more per rule of
-the spec, each with its expected verdict.
+"""The conformance corpus of the release format `ridgefill-maps/2`, of `ridgefill-maps/1`, which readers still read,
+and of `ridgefill-maps/3`, maps that read earlier states besides the split's (docs/format.md): release folders that a
+reader must accept and folders it must refuse, one or more per rule of the spec, each with its expected verdict.
 
     python examples/reader/conformance.py OUT        # writes OUT/<case>/ and OUT/expected.json
 
@@ -11,7 +11,8 @@ number of the rule in the spec's "Verifying" list (0 for a valid folder).
 
 The valid `/2` releases are written by ridgefill's own writer; the valid `/1` releases as that writer wrote them
 before `/2` (the same deterministic safetensors encoder, `write_v1`): layers 2, 12, 13 of 14 and 96-row maps of a
-160-wide model, which `/1` allows (it never tied `layers` to `split` nor the widths to the model). The invalid cases
+160-wide model, which `/1` allows (it never tied `layers` to `split` nor the widths to the model). The valid `/3`
+releases are `/2` ones whose maps read two or three states (`states`), 160 columns each. The invalid cases
 are those folders edited byte by byte, re-sealed where a case needs the hashes to agree, so that each case breaks one
 rule and no earlier one.
 tests/test_conformance.py runs `ridgefill verify`, the loader and the independent reader beside this file
@@ -44,6 +45,10 @@ V1 = "ridgefill-maps/1"
 # /2: a 12-layer model split at 9 ("layer.10" sorts before "layer.9"), hidden size 160, 2 KV heads of 24 dims
 LAYERS2, SPLIT2, NUM_LAYERS2, KV_HEADS, HEAD_DIM = (9, 10, 11), 9, 12, 2, 24
 KV = 2 * KV_HEADS * HEAD_DIM  # a kv map's d_out: keys then values, 96 rows
+V2, V3 = "ridgefill-maps/2", "ridgefill-maps/3"
+# /3: the layers whose entering states the maps read, side by side (the split first; the rest in any order, 0 the
+# embeddings): d_in = D_IN * len(states)
+STATES_TWO, STATES_THREE = [SPLIT2, 4], [SPLIT2, 7, 0]
 MANIFEST, MAPS, PROTECTED, CORRECTIONS = "ridgefill.json", "maps.safetensors", "protected.safetensors", \
     "corrections.safetensors"
 ITEMSIZE = {"I8": 1, "I32": 4, "BF16": 2, "F16": 2, "F32": 4}
@@ -153,6 +158,13 @@ def _write2(d: Path, dtype: str, kinds: dict[int, str], maps: dict[int, str], co
     linear = tuple(l for l in LAYERS2 if kinds[l] == "linear_attention") if corrections else ()
     write_release(d, _maps(dtype == "int8", seed, shapes), _manifest2(kinds, maps), "# example release\n",
                   weight_dtype=None if dtype == "int8" else dtype, **_extras(protected, linear, seed))
+
+
+def _write3(d: Path, dtype: str, kinds: dict[int, str], maps: dict[int, str], states: list[int], seed: int = 0) -> None:
+    """A /3 release written by ridgefill's writer (a manifest with `states`): maps [d_out, 160 * len(states)]."""
+    shapes = {l: (KV if maps[l] == "kv" else D_IN, D_IN * len(states)) for l in LAYERS2}
+    write_release(d, _maps(dtype == "int8", seed, shapes), {**_manifest2(kinds, maps), "states": states},
+                  "# example release\n", weight_dtype=None if dtype == "int8" else dtype)
 
 
 ATTENTION = {l: "full_attention" for l in LAYERS2}
@@ -374,6 +386,8 @@ def kv_f32(d): _write2(d, "f32", ATTENTION, ALL_KV)
 def mixed_int8(d): _write2(d, "int8", HYBRID, MIXED, corrections=True, protected=True)
 def mixed_plain(d): _write2(d, "int8", HYBRID, MIXED)
 def input_bf16(d): _write2(d, "bf16", ATTENTION, {l: "input" for l in LAYERS2})
+def states_int8(d): _write3(d, "int8", ATTENTION, MIXED, STATES_TWO)
+def states_kv_f32(d): _write3(d, "f32", ATTENTION, ALL_KV, STATES_THREE)
 
 
 def _text(fn: Callable[[str], str]) -> Callable[[Path], None]:
@@ -452,6 +466,9 @@ CASES = [
     Case("valid-v2-configured-kscale", kv_int8, facts(lambda m: m.update(configuration={
         "arm": "ridgefill+kscale", "sweep": None})), 0),
     Case("valid-v2-largest-tail", kv_f32, facts(lambda m: m.update(tail_default=2**31 - 1)), 0),
+    Case("valid-v3-int8", states_int8, None, 0),
+    Case("valid-v3-kv-f32", states_kv_f32, None, 0),
+    Case("valid-v3-states-by-value", states_int8, facts(lambda m: m.update(states=[9.0, 4.0])), 0),
     Case("manifest-missing", int8_release, lambda d: (d / MANIFEST).unlink(), 1, MANIFEST),
     Case("manifest-not-json", int8_release, _text(lambda t: t[:-3]), 1, MANIFEST, ("invalid JSON",)),
     Case("manifest-not-utf8", int8_release, lambda d: (d / MANIFEST).write_bytes(b'{"format": "\xff"}'), 1,
@@ -464,8 +481,8 @@ CASES = [
          1, MANIFEST, ("Infinity",)),
     Case("manifest-overflowing-number", int8_release, _text(lambda t: t.replace('"alpha": 0.001', '"alpha": 1e999')),
          1, MANIFEST, ("1e999",)),
-    Case("manifest-format", int8_release, edit(lambda m: m.update(format="ridgefill-maps/3")), 1, MANIFEST,
-         ("ridgefill-maps/3",)),
+    Case("manifest-format", int8_release, edit(lambda m: m.update(format="ridgefill-maps/4")), 1, MANIFEST,
+         ("ridgefill-maps/4",)),
     Case("manifest-symlink", int8_release, _symlink(MANIFEST), 1, MANIFEST, ("symbolic link",)),
     # 2: files
     Case("files-missing", int8_release, edit(lambda m: m.pop("files")), 2, MANIFEST, ("'files'",)),
@@ -518,6 +535,8 @@ CASES = [
          7, MAPS, ("ridgefill-maps/X",)),
     Case("v2-maps-format-metadata-v1", kv_int8, tensors(MAPS, lambda ts, meta: meta.update(format=V1)), 7, MAPS,
          (V1,)),
+    Case("v3-maps-format-metadata-v2", states_int8, tensors(MAPS, lambda ts, meta: meta.update(format=V2)), 7,
+         MAPS, (V2,)),
     Case("maps-no-facts", int8_release, lambda d: (tensors(MAPS, lambda ts, meta: meta.pop("ridgefill.facts"),
                                                            resealed=False)(d), _fix_maps_sha(d)), 7, MAPS),
     Case("facts-not-object", int8_release, lambda d: (tensors(MAPS, lambda ts, meta: meta.update(
@@ -634,6 +653,8 @@ CASES = [
          ("'model.fingerprint'",)),
     Case("calibration-nested", int8_release, facts(lambda m: m["fit"].update(calibration_sha256=[["cd"]])), 11,
          MANIFEST, ("'fit.calibration_sha256'",)),
+    Case("v3-layers-start-below-split", states_int8, facts(lambda m: m.update(split=10, states=[10, 4])), 11,
+         MANIFEST, ("'layers'",)),
     # 12: map kinds and widths
     Case("v1-layer-with-map", int8_release, facts(lambda m: m["layers"][0].update(map="input")), 12, MANIFEST,
          ("'layers[0].map'",)),
@@ -660,11 +681,40 @@ CASES = [
          ("'layer.10.weight'", "[96, 160]")),
     Case("v2-hidden-size", kv_f32, facts(lambda m: m["model"].update(hidden_size=128)), 12, MAPS,
          ("[96, 128]",)),  # every layer is too wide: any may be named
+    Case("v1-states", int8_release, facts(lambda m: m.update(states=[2, 0])), 12, MANIFEST, ("'states'",)),
+    Case("v2-states", kv_int8, facts(lambda m: m.update(states=STATES_TWO)), 12, MANIFEST, ("'states'",)),
+    Case("v3-states-missing", states_int8, facts(lambda m: m.pop("states")), 12, MANIFEST, ("'states'",)),
+    Case("v3-states-not-list", states_int8, facts(lambda m: m.update(states=9)), 12, MANIFEST, ("'states'",)),
+    Case("v3-states-split-alone", states_int8, facts(lambda m: m.update(states=[9])), 12, MANIFEST, ("'states'",)),
+    Case("v3-states-repeated-layer", states_kv_f32, facts(lambda m: m.update(states=[9, 7, 7])), 12, MANIFEST,
+         ("'states'",)),
+    Case("v3-states-split-not-first", states_int8, facts(lambda m: m.update(states=[4, 9])), 12, MANIFEST,
+         ("'states'",)),
+    Case("v3-states-split-twice", states_int8, facts(lambda m: m.update(states=[9, 9])), 12, MANIFEST,
+         ("'states'",)),
+    Case("v3-states-layer-above-split", states_int8, facts(lambda m: m.update(states=[9, 10])), 12, MANIFEST,
+         ("'states'",)),
+    Case("v3-states-layer-negative", states_kv_f32, facts(lambda m: m.update(states=[9, 7, -1])), 12, MANIFEST,
+         ("'states'",)),
+    Case("v3-states-layer-string", states_int8, facts(lambda m: m.update(states=[9, "4"])), 12, MANIFEST,
+         ("'states'",)),
+    Case("v3-states-layer-bool", states_int8, facts(lambda m: m.update(states=[9, True])), 12, MANIFEST,
+         ("'states'",)),
+    Case("v3-states-too-long", states_int8, facts(lambda m: m.update(states=[9] + [4] * (10**6 - 1))), 12,
+         MANIFEST, ("'states'",)),  # refused by its length, before any entry is read
+    Case("v3-width-of-three-states", states_int8, facts(lambda m: m.update(states=[9, 4, 0])), 12, MAPS,
+         ("'layer.9.codes'", "[160, 480]")),
+    Case("v3-width-of-two-states", states_kv_f32, facts(lambda m: m.update(states=[9, 7])), 12, MAPS,
+         ("'layer.9.weight'", "[96, 320]")),
+    Case("v3-kv-on-linear-attention", states_kv_f32, facts(lambda m: m["layers"][0].update(kind="linear_attention")),
+         12, MANIFEST, ("'layers[0].map'",)),
     # 13: what a map writes
     Case("map-writes-past-the-bound", f32_release, tensors(MAPS, lambda ts, m: ts.__setitem__(
         "layer.13.weight", Tensor("F32", [D_OUT, D_IN], struct.pack("<f", 3e38) * (D_OUT * D_IN)))), 13, MAPS,
          ("layer 13's map",)),
     Case("v2-exact-norm-past-the-bound", kv_f32, facts(lambda m: m["fit"].update(exact_norm=1e30)), 13, MAPS,
+         ("layer 9's map",)),
+    Case("v3-exact-norm-past-the-bound", states_int8, facts(lambda m: m["fit"].update(exact_norm=1e30)), 13, MAPS,
          ("layer 9's map",)),
 ]
 

@@ -1,4 +1,4 @@
-"""A minimal second reader for the release formats `ridgefill-maps/2` and `ridgefill-maps/1`.
+"""A minimal second reader for the release formats `ridgefill-maps/2`, `ridgefill-maps/1` and `ridgefill-maps/3`.
 
 Written from docs/format.md alone (Files, Tensors, Manifest, Verifying, Applying a map), without the project's
 own reader, to show that the spec is enough for a runtime author; the conformance tests run it beside the
@@ -10,7 +10,8 @@ project's reader. Standard library and numpy only: the safetensors bytes are par
 `(manifest, {layer: (W float32 [d_out, d_in], b float32 [d_out])})`, or raises `Refused` with one line that
 starts with the file at fault and quotes the manifest field or tensor at fault. `map_kinds(manifest)` says what
 each map predicts: "input" (x_hat, every map of a `/1` release) or "kv" (the layer's keys, before RoPE and QK-norm,
-then its values).
+then its values). `states(manifest)` says what each map reads: the layers whose entering states sit side by side in
+its input `x` (`[split]` in `/1` and `/2`, where `x` is `h_S`; the manifest's `states` in `/3`, the split first).
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ import sys
 
 import numpy as np
 
-V1, V2 = "ridgefill-maps/1", "ridgefill-maps/2"
-FORMATS = (V1, V2)
+V1, V2, V3 = "ridgefill-maps/1", "ridgefill-maps/2", "ridgefill-maps/3"  # /3: /2 plus `states`
+FORMATS = (V1, V2, V3)
 MANIFEST, MAPS, README = "ridgefill.json", "maps.safetensors", "README.md"
 PROTECTED, CORRECTIONS = "protected.safetensors", "corrections.safetensors"
 EXTRA = (("protected_tokens", PROTECTED), ("corrections.state", CORRECTIONS))  # the optional tensor files
@@ -194,7 +195,7 @@ def read_release(folder):
         refuse(MANIFEST, "not UTF-8")
     need(isinstance(manifest, dict), MANIFEST, "not a JSON object")
     fmt = manifest.get("format", MISSING)
-    need(fmt in FORMATS, MANIFEST, f"'format' is {show(fmt)}, not '{V1}' or '{V2}'")
+    need(fmt in FORMATS, MANIFEST, f"'format' is {show(fmt)}, not '{V1}', '{V2}' or '{V3}'")
     # 2. files
     files = manifest.get("files")
     need(isinstance(files, dict) and files, MANIFEST, "'files' is not a non-empty object")
@@ -267,8 +268,9 @@ def read_release(folder):
     check_exact_norm(manifest)
     maps = tensor_checks(manifest, parsed, pfiles, named)
     check_applied(manifest)  # 11
-    check_map_kinds(manifest)  # 12
-    if fmt == V2:
+    check_states(manifest)  # 12
+    check_map_kinds(manifest)
+    if fmt != V1:
         check_widths(manifest, maps, pfiles)
     check_bounds(manifest, maps, pfiles)  # 13
     return manifest, maps
@@ -303,8 +305,9 @@ def check_applied(manifest):
 
 
 def check_bounds(manifest, maps, pfiles):
-    """Rule 13: no map writes more than 2**24 for a split state it fills (norm <= fit.exact_norm): for every row i of
-    every map, ||W_i|| exact_norm + |b_i| <= 2**24 (computed here in float64)."""
+    """Rule 13: no map writes more than 2**24 for an input it fills (norm <= fit.exact_norm; in /3 the norm of the
+    stacked states x, the same arithmetic): for every row i of every map, ||W_i|| exact_norm + |b_i| <= 2**24
+    (computed here in float64)."""
     norm = float(get(manifest, "fit.exact_norm"))
     for layer, (weight, bias) in sorted(maps.items()):
         w = weight.astype(np.float64)
@@ -314,9 +317,35 @@ def check_bounds(manifest, maps, pfiles):
                                           f"'fit.exact_norm' {norm:g}, past 2**24")
 
 
+def check_states(manifest):
+    """Rule 12's `states`: none in /1 and /2; in /3 a list [split, l1, ..., lk] of integers, k >= 1, the l distinct
+    and 0 <= l < split. Its length is checked before any entry is looked at, as the spec asks: a forged list of 10**6
+    entries is refused by its length. Runs after rule 11, so the split is an integer in [1, num_layers)."""
+    got, fmt = manifest.get("states", MISSING), manifest["format"]
+    if fmt != V3:
+        need(got is MISSING, MANIFEST, f"'states' is in a '{fmt}' release (maps that read earlier states are '{V3}')")
+        return
+    split = as_int(manifest["split"])
+    want = f"not [{split}, l, ...]: the split first, then one or more distinct layers l with 0 <= l < {split}"
+    need(isinstance(got, list), MANIFEST, f"'states' is {show(got)}, {want}")
+    need(len(got) <= split + 1, MANIFEST, f"'states' has {len(got)} entries, more than 'split' + 1 = {split + 1}")
+    layers = [as_int(x) for x in got]
+    need(len(layers) >= 2 and layers[0] == split, MANIFEST, f"'states' is {show(got)}, {want}")
+    need(all(l is not None and 0 <= l < split for l in layers[1:]), MANIFEST, f"'states' is {show(got)}, {want}")
+    need(len(set(layers)) == len(layers), MANIFEST, f"'states' is {show(got)}, which names a layer twice")
+
+
+def states(manifest):
+    """The layers whose entering states a map reads, side by side, of a release that reads: /3's `states`, else the
+    split alone."""
+    if manifest["format"] == V3:
+        return [as_int(x) for x in manifest["states"]]
+    return [as_int(manifest["split"])]
+
+
 def check_map_kinds(manifest):
-    """Rule 12, before the widths: `map` only in /2, where it is "input" or "kv", never "kv" on a Gated DeltaNet
-    layer; the KV shape a positive integer number of heads and dims."""
+    """Rule 12, before the widths: `map` only in /2 and /3, where it is "input" or "kv", never "kv" on a Gated
+    DeltaNet layer; the KV shape a positive integer number of heads and dims."""
     layers = manifest["layers"]
     if manifest["format"] == V1:
         for i, e in enumerate(layers):
@@ -340,12 +369,14 @@ def map_kinds(manifest):
 
 
 def check_widths(manifest, maps, pfiles):
-    """Rule 12's widths (/2): d_in is model.hidden_size; d_out is hidden_size (input) or 2 kv_heads head_dim (kv)."""
+    """Rule 12's widths (/2, /3): d_in is model.hidden_size times the number of states the maps read (one in /2);
+    d_out is hidden_size (input) or 2 kv_heads head_dim (kv)."""
     d = as_int(get(manifest, "model.hidden_size"))
+    d_in = d * len(states(manifest))
     kv = 2 * as_int(get(manifest, "model.num_kv_heads")) * as_int(get(manifest, "model.head_dim"))
     part = "codes" if get(manifest, "projector.dtype") == "int8" else "weight"
     for layer, kind in sorted(map_kinds(manifest).items()):
-        want = [kv if kind == "kv" else d, d]
+        want = [kv if kind == "kv" else d, d_in]
         got = list(maps[layer][0].shape)
         need(got == want, pfiles[0], f"tensor 'layer.{layer}.{part}' is {got}, not {want} for {kind} map")
 
