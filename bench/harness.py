@@ -101,6 +101,10 @@ FIGURES = {
                            None),
     "release_memory": Figure("release_memory.py", "decoded maps a vLLM process holds once the fill plugin read a "
                              "release: bytes kept (the facts) / bytes of the release as read", "ratio", "<= 0.05"),
+    "map_ab": Figure("map_ab.py", "releases against each other on the same long prompts (4K-16K): the sweep's "
+                     "needle mix and code / prose windows, each release's fill on one exact run per prompt; drops "
+                     "against exact and between releases, paired; ΔNLL on all and key tokens; cost per filled row",
+                     "points, nats", None),
     "map_designs": Figure("map_designs.py", "candidate designs of the late layers' maps against today's key/value "
                           "maps at one split: held-out (K cos + V cos) / 2 per design, one alpha and one per layer; "
                           "cost per filled row", "cosine", None),

@@ -337,6 +337,8 @@ def states_problem(manifest: dict) -> str | None:
             f"'{STATES}' is in a {manifest.get('format')} release (maps that read earlier states are {FORMAT_STATES})")
     split = integer(manifest["split"])
     want = f"expected [split, earlier layers...]: {split} first, then distinct layers below it"
+    if STATES not in manifest:
+        return f"'{STATES}' is missing, {want} (a {FORMAT_STATES} release's maps read them)"
     if not isinstance(states, list) or not 2 <= len(states) <= split + 1:
         return f"'{STATES}' is {_show(states)}, {want}"
     got = [integer(x) for x in states]
