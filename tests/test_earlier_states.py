@@ -213,8 +213,9 @@ def test_the_format_refuses_states_that_do_not_fit(chain, tmp_path):
         (lambda m: m.update(states=[1, 0, 2]), "'states' is [1, 0, 2], expected"),
         (lambda m: m.update(states=[2, 0, 5]), "'states' is [2, 0, 5], expected"),
         (lambda m: m.update(states=[2] + [0] * 10**6), "'states' is"),
-        (lambda m: m.update(states=[2, 1]), "layer 2 map has shape [64, 192], expected [64, 128] (an input map: "
-                                            "model.hidden_size rows and model.hidden_size x 2 columns (one per state))"),
+        (lambda m: m.update(states=[2, 1]),
+         "layer 2 map has shape [64, 192], expected [64, 128] (an input map: model.hidden_size rows and "
+         "model.hidden_size x 2 columns (one per state))"),
         (lambda m: m.pop("states"), "layer 2 map has shape [64, 192], expected [64, 64]"),
     ]
     for edit, message in cases:

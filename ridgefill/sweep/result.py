@@ -112,7 +112,8 @@ def macs(setup: Setup, split: int, arm: str, extra: float) -> dict:
     base = "ridgefill+rows" if arm == "ridgefill+rows" else "ridgefill"
     return {"exact": prefill_macs(shape, cfg.length, cfg.tail, split, "exact")["total"],
             "arm": prefill_macs(shape, cfg.length, cfg.tail, split, base, exact_rows=1 + round(extra),
-                                map_kinds=setup.sources[split].map_kinds)["total"]}
+                                map_kinds=setup.sources[split].map_kinds,
+                                states=len(setup.sources[split].reads))["total"]}
 
 
 def _kv(scores: dict) -> dict:
