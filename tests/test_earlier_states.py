@@ -250,14 +250,12 @@ def test_solve_refuses_an_earlier_state_the_capture_has_not(chain):
                                 "none; capture with --earlier)")
 
 
-def test_the_vllm_plugin_refuses_a_release_of_earlier_states(chain, tmp_path):
-    """The plugin's compiled early part returns the split state alone: a /3 release is refused at load, by name,
-    never served with its maps applied to h_S."""
+def test_the_vllm_plugin_reads_what_a_release_of_earlier_states_says(chain, tmp_path):
+    """The plugin's view of a /3 release: the earlier layers its compiled early part keeps, in the release's order,
+    and its start-up line says what the exact-row rule reads (engine agreement: tests/test_vllm_plugin_tiny.py)."""
     from ridgefill.engines.vllm import served
 
     _, _, out = export(chain["store"], chain["sol"][None].id, ExportConfig(tail=8), quiet(), out_dir=tmp_path / "rel")
-    with pytest.raises(BadInput) as e:
-        served.load(out)
-    assert str(e.value) == (f"RIDGEFILL_RELEASE={out}: a ridgefill-maps/3 release, whose maps read the states "
-                            "entering layers 0, 1 besides the split's; the plugin keeps the split's alone: serve a "
-                            "release of maps from the split state")
+    fill = served.load(out)
+    assert fill.earlier == (0, 1) and fill.split == 2
+    assert "exact rows: the first 1, the tail, the states entering layers 2, 0, 1 above norm" in fill.describe()

@@ -168,17 +168,20 @@ def test_each_group_of_a_filling_step_reads_its_own_metadata():
     assert bad["want"] == ok["want"] and bad["reads"] != bad["want"], bad
 
 
-@pytest.mark.parametrize("arch, configuration, maps", [
-    ("qwen2", "ridgefill", "input"), ("qwen2", "ridgefill", "kv"),
-    ("qwen3", "ridgefill+protected", "input"), ("qwen3", "ridgefill+protected", "kv"),
+@pytest.mark.parametrize("arch, configuration, maps, earlier", [
+    ("qwen2", "ridgefill", "input", None), ("qwen2", "ridgefill", "kv", None),
+    ("qwen3", "ridgefill+protected", "input", None), ("qwen3", "ridgefill+protected", "kv", None),
+    ("qwen2", "ridgefill", "input", "1,2"), ("qwen3", "ridgefill+protected", "kv", "2,1"),
 ])  # fmt: skip
-def test_the_fill_in_vllm_on_qwen2_and_qwen3(tiny, arch, configuration, maps, tmp_path):
+def test_the_fill_in_vllm_on_qwen2_and_qwen3(tiny, arch, configuration, maps, earlier, tmp_path):
     """Tiny random models (qkv bias in Qwen2, q/k norms in Qwen3), each with releases of its own (int8, tail 16) of
     input maps and of key/value maps: the same hook, chunked and batched, against the reference runtime. Qwen3's
     releases are `ridgefill+protected`: rows holding a protected token run exactly in the middle of the prefix, so a
     prompt's exact rows form many sequences of their own. A key/value map's output goes through Qwen3's key norm
-    and the rotary embedding; Qwen2's has the qkv bias folded into its own."""
-    t = tiny(arch, configuration, maps)
+    and the rotary embedding; Qwen2's has the qkv bias folded into its own. Two releases' maps read earlier states
+    too (ridgefill-maps/3: [h_2; h_1; h_0] and [h_2; h_0; h_1], the embeddings among them), which the compiled early
+    part keeps as it goes."""
+    t = tiny(arch, configuration, maps, earlier=earlier)
     prompts, refs, names = t["prompts"], t["refs"], list(t["prompts"])
     small = {"max_model_len": 256, "enable_prefix_caching": False}
     runs = [{"name": "chunked", "engine": small | {"max_num_batched_tokens": 64, "max_num_seqs": 1}, "prompts": names,
@@ -188,7 +191,8 @@ def test_the_fill_in_vllm_on_qwen2_and_qwen3(tiny, arch, configuration, maps, tm
     got = run_engine(tmp_path, arch, t["model"], prompts, runs, engine_env(t["release"]))
     for run in ("chunked", "batched"):
         fig = agreement(got[run]["outputs"], refs) | {"engine": got[run]["stats"]}
-        report(f"{arch}_{run}" if maps == "input" else f"{arch}_{maps}_{run}", fig)
+        report((f"{arch}_{run}" if maps == "input" else f"{arch}_{maps}_{run}")
+               + (f"_earlier{earlier.replace(',', '.')}" if earlier else ""), fig)
         check(fig, TINY_PROMPTS)
         assert got[run]["stats"]["filled_rows"] == tiny_filled_rows(prompts, refs), fig
         if configuration == "ridgefill+protected":

@@ -21,17 +21,18 @@ TP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0
 TP_ENGINE = {"max_model_len": 256, "enable_prefix_caching": False, "max_num_batched_tokens": 128, "max_num_seqs": 4}
 
 
-# Input maps are column-parallel over the hidden rows whatever the KV heads: one case of them is enough.
+# Input maps are column-parallel over the hidden rows whatever the KV heads: one case of them is enough, and it reads
+# earlier states too (maps from h_S alone are the same code with none kept).
 @pytest.mark.parametrize("maps, kv_heads", [("kv", 2), ("input", 2), ("kv", 1)])
 def test_the_fill_on_two_tensor_parallel_ranks(tiny, maps, kv_heads, tmp_path):
     """The tiny Qwen2 on two tensor-parallel ranks on the CPU, with key/value maps (each rank holding its own heads'
     rows) for 2 KV heads (one per rank) and for 1 (replicated on both), and with input maps (column-parallel: each
-    rank holding half the rows, the prediction all-gathered): the answers equal one rank's and the reference's,
-    both ranks fill the reference's rows, and each holds its share of the maps. The input maps run compiled, as
-    vLLM runs by default."""
+    rank holding half the rows, the prediction all-gathered) that read the states entering layers 0 and 1 beside
+    h_2 (ridgefill-maps/3): the answers equal one rank's and the reference's, both ranks fill the reference's rows,
+    and each holds its share of the maps. The input maps run compiled, as vLLM runs by default."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("two tensor-parallel ranks need two CPUs")
-    t = tiny("qwen2", "ridgefill", maps, kv_heads=kv_heads)
+    t = tiny("qwen2", "ridgefill", maps, kv_heads=kv_heads, earlier="2,1" if maps == "input" else None)
     names = [f"p{i}" for i in range(4)]
     prompts, refs = {n: t["prompts"][n] for n in names}, {n: t["refs"][n] for n in names}
     runs = [{"name": "two", "engine": TP_ENGINE | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},

@@ -117,7 +117,8 @@ def tiny(tmp_path_factory):
     """Tiny random models (4 layers, d = 128, 2 KV heads of 32: vLLM's CPU kernels) and releases of their own (split
     2, int8, tail TINY_TAIL), made once and shared by the tests below: `tiny(arch, configuration, maps)` -> the model
     folder, the loaded model, the release (folder, and as the runtime reads it), TINY_PROMPTS random-token prompts
-    and their references. One capture per architecture, from which both kinds of map are solved."""
+    and their references. One capture per architecture, from which both kinds of map are solved (and one more where
+    a release's maps read earlier states: `earlier`, capture's --earlier)."""
     from clirun import cli
     from conftest import CAT_TEXTS
     from tiny import make_tiny_model
@@ -128,7 +129,7 @@ def tiny(tmp_path_factory):
     models, captures, made = {}, {}, {}
 
     def make(arch: str, configuration: str, maps: str, outlier_ratio: float | None = None, kv_heads: int = 2,
-             split: int = 2) -> dict:
+             split: int = 2, earlier: str | None = None) -> dict:
         vllm_python()
         arch_key, arch = (arch, kv_heads), arch
         if arch_key not in models:
@@ -141,24 +142,28 @@ def tiny(tmp_path_factory):
             lm = load_model(resolve_model(str(model), store_root=store), store_root=store)
             models[arch_key] = {"work": work, "model": model, "store": store, "data": data, "lm": lm}
         c = models[arch_key]
-        if (arch_key, outlier_ratio, split) not in captures:
+        cap_key = (arch_key, outlier_ratio, split, earlier)
+        if cap_key not in captures:
             ratio = [] if outlier_ratio is None else ["--outlier-ratio", str(outlier_ratio)]
+            states = [] if earlier is None else ["--earlier", earlier]
             r = cli("capture", c["model"], "--data", c["data"], "--split", str(split), "--chunk", "64", *ratio,
-                    "--store", c["store"])  # fmt: skip
+                    *states, "--store", c["store"])  # fmt: skip
             assert r.returncode == 0, r.stderr
-            captures[(arch_key, outlier_ratio, split)] = r.stdout.strip()
-        key = (arch_key, configuration, maps, outlier_ratio, split)
+            captures[cap_key] = r.stdout.strip()
+        key = (arch_key, configuration, maps, outlier_ratio, split, earlier)
         if key not in made:
-            r = cli("solve", captures[(arch_key, outlier_ratio, split)], "--maps", maps, "--store", c["store"])
+            r = cli("solve", captures[cap_key], "--maps", maps, "--store", c["store"])
             assert r.returncode == 0, r.stderr
             r = cli("quantize", r.stdout.strip(), "--store", c["store"])
             assert r.returncode == 0, r.stderr
-            release = c["work"] / f"release-{configuration}-{maps}-{outlier_ratio or 'default'}-{split}"
+            release = c["work"] / (f"release-{configuration}-{maps}-{outlier_ratio or 'default'}-{split}"
+                                   + (f"-earlier{earlier.replace(',', '.')}" if earlier else ""))
             r = cli("export", r.stdout.strip(), "--out", release, "--tail", TINY_TAIL, "--configuration",
                     configuration, "--store", c["store"])  # fmt: skip
             assert r.returncode == 0, r.stderr
             rel = load_release_maps(c["lm"], release)
             assert set(rel.map_kinds.values()) == {maps}, rel.map_kinds
+            assert len(rel.release.states) == 1 + len(earlier.split(",") if earlier else ()), rel.release.states
             rng = np.random.default_rng(0)
             prompts = {f"p{i}": rng.integers(6, 320, int(rng.integers(100, 220))).tolist() for i in range(TINY_PROMPTS)}
             refs = {name: reference(c["lm"], p, rel.arm, **rel.options()) for name, p in prompts.items()}

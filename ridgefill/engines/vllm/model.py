@@ -6,7 +6,9 @@ Per step (the plan is `ridgefill.engines.vllm.plan`'s, made where vLLM builds th
 
 1. a step with no prefix row to fill (decodes, tails, requests served exactly) runs vLLM's own forward, compiled
    and graph-captured as vLLM does it;
-2. otherwise layers 0..S-1 run every scheduled token; the split state h_S is vLLM's two residual summands added;
+2. otherwise layers 0..S-1 run every scheduled token; the split state h_S is vLLM's two residual summands added
+   (with maps from earlier states, a `ridgefill-maps/3` release, the states entering those layers are kept as the
+   early layers go by and x = [h_S; h_l1; ...] stands for h_S below, in the exact-row rule and in the maps);
    the prefix rows whose split state's norm is above the release's exact-row norm (or, in a ridgefill+protected
    release, whose token is protected: a lookup in a table over the vocabulary) join the exact rows; under tensor
    parallelism the ranks agree on them first (one all-reduce, MIN of the fill mask). Reading the mask is the step's
@@ -189,17 +191,23 @@ def keep_off_decode_graph(runner, num_reqs: int) -> bool:
 @support_torch_compile(dynamic_arg_dims={"h": 0, "positions": 0})
 class Early(nn.Module):
     """Layers 0..S-1 on every scheduled token, from its embedding: (hidden, residual) entering layer S, vLLM's two
-    summands. The layers are the model's own (registered here too; their weights are loaded once, as the model's)."""
+    summands, then the states entering the `earlier` layers (in that order: what maps from earlier states read
+    beside h_S). The layers are the model's own (registered here too; their weights are loaded once, as the
+    model's)."""
 
-    def __init__(self, *, vllm_config, prefix: str = "", layers=()):
+    def __init__(self, *, vllm_config, prefix: str = "", layers=(), earlier=()):
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.earlier = tuple(earlier)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor):
         residual = None
-        for layer in self.layers:
+        kept = {}
+        for l, layer in enumerate(self.layers):
+            if l in self.earlier:
+                kept[l] = h if residual is None else h + residual  # the residual stream entering layer l
             h, residual = layer(positions, h, residual)
-        return h, residual
+        return (h, residual, *(kept[l] for l in self.earlier))
 
 
 @support_torch_compile(dynamic_arg_dims={"h": 0, "residual": 0, "positions": 0})
@@ -225,9 +233,10 @@ class Filled(nn.Module):
     layer's input norm and a copy of its key/value projection rows. Returns per-layer keys and values, [F, kv_size]
     each, as the backend's cache update takes them."""
 
-    def __init__(self, *, vllm_config, prefix: str = "", layers=(), kv_maps=(), local: int = 0):
+    def __init__(self, *, vllm_config, prefix: str = "", layers=(), kv_maps=(), local: int = 0, states: int = 1):
         super().__init__()
         d = vllm_config.model_config.hf_config.hidden_size
+        d_in = d * states  # what the maps read: h_S, or h_S with the earlier states beside it
         self.layers, self.kv_maps = nn.ModuleList(layers), list(kv_maps)
         first = layers[0].self_attn
         # What each late layer's map predicts: its input (d wide), or its keys and values. A key/value map is cut to
@@ -236,8 +245,9 @@ class Filled(nn.Module):
         # each rank holds and multiplies d / tp of its output rows, then one all-gather per late layer and step
         # gives every rank the whole prediction its input norm needs.
         self.maps = nn.ModuleList(
-            ReplicatedLinear(d, local, bias=True, quant_config=None, prefix=f"{prefix}.maps.{i}") if kv else
-            ColumnParallelLinear(d, d, bias=True, gather_output=True, quant_config=None, prefix=f"{prefix}.maps.{i}")
+            ReplicatedLinear(d_in, local, bias=True, quant_config=None, prefix=f"{prefix}.maps.{i}") if kv else
+            ColumnParallelLinear(d_in, d, bias=True, gather_output=True, quant_config=None,
+                                 prefix=f"{prefix}.maps.{i}")
             for i, kv in enumerate(self.kv_maps))  # fmt: skip
         # For an input map, the key/value rows of the layer's qkv projection, as a projection of their own: the
         # filled rows compute no query. Copied from the loaded weights (EngineFill.load), before vLLM repacks them
@@ -285,11 +295,13 @@ class EngineFill(nn.Module):
         self.compiled = vllm_config.compilation_config.mode != CompilationMode.NONE
         self.warm = False
         late_layers = [layers[l] for l in self.late]
+        self.earlier = tuple(release.earlier)  # maps from earlier states: the states entering these layers too
         with set_model_tag("ridgefill_early"):
-            self.early = Early(vllm_config=vllm_config, prefix="ridgefill.early", layers=layers[: self.split])
+            self.early = Early(vllm_config=vllm_config, prefix="ridgefill.early", layers=layers[: self.split],
+                               earlier=self.earlier)
         with set_model_tag("ridgefill_filled"):
             self.filled = Filled(vllm_config=vllm_config, prefix="ridgefill.filled", layers=late_layers,
-                                 kv_maps=self.kv_maps, local=local)  # fmt: skip
+                                 kv_maps=self.kv_maps, local=local, states=1 + len(self.earlier))  # fmt: skip
         with set_model_tag("ridgefill_late"):
             self.late_layers = Late(vllm_config=vllm_config, prefix="ridgefill.late", layers=late_layers,
                                     norm=causal_lm.model.norm)  # fmt: skip
@@ -353,8 +365,8 @@ class EngineFill(nn.Module):
         started = time.perf_counter()
         m = causal_lm.model
         h = inputs_embeds if inputs_embeds is not None else m.embed_input_ids(input_ids)
-        h, residual = self.early(h, positions)
-        self.filled(h + residual, positions)
+        h, residual, *kept = self.early(h, positions)
+        self.filled(stacked(h + residual, kept), positions)
         self.late_layers(h, residual, positions)
         self.warm = True
         self.stats["warm_up_s"] = round(time.perf_counter() - started, 3)
@@ -378,12 +390,12 @@ class EngineFill(nn.Module):
 
     def _fill(self, m, step: Step, ctx, input_ids, positions, inputs_embeds):
         h = inputs_embeds if inputs_embeds is not None else m.embed_input_ids(input_ids)
-        h, residual = self.early(h, positions)
-        h_split = h + residual  # the residual stream entering layer S
+        h, residual, *kept = self.early(h, positions)
+        x = stacked(h + residual, kept)  # what the maps read: the residual stream entering layer S (and earlier ones)
         num = step.prefix.shape[0]  # scheduled tokens; rows past them are padding
         fill = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
         fill[:num] = to_device(step.prefix, h.device)
-        fill &= ~norm_rows(h_split, self.exact_norm)
+        fill &= ~norm_rows(x, self.exact_norm)
         if self.protected is not None and input_ids is not None:
             fill &= ~protected_rows(input_ids, self.protected)
         if self.tp > 1:  # every rank runs the same rows: a row fills only where every rank would fill it
@@ -395,8 +407,8 @@ class EngineFill(nn.Module):
         self.stats["exact_prefix_rows"] += int(step.prefix.sum() - filled.sum())
         f_rows = to_device(np.flatnonzero(filled), h.device)
         slots = ctx.slot_mapping[self.late_names[0]]
-        if f_rows.numel():  # every late layer's filled keys and values first: they depend on h_S alone
-            keys, values = self.filled(h_split[f_rows], positions[f_rows])
+        if f_rows.numel():  # every late layer's filled keys and values first: they depend on x alone
+            keys, values = self.filled(x[f_rows], positions[f_rows])
             slots_f = slots[f_rows]
             for l, k, v in zip(self.late, keys, values):
                 attn = m.layers[l].self_attn.attn
@@ -412,6 +424,12 @@ class EngineFill(nn.Module):
         self.stats["groups"] += len(parts)
         self.stats["max_group_seqs"] = max(self.stats["max_group_seqs"], *(g.owner.size for g in parts), 0)
         return out
+
+
+def stacked(h_split: torch.Tensor, kept: list) -> torch.Tensor:
+    """What the maps read for every row: h_S [T, d], or [h_S; h_l1; ...] [T, d x states] (maps from earlier
+    states; the reference runtime's `runtime.fill.stacked`)."""
+    return torch.cat([h_split, *kept], dim=-1) if kept else h_split
 
 
 def late_groups(late, names, step: Step, parts: list, ctx, h, residual, positions, slots) -> torch.Tensor:

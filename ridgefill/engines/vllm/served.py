@@ -51,6 +51,7 @@ class Fill:
     exact_norm = property(lambda self: self.release.exact_norm)  # prefix rows above this split-state norm: exact
     map_kinds = property(lambda self: dict(self.release.map_kinds))  # {layer: "input" | "kv"}
     configuration = property(lambda self: self.release.configuration["arm"])
+    earlier = property(lambda self: self.release.states[1:])  # earlier layers whose inputs the maps read (/3)
 
     @property
     def sha256(self) -> str:
@@ -83,7 +84,9 @@ class Fill:
     def describe(self) -> str:
         """One line: what is on."""
         L = self.model["num_layers"]
-        rule = f"split state above norm {self.exact_norm:.4g}"
+        reads = f"the states entering layers {self.split}, {', '.join(map(str, self.earlier))}" if self.earlier \
+            else "the split state"
+        rule = f"{reads} above norm {self.exact_norm:.4g}"
         if self.protected is not None:
             rule += f", {len(self.protected)} protected tokens"
         kinds = sorted(set(self.map_kinds.values()))
@@ -145,10 +148,6 @@ def load(folder: Path) -> Fill:
     kinds = sorted({layer["kind"] for layer in m["layers"]} - {FULL, "attention"})
     if kinds:
         raise BadInput(f"{where}: layers of kind {kinds} above the split; the engine fills attention layers only")
-    if len(rel.states) > 1:
-        raise BadInput(f"{where}: a {rel.format} release, whose maps read the states entering layers "
-                       f"{', '.join(map(str, rel.states[1:]))} besides the split's; the plugin keeps the split's "
-                       "alone: serve a release of maps from the split state")
     conf = rel.configuration["arm"]
     if conf not in CAUSAL:
         raise BadInput(f"{where}: configuration {conf} needs the whole prompt's tail before any row is filled (a "
