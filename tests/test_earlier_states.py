@@ -259,3 +259,18 @@ def test_the_vllm_plugin_reads_what_a_release_of_earlier_states_says(chain, tmp_
     fill = served.load(out)
     assert fill.earlier == (0, 1) and fill.split == 2
     assert "exact rows: the first 1, the tail, the states entering layers 2, 0, 1 above norm" in fill.describe()
+
+
+def test_quantize_scores_the_maps_on_what_they_read(chain, tmp_path):
+    """quantize re-scores the float maps on the held-out [h_2; h_0; h_1] (the solve's own score, which reading h_2
+    alone could not give: the widths would not even multiply) and its int8 maps export as a /3 release."""
+    from ridgefill.quantize import quantize
+
+    sol = chain["sol"][None]
+    q, _ = quantize(chain["store"], sol.id, quiet())
+    assert q.manifest["summary"]["score_float"] == pytest.approx(sol.manifest["summary"]["score"], abs=1e-9)
+    assert abs(q.manifest["summary"]["score_int8"] - q.manifest["summary"]["score_float"]) < 0.01
+    _, _, out = export(chain["store"], q.id, ExportConfig(tail=8), quiet(), out_dir=tmp_path / "int8")
+    rel = release.read_release(out)
+    assert rel.format == "ridgefill-maps/3" and rel.manifest["projector"]["dtype"] == "int8"
+    assert {m["weight"].shape for m in rel.maps.values()} == {(64, 192)}

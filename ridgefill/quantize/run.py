@@ -81,7 +81,8 @@ def _scores(store: Store, cap: Artifact, sol: Artifact, maps: dict, qmaps: dict,
     lm = captured.open_model(cap, store, ref, place)
     out.info(f"scoring on {place.describe()}")
     split = sol.manifest["summary"]["split"]
-    scorer = Scorer(lm.adapter, captured.load_heldout(cap), split, ref.num_layers, solved.load_map_kinds(sol))
+    scorer = Scorer(lm.adapter, captured.load_heldout(cap), split, ref.num_layers, solved.load_map_kinds(sol),
+                    states=solved.load_states(sol))
     metric = sol.recipe["metric"]
     out = []
     for m in (maps, qmaps):

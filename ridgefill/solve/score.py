@@ -31,16 +31,19 @@ class Scorer:
     `kinds` {layer: INPUT | KV} says what each late layer's map predicts (default: its input, for every layer). A
     key/value map's prediction [R, 2 * kv_heads * head_dim] is split into keys and values, the keys go through the
     layer's key norm (QK-norm models), and both are scored as an input map's are; its `input_cosine`, `rel_se` and
-    `explained_var` are measured on what it predicts, the keys before the norm and the values. `x` [R, dx]: what the
-    maps read for the held-out rows, when it is not their split state alone (maps from earlier states too)."""
+    `explained_var` are measured on what it predicts, the keys before the norm and the values. What the maps read
+    for the held-out rows: `x` [R, dx], or the held-out states of the layers `states` side by side (maps from
+    earlier states), or by default their split state alone."""
 
     def __init__(self, adapter, held: dict[str, np.ndarray], split: int, num_layers: int,
-                 kinds: dict[int, str] | None = None, x: np.ndarray | None = None):
+                 kinds: dict[int, str] | None = None, x: np.ndarray | None = None, states=None):
         self.adapter = adapter
         self.split = split
         self.layers = list(range(split, num_layers))
         self.kinds = {l: (kinds or {}).get(l, INPUT) for l in self.layers}
         self.h = held[f"hidden.{split}"].astype(np.float64)  # [R, d]: the split state (the identity fill's)
+        if x is None and states is not None and len(states) > 1:  # maps from earlier states: [h_S; h_l1; ...]
+            x = np.concatenate([held[f"hidden.{l}"] for l in states], axis=1)
         self.x = self.h if x is None else np.asarray(x, dtype=np.float64)  # [R, dx]: what the maps read
         self.y = {l: held[f"hidden.{l}"].astype(np.float64) for l in self.layers}  # [R, d] each
         self.true_kv = {l: self._kv(l, self.y[l]) for l in self.layers}
