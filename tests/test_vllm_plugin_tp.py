@@ -65,7 +65,8 @@ def test_the_fill_on_two_tensor_parallel_ranks(tiny, maps, kv_heads, tmp_path):
     # input maps: half the rows each; key/value maps: the rank's KV heads' rows (all of them when one is replicated)
     d = 128  # the tiny model's hidden size; its heads are 32 wide
     width = d if maps == "input" else 2 * kv_heads * 32
-    whole = 2 * 4 * (width * d + width)  # 2 late layers of float32 maps and biases
+    d_in = 3 * d if maps == "input" else d  # the input maps read [h_2; h_1; h_0]
+    whole = 2 * 4 * (width * d_in + width)  # 2 late layers of float32 maps and biases
     share = whole // 2 if maps == "input" or kv_heads == 2 else whole
     assert [r["map_bytes"] for r in ranks] == [share, share], (whole, ranks)
 
