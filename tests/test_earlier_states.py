@@ -233,14 +233,21 @@ def test_the_format_refuses_states_that_do_not_fit(chain, tmp_path):
     assert rel.states == (2, 0, 1)
 
 
-def test_gguf_export_refuses_maps_of_earlier_states(chain, tmp_path):
-    """The GGUF layout has no field for the states: export --format gguf refuses, by name, and writes nothing."""
+def test_gguf_export_of_maps_from_earlier_states_is_layout_3(chain, tmp_path):
+    """The GGUF of a /3 release is layout ridgefill-maps-gguf/3 (a /2 reader refuses it rather than apply the maps
+    to h_S alone), its facts the release's, `states` among them, and its maps d x 3 wide."""
+    from ridgefill.formats.gguf import load_gguf
+
     sol = chain["sol"][None]
     r = cli("export", sol.id, "--format", "gguf", "--out", tmp_path / "maps.gguf", "--store", chain["store"].root)
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.strip() == (f"Error: solve {sol.id}: its maps read earlier states too (layers 2, 0, 1), which the "
-                                "GGUF layout does not record yet: export the release folder instead")
-    assert not (tmp_path / "maps.gguf").exists()
+    assert r.returncode == 0, r.stderr
+    facts, maps = load_gguf(tmp_path / "maps.gguf")
+    assert facts["format"] == "ridgefill-maps/3" and facts["states"] == [2, 0, 1]
+    assert {m["weight"].shape for m in maps.values()} == {(64, 192)}
+    from gguf import GGUFReader
+
+    kv = GGUFReader(tmp_path / "maps.gguf").fields
+    assert kv["ridgefill.gguf.format"].contents() == "ridgefill-maps-gguf/3"
 
 
 def test_solve_refuses_an_earlier_state_the_capture_has_not(chain):

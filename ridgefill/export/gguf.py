@@ -39,7 +39,7 @@ from ridgefill.solve import artifact as solved
 
 FORMAT_VERSION = 4  # 2: from the store, Q8_0 of the float maps with the bias correction; release facts hashed;
 # 3: the protected-token table and terminal-state offsets ride along; 4: layout ridgefill-maps-gguf/2, the layers' map
-# kinds (ridgefill.layer_maps) of a ridgefill-maps/2 release
+# kinds (ridgefill.layer_maps) of a ridgefill-maps/2 release; a ridgefill-maps/3 release's as layout /3
 
 
 def export_gguf(store: Store, ref: str, cfg: ExportConfig, out: Output, *, out_path: Path | None = None,
@@ -59,7 +59,6 @@ def export_gguf(store: Store, ref: str, cfg: ExportConfig, out: Output, *, out_p
             raise BadInput(f"{folder} is a release folder, which records its own configuration: --configuration, "
                            "--sweep and --row-share apply to an export from the store")
         rel = release.read_release(folder)  # verified; --tail does not apply: the release has its own
-        _check_states(rel.states, str(folder))
         manifest, maps, extras = rel.manifest, rel.maps, extra_tensors(rel.state_offsets, rel.protected)
         for layer, m in sorted(maps.items()):
             check_row_length(layer, m["weight"].shape[1])
@@ -68,7 +67,6 @@ def export_gguf(store: Store, ref: str, cfg: ExportConfig, out: Output, *, out_p
     else:
         src = store.get(ref)
         if src.stage in ("quantize", "solve"):
-            _check_states(solved.load_states(store.upstream(src, "solve")), f"{src.stage} {src.id}")
             for layer, d_in in _source_row_lengths(src):
                 check_row_length(layer, d_in)
         rel, _, _ = build.export(store, ref, cfg, out, model=model)
@@ -97,13 +95,6 @@ def export_gguf(store: Store, ref: str, cfg: ExportConfig, out: Output, *, out_p
             art = b.commit(info={**info, "gguf_py": _gguf_version(), "q8_0_errors": errors}, summary=summary)
     copied = _copy_out(art, target, force, out) if target is not None else None
     return art, cached, copied
-
-
-def _check_states(states, what: str) -> None:
-    """BadInput for maps that read earlier states: the GGUF layout has no field that says which."""
-    if len(states) > 1:
-        raise BadInput(f"{what}: its maps read earlier states too (layers {', '.join(map(str, states))}), which the "
-                       "GGUF layout does not record yet: export the release folder instead")
 
 
 def float_maps_and_mean(store: Store, sol: Artifact, manifest: dict) -> tuple[dict, np.ndarray]:

@@ -1,4 +1,4 @@
-"""The ridgefill maps GGUF `ridgefill-maps-gguf/2`: the maps of a release as one GGUF file (Q8_0 weights, F32
+"""The ridgefill maps GGUF `ridgefill-maps-gguf/2` (and `/3`, below): the maps of a release as one GGUF file (Q8_0 weights, F32
 biases, the release's facts as metadata). This is the file format alone: encoding, writing and reading, with
 gguf-py (imported inside functions, so `import ridgefill` stays light). `ridgefill.export.gguf` is the stage that
 builds such a file from the store or from a release folder.
@@ -27,6 +27,9 @@ File layout (this module owns every name below):
       ridgefill.files + ridgefill.files_sha256 (STRING arrays, sorted by name). `load_gguf` inverts this exactly.
     A kv map's weight is [2 * num_kv_heads * head_dim, d_in] (keys, then values) and its bias as long; an input
     map's [hidden_size, d_in]. `load_gguf` reads `ridgefill-maps-gguf/1` files too (layout 1: no layer_maps).
+    A `ridgefill-maps/3` release's maps read earlier states beside h_S: the layout is then `ridgefill-maps-gguf/3`,
+    with ridgefill.states (INT64 array: the split, then the earlier layers, in the order the maps read them) and
+    d_in = hidden_size x len(states).
 
 Q8_0 (GGML): blocks of 32 consecutive input columns; in float32 d = absmax / 127, code = roundf(w * (1 / d))
 (half away from zero), stored as f16(d) and 32 int8 (gguf-py's encoder matches ggml-quants.c bit for bit). The
@@ -51,7 +54,10 @@ from ridgefill.formats.gguf_header import check_whole
 from ridgefill.formats.int8 import bias_correction
 
 LAYOUT = "ridgefill-maps-gguf/2"  # 2: ridgefill.layer_maps (a release's map kinds)
-LAYOUTS = ("ridgefill-maps-gguf/1", LAYOUT)  # what load_gguf reads
+# 3: a ridgefill-maps/3 release's maps, which read earlier states (ridgefill.states): a reader of /2 that would apply
+# them to h_S alone refuses the layout instead
+LAYOUT_STATES = "ridgefill-maps-gguf/3"
+LAYOUTS = ("ridgefill-maps-gguf/1", LAYOUT, LAYOUT_STATES)  # what load_gguf reads
 ARCH = "ridgefill"
 MAGIC = b"GGUF"
 QK8_0 = 32  # Q8_0 block: 32 weights share one f16 scale
@@ -188,7 +194,7 @@ def general_metadata(manifest: dict, provenance: dict[str, str] | None = None) -
         "general.base_model.0.name": ("str", name),
         "general.file_type": ("u32", 7),  # LlamaFileType.MOSTLY_Q8_0: Q8_0 except 1-D tensors
         "general.quantization_version": ("u32", 2),  # GGML_QUANT_VERSION
-        K_FORMAT: ("str", LAYOUT),
+        K_FORMAT: ("str", LAYOUT_STATES if "states" in manifest else LAYOUT),
     }
     if model.get("revision"):
         out["general.base_model.0.version"] = ("str", str(model["revision"]))
