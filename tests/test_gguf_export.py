@@ -295,7 +295,7 @@ def test_a_v1_layout_gguf_still_loads(tmp_path, int8_release, monkeypatch):
     old = {**manifest_, "format": release.FORMAT_V1, "layers": [{"index": x["index"], "kind": x["kind"]}
                                                                 for x in manifest_["layers"]]}
     tensors_ = G.encode_tensors(maps)[0]
-    for layout, ok in (("ridgefill-maps-gguf/1", True), ("ridgefill-maps-gguf/3", False)):
+    for layout, ok in (("ridgefill-maps-gguf/1", True), ("ridgefill-maps-gguf/4", False)):
         monkeypatch.setattr(G, "LAYOUT", layout)  # what the writer of that layout wrote
         G.write_gguf(tmp_path / "old.gguf", old, tensors_)
         monkeypatch.undo()
