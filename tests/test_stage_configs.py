@@ -98,8 +98,8 @@ def test_stage_config_takes_a_table_as_its_config():
     assert (cfg, extra) == (SolveConfig(alphas=(1, 2)), {"split": "auto"})
     with pytest.raises(BadInput) as e:
         stage_config(SolveConfig, {"alpha": [1]}, "solve", leave=frozenset({"split"}))
-    assert str(e.value) == ("recipe [solve]: unknown key(s) alpha (known: alpha_per_layer, alphas, chat_share, maps, "
-                            "metric, state_chunk, state_data)")
+    assert str(e.value) == ("recipe [solve]: unknown key(s) alpha (known: alpha_per_layer, alphas, chat_share, "
+                            "earlier, maps, metric, state_chunk, state_data)")
     with pytest.raises(BadInput) as e:
         stage_config(ExportConfig, {"tail": 1.5}, "export")
     assert str(e.value) == "recipe [export]: tail must be an integer, got number 1.5"

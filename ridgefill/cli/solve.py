@@ -24,7 +24,7 @@ def solve(
     alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Give every late layer the alpha best for its own held-out score (default: one alpha shared by all).")] = D.alpha_per_layer,
     state_data: Annotated[Optional[list[str]], typer.Option("--state-data", help="Hybrids: text kept apart from the capture's (file, directory or .jsonl; repeatable) on which to measure the terminal-state correction of the filled Gated DeltaNet layers.")] = None,
     state_chunk: Annotated[int, typer.Option("--state-chunk", help="Measure the states every this many tokens.")] = D.state_chunk,
-    earlier: Annotated[Optional[str], typer.Option("--earlier", help="Offsets k, like 2,7,13, of the earlier states h_(S-k) the maps read besides h_S (some of the capture's --earlier), or none. Default: every one the capture has.")] = None,
+    earlier: Annotated[Optional[str], typer.Option("--earlier", help="Offsets k, like 2,7,13, of the earlier states h_(S-k) the maps read besides h_S (some of the capture's --earlier), or none. Default: every one the capture has.")] = D.earlier,
     place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
 ) -> None:
     """Fit ridge maps for every late layer over the alpha grid; choose alpha on held-out rows."""

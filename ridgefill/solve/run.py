@@ -73,7 +73,8 @@ def solve(store: Store, capture_ref: str, cfg: SolveConfig, out: Output, *, mode
     state_docs = None
     if cfg.state_data:
         state_docs = _state_documents(cap, captured.captured_kinds(cap, store, ref), split, cfg.state_data)
-    recipe = _recipe(cap, ref, split, alphas, cfg, place, state_docs)
+    earlier = _earlier(cap, cfg)
+    recipe = _recipe(cap, ref, split, alphas, cfg, place, state_docs, earlier)
     captured.warn_if_mixed(cap, place, out)
     hit = store.cached("solve", recipe)
     if hit is not None:
@@ -83,7 +84,6 @@ def solve(store: Store, capture_ref: str, cfg: SolveConfig, out: Output, *, mode
     from ridgefill.solve.choose import choose_maps
     from ridgefill.solve.score import Scorer
 
-    earlier = _earlier(cap, cfg)
     m = captured.load_stats(cap, split, cfg.chat_share, earlier=earlier)
     kinds = _map_kinds(cap, split, ref.num_layers, cfg.maps)
     kv = captured.load_stats(cap, split, cfg.chat_share, target=KV_MAPS, earlier=earlier) \
@@ -191,14 +191,13 @@ def _late_maps(e, split: int, num_layers: int, kinds: dict[int, str], kv, kv_lay
 
 
 def _recipe(cap: Artifact, ref, split: int, alphas: list[float], cfg: SolveConfig, place,
-            state_docs: list | None) -> dict:
+            state_docs: list | None, earlier: tuple[int, ...] = ()) -> dict:
     """What the solve's id covers: alpha_per_layer and the state data only when given."""
     recipe = {"stage": "solve", "version": FORMAT_VERSION, "capture": cap.id, "model": ref.fingerprint,
               "split": split, "alphas": alphas, "metric": cfg.metric, "maps": cfg.maps, "chat_share": cfg.chat_share,
               **place.recipe()}
     if cfg.alpha_per_layer:
         recipe["alpha_per_layer"] = True
-    earlier = _earlier(cap, cfg)
     if earlier:
         recipe["earlier"] = list(earlier)
     if state_docs is not None:
