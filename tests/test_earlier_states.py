@@ -184,7 +184,8 @@ def test_runtime_refusals(lm_of):
                                        r"3 states"):
         prefill(lm, ids, "ridgefill", split=2, tail=4, maps=maps, states=(2, 0, 1))
     run = exact_run(lm, ids, splits=[2])
-    with pytest.raises(BadInput, match=r"the exact run kept no state for layer\(s\) \[0\] \(it has \[2\]\)"):
+    with pytest.raises(BadInput, match=r"the exact run kept no state for earlier layer\(s\) \[0\] the maps read "
+                                       r"\(it has \[2\]\)"):
         prefill_from(lm, run, "ridgefill", split=2, tail=4, maps=maps, states=(2, 0))
 
 

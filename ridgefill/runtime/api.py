@@ -442,9 +442,12 @@ def _rows_from_run(lm, run: ExactRun, arm: str, o: FillOptions) -> tuple[list[in
         raise BadInput(f"prefill_from builds 'ridgefill', 'identity', 'nofill' or 'ridgefill+rows', not '{arm}' "
                        "(use prefill)")
     plan = _plan(lm, run.ids, arm, o)
-    missing = [l for l in (o.split, *plan.earlier) if l not in run.states]
+    if o.split not in run.states:
+        raise BadInput(f"the exact run kept no state for split {o.split} (it has {sorted(run.states)})")
+    missing = [l for l in plan.earlier if l not in run.states]
     if missing:
-        raise BadInput(f"the exact run kept no state for layer(s) {missing} (it has {sorted(run.states)})")
+        raise BadInput(f"the exact run kept no state for earlier layer(s) {missing} the maps read (it has "
+                       f"{sorted(run.states)})")
     rows, select, prefix = plan.rows, _select(arm, o, n), prefix_end(n, o.tail)
     if select:
         if not selects_from(lm, run, o.split):
