@@ -282,3 +282,46 @@ def test_quantize_scores_the_maps_on_what_they_read(chain, tmp_path):
     rel = release.read_release(out)
     assert rel.format == "ridgefill-maps/3" and rel.manifest["projector"]["dtype"] == "int8"
     assert {m["weight"].shape for m in rel.maps.values()} == {(64, 192)}
+
+
+def test_a_sweep_over_a_capture_of_earlier_states(tmp_path, tiny_llama_1k, monkeypatch):
+    """A sweep whose capture stacks earlier states solves every split's maps from them, keeps the states they read
+    in its exact runs, and records for each needle what an independent prefill of that split's maps and states
+    decodes."""
+    from dataclasses import replace
+
+    from ridgefill.evaluate.needles import score_answer
+    from ridgefill.evaluate.source import load_source
+    from ridgefill.models import load_model, resolve_model
+    from ridgefill.runtime import greedy
+    from ridgefill.sweep import sweep
+    from ridgefill.sweep.needles import needle_suite
+    from test_sweep import CAPTURE, CFG, key_budget
+
+    key_budget(monkeypatch)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(5):
+        (data / f"d{i}.txt").write_text(f"document {i}: " + "the cat sat on the mat and looked around. " * (8 + i))
+    st = Store(tmp_path / "store")
+    cfg = replace(CFG, splits=(2, 3))
+    art, _ = sweep(st, str(tiny_llama_1k), cfg, quiet(), data=[str(data)], capture_args={**CAPTURE, "earlier": (1, 2)})
+    res = json.loads(art.file("sweep.json").read_text())
+    srcs = {e["split"]: load_source(st, e["quantize"]) for e in res["splits"]}
+    assert {s: src.states for s, src in srcs.items()} == {2: (2, 1, 0), 3: (3, 2, 1)}
+    lm = load_model(resolve_model(str(tiny_llama_1k), store_root=st.root), store_root=st.root)
+    suite = needle_suite(lm, cfg)
+    checked = 0
+    for row in res["needles"][:6]:
+        _, smp = suite[row["index"]]
+        for job, ok in row["arms"].items():
+            split, name = job.split("/", 1)
+            if name != "ridgefill":
+                continue
+            src = srcs[int(split)]
+            r = prefill(lm, torch.tensor(smp.prompt_ids), "ridgefill", split=src.split, tail=cfg.tail, maps=src.maps,
+                        map_kinds=src.map_kinds, anchor=src.anchor, exact_norm=src.exact_norm, states=src.states)
+            text = lm.tokenizer.decode(greedy(lm, r, smp.max_new_tokens), skip_special_tokens=True)
+            assert ok == score_answer(smp, text), (row["index"], job)
+            checked += 1
+    assert checked >= 4
