@@ -57,9 +57,10 @@ def states_metadata(states: list[int]) -> dict[str, str]:
 
 
 def load_states(art: Artifact) -> list[int]:
-    """The layers whose inputs a solve's maps read, side by side: [split] alone, or the split then earlier layers."""
-    meta = safetensors.read_header(art.file(MAPS))[1]
-    return [int(l) for l in meta["states"].split(",")] if "states" in meta else [int(meta["split"])]
+    """The layers whose inputs a solve's maps read, side by side: [split] alone, or the split then earlier layers
+    (from its recipe, which its id covers: the split and the offsets of `--earlier`)."""
+    split = int(art.recipe["split"])
+    return [split, *(split - int(k) for k in art.recipe.get("earlier", ()))]
 
 
 def load_map_kinds(art: Artifact) -> dict[int, str]:
