@@ -52,27 +52,10 @@ def main() -> None:
     ap.add_argument("release", type=release)
     ap.add_argument("--model", default="builtin:qwen2.5-coder-1.5b")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--lengths", type=positive, nargs="+", default=[4096, 16384, 32768])
-    ap.add_argument("--needles", type=positive, nargs="+", default=[40, 20, 10], help="per length")
-    ap.add_argument("--documents", type=int, nargs="+", default=[8, 4, 1], help="per length and document kind")
     ap.add_argument("--tail", type=positive, default=None, help="default: the release's tail")
-    ap.add_argument("--scored", type=positive, default=None, help="default: the tail less one")
-    ap.add_argument("--bootstrap", type=positive, default=10000)
-    ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks that the bench runs")
-    args = ap.parse_args()
-    if args.quick:
-        args.lengths, args.needles, args.documents, args.scored, args.bootstrap = [1024], [2], [1], 64, 200
-    for name in ("needles", "documents"):
-        given = getattr(args, name)
-        if len(given) == 1:
-            setattr(args, name, given * len(args.lengths))
-        elif len(given) != len(args.lengths):
-            ap.error(f"--{name}: one count, or one per length ({len(args.lengths)})")
+    args = length_arguments(ap, [4096, 16384, 32768], [40, 20, 10], [8, 4, 1])
     tail = args.tail or read_release(args.release).tail
-    args.scored = args.scored or tail - 1
-    if args.scored >= tail:  # the tail's rows predict its tokens after the first
-        ap.error(f"--scored {args.scored}: at most the tail less one ({tail - 1})")
+    check_scored(ap, args, tail)
 
     with Bench("long_context", args, args.model) as bench:
         from dataclasses import replace
@@ -107,6 +90,36 @@ def main() -> None:
         details["table"] = table(details)
         print(details["table"], flush=True)
         bench.finish(value, details=details, checks={})
+
+
+def length_arguments(ap, lengths: list[int], needles: list[int], documents: list[int]):
+    """The options of a bench that measures needles and documents per prompt length (this one, map_ab.py), parsed:
+    --lengths, --needles and --documents (one count, or one per length), --scored, --bootstrap, --work, --quick."""
+    ap.add_argument("--lengths", type=positive, nargs="+", default=lengths)
+    ap.add_argument("--needles", type=positive, nargs="+", default=needles, help="per length")
+    ap.add_argument("--documents", type=int, nargs="+", default=documents, help="per length and document kind")
+    ap.add_argument("--scored", type=positive, default=None, help="default: the tail less one")
+    ap.add_argument("--bootstrap", type=positive, default=10000)
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks that the bench runs")
+    args = ap.parse_args()
+    if args.quick:
+        args.lengths, args.needles, args.documents, args.scored, args.bootstrap = [1024], [2], [1], 64, 200
+    for name in ("needles", "documents"):
+        given = getattr(args, name)
+        if len(given) == 1:
+            setattr(args, name, given * len(args.lengths))
+        elif len(given) != len(args.lengths):
+            ap.error(f"--{name}: one count, or one per length ({len(args.lengths)})")
+    return args
+
+
+def check_scored(ap, args, tail: int) -> None:
+    """--scored defaults to the tail less one, and may not be more: the tail's rows predict its tokens after the
+    first."""
+    args.scored = args.scored or tail - 1
+    if args.scored >= tail:
+        ap.error(f"--scored {args.scored}: at most the tail less one ({tail - 1})")
 
 
 def ceiling(layers: int, split: int, n: int, tail: int) -> float:

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import OUT, Bench, Work, digest, parser, positive, release, short  # noqa: E402
-from long_context import ceiling, documents  # noqa: E402
+from long_context import ceiling, check_scored, documents, length_arguments  # noqa: E402
 
 
 def named(text: str) -> tuple[str, Path]:
@@ -44,29 +44,12 @@ def main() -> None:
     ap.add_argument("releases", type=named, nargs="+", metavar="NAME=RELEASE")
     ap.add_argument("--model", default="builtin:qwen2.5-coder-1.5b")
     ap.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
-    ap.add_argument("--lengths", type=positive, nargs="+", default=[4096, 16384])
-    ap.add_argument("--needles", type=positive, nargs="+", default=[24, 8], help="per length")
-    ap.add_argument("--documents", type=int, nargs="+", default=[2, 1], help="per length and document kind")
     ap.add_argument("--tail", type=positive, default=512)
-    ap.add_argument("--scored", type=positive, default=None, help="default: the tail less one")
-    ap.add_argument("--bootstrap", type=positive, default=10000)
-    ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks that the bench runs")
-    args = ap.parse_args()
-    if args.quick:
-        args.lengths, args.needles, args.documents, args.scored, args.bootstrap = [1024], [2], [1], 64, 200
-    for name in ("needles", "documents"):
-        given = getattr(args, name)
-        if len(given) == 1:
-            setattr(args, name, given * len(args.lengths))
-        elif len(given) != len(args.lengths):
-            ap.error(f"--{name}: one count, or one per length ({len(args.lengths)})")
+    args = length_arguments(ap, [4096, 16384], [24, 8], [2, 1])
     names = [n for n, _ in args.releases]
     if len(set(names)) != len(names) or "exact" in names:
         ap.error("release names must be distinct, and not 'exact'")
-    args.scored = args.scored or args.tail - 1
-    if args.scored >= args.tail:
-        ap.error(f"--scored {args.scored}: at most the tail less one ({args.tail - 1})")
+    check_scored(ap, args, args.tail)
 
     with Bench("map_ab", args, args.model) as bench:
         from dataclasses import replace
