@@ -125,7 +125,8 @@ def test_connectors_import_only_what_an_engine_has():
              "ridgefill.models.fingerprint", "ridgefill.models.kinds", "ridgefill.runtime.rows",
              "ridgefill.environment")  # fmt: skip
     engine_side = {"layout", "request", "llamacpp", "identity", "vllm", "vllm.loads", "vllm.plan", "vllm.served",
-                   "vllm.model", "vllm.plugin", "vllm.patches", "vllm.internals", "vllm.connector"}  # fmt: skip
+                   "vllm.model", "vllm.parts", "vllm.plugin", "vllm.patches", "vllm.internals",
+                   "vllm.connector"}  # fmt: skip
     assert {f"vllm.{p.stem}" for p in (ENGINES / "vllm").glob("*.py") if p.stem != "__init__"} <= engine_side
     # The offline runners the tests and benches drive the engines through live beside the tests, not in the package.
     assert sorted(p.name for p in ENGINES.rglob("*.py") if "runner" in p.stem or p.stem == "jobs") == []
