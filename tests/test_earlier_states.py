@@ -108,6 +108,12 @@ def test_the_solve_is_a_ridge_with_one_penalty_per_state(chain):
         held = load_heldout(cap)
         x = np.concatenate([held[f"hidden.{l}"] for l in states], axis=1).astype(np.float64)
         assert summary["exact_norm"] == pytest.approx(4.0 * np.median(np.linalg.norm(x, axis=1)), rel=1e-12)
+    # key/value maps: the same penalties on the key/value moments of the same stacked rows
+    kv_sol, _ = solve(chain["store"], cap.id, SolveConfig(split=2, alphas=ALPHAS, maps="kv"), quiet())
+    w, b = _ridge_per_state(load_stats(cap, 2, target="kv"), 3, kv_sol.manifest["summary"]["alpha"])
+    got = load_maps(kv_sol)
+    for i, l in enumerate((2, 3)):
+        np.testing.assert_allclose(got[l][0], w[i], rtol=0, atol=2e-5 * np.abs(w[i]).max())
     none, plain = load_maps(sols[()]), load_maps(sols["plain"])
     assert "states" not in sols[()].manifest["summary"] and "earlier" not in sols[()].recipe
     for l in (2, 3):

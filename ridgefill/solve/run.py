@@ -96,7 +96,8 @@ def solve(store: Store, capture_ref: str, cfg: SolveConfig, out: Output, *, mode
     scales = state_scales(m, len(states))
     if len(states) > 1:  # one ridge penalty over states of different sizes: each scaled to h_S's, folded back below
         col = np.repeat(scales, m.mean_x.shape[0] // len(states))
-        m, kv, x_held = scale_x(m, col), kv and scale_x(kv, col), x_held * col
+        m, x_held = scale_x(m, col), x_held * col
+        kv = None if kv is None else scale_x(kv, col)
     t = time.perf_counter()
     # V^T Cxy of the inputs only where some late layer keeps an input map (a k d^3 product otherwise wasted)
     e = decompose(m, project=INPUT_MAPS in kinds.values())
