@@ -108,6 +108,8 @@ FIGURES = {
     "map_designs": Figure("map_designs.py", "candidate designs of the late layers' maps against today's key/value "
                           "maps at one split: held-out (K cos + V cos) / 2 per design, one alpha and one per layer; "
                           "cost per filled row", "cosine", None),
+    "model_load": Figure("model_load.py", "one load of a GGUF model in bfloat16 from its bfloat16 cache / from the "
+                         "float32 cache (the load before that cache); weights identical", "ratio", None),
     "sweep": Figure("sweep_bench.py", "adaptive and exhaustive `ridgefill sweep` (given its capture) / one default "
                     "eval: wall, CPU; whether they recommend the same", "ratio", "adaptive_cpu <= 4"),
 }

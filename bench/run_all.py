@@ -58,7 +58,7 @@ NAMES = {"builtin:smollm2-135m": "SmolLM2-135M", "builtin:gemma3-270m": "Gemma-3
 # run by itself: an engine's environment, a GPU machine, its own captures of a built-in (map_kinds, map_designs,
 # capture_dtype), or releases of the 1.5B built-in (long_context, map_ab)
 STANDALONE = {"engine_ttft", "vllm_fill", "vllm_agreement", "vllm_fill_profile", "gpu", "map_kinds", "map_designs",
-              "capture_dtype", "long_context", "map_ab"}
+              "capture_dtype", "long_context", "map_ab", "model_load"}
 NEEDS_CAPTURE, NEEDS_RELEASE = {"solve", "sweep"}, {"prefill", "anchor", "eval", "sweep"}
 
 

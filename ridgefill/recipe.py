@@ -264,6 +264,7 @@ def _run_stages(recipe: Recipe, store, out: Output, push: bool, token: str | Non
     from ridgefill.export import export as export_release
     from ridgefill.quantize import quantize
     from ridgefill.formats.release import verify_release
+    from ridgefill.models.device import slow_dtype_warning
     from ridgefill.solve import solve
 
     if push and recipe.push is None:
@@ -275,6 +276,8 @@ def _run_stages(recipe: Recipe, store, out: Output, push: bool, token: str | Non
     w = _where(recipe.place)
     # capture runs where the rest does, unless its own table says otherwise
     cap_place = _where({**recipe.place, **recipe.capture_place})
+    for slow in dict.fromkeys(filter(None, map(slow_dtype_warning, (w, cap_place)))):
+        out.warn(slow)
     start = time.perf_counter()
     summary: dict = {"recipe": str(recipe.path), "model": recipe.model, "stages": {}}
 

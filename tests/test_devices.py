@@ -480,3 +480,30 @@ def test_release_recipe_device_refusals(text, message, tiny_llama, tmp_path):
     assert r.returncode == 2
     assert one_line(r) == message.format(p=path)
     assert not (tmp_path / "st").exists()
+
+
+SLOW = ("Warning: bfloat16 on this CPU (no avx512_bf16 or amx_bf16 instructions) runs many times slower than "
+        "float32: pass --dtype float32 (a recipe: dtype = \"float32\")")
+
+
+@pytest.mark.parametrize("flags, warned", [
+    (frozenset({"sse2", "avx2", "fma"}), True),                 # this project's 2-core machine today
+    (frozenset({"avx2", "avx512f", "avx512_bf16"}), False),     # AVX-512 with bfloat16
+    (frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"}), False),  # AMX
+    (None, False),                                              # no /proc/cpuinfo flags: not judged
+])  # fmt: skip
+def test_bfloat16_on_a_cpu_without_its_instructions_is_warned_in_one_line(flags, warned, monkeypatch, tmp_path):
+    from ridgefill.models import device
+
+    monkeypatch.setattr(device, "cpu_flags", lambda: flags)
+    r = cli_here("solve", "0123abcd", "--dtype", "bfloat16", "--store", tmp_path / "st")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and lines[-1].startswith("Error: ") and "Traceback" not in r.stderr
+    assert lines[:-1] == ([SLOW] if warned else [])
+    # float32, a GPU and float16 with its own instructions are never warned
+    slow = frozenset({"avx2"})
+    assert device.slow_dtype_warning(where("cpu", "float32"), slow) is None
+    assert device.slow_dtype_warning(device.Where("cuda:0", "bfloat16"), slow) is None
+    assert device.slow_dtype_warning(where("cpu", "float16"), frozenset({"avx512_fp16"})) is None
+    half = device.slow_dtype_warning(where("cpu", "float16"), slow)
+    assert half.startswith("float16 on this CPU (no avx512_fp16 or amx_fp16 instructions) runs many times slower")

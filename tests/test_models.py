@@ -719,6 +719,37 @@ def test_load_gguf_builds_then_reuses_the_dequantized_cache(tmp_path):
     assert first.tokenizer.chat_template == second.tokenizer.chat_template is not None
 
 
+def test_a_bfloat16_load_reads_its_own_cache_equal_to_the_float32_cache_cast(tmp_path):
+    from ridgefill.models.load import layer_kinds
+
+    path = make_tiny_gguf(tmp_path / "src" / "tiny.gguf", arch="qwen2", layers=2)
+    store = tmp_path / "store"
+    ref = resolve_model(str(path), store_root=store)
+    cached = lambda: sorted(p.name for p in (store / "models").iterdir() if p.name != "fingerprints.json")  # noqa: E731
+    half = load_model(ref, store_root=store, dtype="bfloat16")
+    bf16 = store / "models" / f"{ref.fingerprint[:16]}-bfloat16"
+    assert half.built_cache and half.source == bf16
+    assert cached() == [bf16.name]  # no float32 copy was written
+    assert layer_kinds(ref, store_root=store) == ["full_attention"] * 2 and cached() == [bf16.name]
+    assert json.loads((bf16 / "ridgefill-source.json").read_text())["dtype"] == "bfloat16"
+    # half the bytes of the float32 cache, and the same weights as that cache loaded in bfloat16
+    full = load_model(ref, store_root=store, dtype="float32")
+    assert full.built_cache and cached() == sorted([bf16.name, ref.fingerprint[:16]])
+    size = lambda d: (d / "model.safetensors").stat().st_size  # noqa: E731
+    assert size(bf16) < 0.55 * size(full.source)
+    cast = load_model(ref, store_root=store, dtype="bfloat16", device="cpu")
+    assert not cast.built_cache and cast.source == bf16
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(full.source, dtype=torch.bfloat16).eval()
+    mine, theirs = half.model.state_dict(), reference.state_dict()
+    assert mine.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert mine[name].dtype == tensor.dtype == torch.bfloat16 and torch.equal(mine[name], tensor), name
+    # float16 casts from the float32 cache: no cache of its own
+    assert load_model(ref, store_root=store, dtype="float16").source == full.source
+
+
 def test_building_the_gguf_cache_draws_no_progress_bar(tmp_path, capfd):
     """layer_kinds builds the cache before any load: transformers' save_pretrained bar ("Writing model shards")
     stays off stderr there too."""

@@ -112,7 +112,7 @@ class Runner:
             from ridgefill.models.load import gguf_cache_dir
 
             with job.world.rank0_first():
-                gguf_cache_dir(job.ref, store_root=job.store.root)
+                gguf_cache_dir(job.ref, store_root=job.store.root, dtype=job.place.dtype)
         self.lm = load_model(job.ref, store_root=job.store.root, trust_remote_code=self.cfg.trust_remote_code,
                              **job.place.load_args())
         self.load_s = time.perf_counter() - t0

@@ -161,9 +161,12 @@ def placed(command):
 
     @functools.wraps(command)
     def wrapper(*args, device="auto", dtype="auto", device_map=None, max_memory=None, **kwargs):
-        from ridgefill.models.device import where
+        from ridgefill.models.device import slow_dtype_warning, where
 
-        return command(*args, place=where(device, dtype, device_map, max_memory), **kwargs)
+        place = where(device, dtype, device_map, max_memory)
+        if (slow := slow_dtype_warning(place)) is not None:
+            output().warn(slow)
+        return command(*args, place=place, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=params + _PLACEMENT)
     wrapper.__annotations__ = {**{k: v for k, v in command.__annotations__.items() if k != "place"},

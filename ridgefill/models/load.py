@@ -4,8 +4,9 @@ Directories and hub snapshots load directly (local files only). A GGUF file is d
 (`from_pretrained(dir, gguf_file=name)`), which is slow -- about 20 s for SmolLM2 and a minute for Gemma 3 270M
 on two cores, mostly rebuilding the tokenizer from the GGUF vocabulary -- so the dense float32 result is saved
 once as a plain transformers directory (safetensors) under `<store>/models/<fingerprint[:16]>/` and later
-loads read that. The cache directory is written to a temporary sibling and renamed, so it is complete whenever
-it exists under its final name.
+loads read that. A model run in bfloat16 reads its own cache, `<fingerprint[:16]>-bfloat16/`, dequantized once to
+bfloat16 (half the bytes to read on every load; the weights equal the float32 cache's cast to bfloat16). A cache
+directory is written to a temporary sibling and renamed, so it is complete whenever it exists under its final name.
 
 torch and transformers are imported inside the functions: `import ridgefill.models` stays cheap.
 """
@@ -107,7 +108,7 @@ def layer_kinds(ref: ModelRef, *, store_root: Path, trust_remote_code: bool = Fa
     adapter has. A stage that must describe the model reads it here, from the files the fingerprint covers."""
     from ridgefill.models.kinds import kinds_of
 
-    source = gguf_cache_dir(ref, store_root=Path(store_root))[0] if ref.is_gguf else ref.path
+    source = _config_dir(ref, Path(store_root)) if ref.is_gguf else ref.path
     listed = _listed_kinds(source / "config.json", ref.num_layers)
     if listed is not None:  # what transformers' config would hold, read without importing it (seconds)
         return listed
@@ -217,7 +218,7 @@ def _load(ref: ModelRef, store_root: Path, dtype: str, device: str, device_map, 
     start = time.perf_counter()
     built = False
     if ref.is_gguf:
-        source, built = gguf_cache_dir(ref, store_root=Path(store_root))
+        source, built = gguf_cache_dir(ref, store_root=Path(store_root), dtype=dtype)
     else:
         source = ref.path
     # Only pass trust_remote_code when asked, so transformers' own default (off) holds otherwise.
@@ -352,16 +353,21 @@ def _quiet_transformers() -> None:
     logging.getLogger("accelerate").setLevel(logging.ERROR)
 
 
-def gguf_cache_dir(ref: ModelRef, *, store_root: Path) -> tuple[Path, bool]:
-    """The dequantized transformers directory for a GGUF ref, built if missing. Returns (path, built_now)."""
-    target = store_root / "models" / ref.fingerprint[:16]
+CACHE_DTYPES = {"bfloat16": "bfloat16"}  # load dtype -> the cache's, when not float32 (float16 casts from float32)
+
+
+def gguf_cache_dir(ref: ModelRef, *, store_root: Path, dtype: str = "float32") -> tuple[Path, bool]:
+    """The dequantized transformers directory a GGUF ref loads from in `dtype`, built if missing: the float32 one, or
+    for bfloat16 its own. Returns (path, built_now)."""
+    cached = CACHE_DTYPES.get(dtype, "float32")
+    target = _cache_path(ref, store_root, cached)
     if (target / SOURCE_FILE).is_file():
         return target, False
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _dequantize_gguf(ref, tmp)
+        _dequantize_gguf(ref, tmp, cached)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -373,7 +379,21 @@ def gguf_cache_dir(ref: ModelRef, *, store_root: Path) -> tuple[Path, bool]:
     return target, True
 
 
-def _dequantize_gguf(ref: ModelRef, out: Path) -> None:
+def _config_dir(ref: ModelRef, store_root: Path) -> Path:
+    """A dequantized cache of `ref` to read its configuration from: one already built (any dtype: the same
+    config.json but its dtype), else the float32 one, built now."""
+    for cached in ("float32", *CACHE_DTYPES.values()):
+        path = _cache_path(ref, store_root, cached)
+        if (path / SOURCE_FILE).is_file():
+            return path
+    return gguf_cache_dir(ref, store_root=store_root)[0]
+
+
+def _cache_path(ref: ModelRef, store_root: Path, cached: str) -> Path:
+    return store_root / "models" / (ref.fingerprint[:16] + ("" if cached == "float32" else f"-{cached}"))
+
+
+def _dequantize_gguf(ref: ModelRef, out: Path, dtype: str = "float32") -> None:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -384,11 +404,12 @@ def _dequantize_gguf(ref: ModelRef, out: Path) -> None:
     # dequantize=True asks for a plain dense model even where transformers could keep GGUF blocks packed (with
     # the `kernels` package). Such a model carries no quantization_config and saves like any other.
     # The GGUF loader draws a plain tqdm bar per tensor (not transformers' switchable one): keep it off stderr.
+    # In bfloat16 the loader dequantizes to float32 and casts each tensor as a float32 cache's load would.
     with contextlib.redirect_stderr(io.StringIO()):
         model = AutoModelForCausalLM.from_pretrained(
             where,
             gguf_file=name,
-            dtype=torch.float32,
+            dtype=getattr(torch, dtype),
             local_files_only=True,
             quantization_config=GgufConfig(dequantize=True),
         )
@@ -397,6 +418,7 @@ def _dequantize_gguf(ref: ModelRef, out: Path) -> None:
     source = {
         "fingerprint": ref.fingerprint,
         "gguf_file": name,
+        "dtype": dtype,
         "name": ref.name,
         "transformers": transformers.__version__,
     }
