@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from ridgefill.capture.config import DEFAULT_DATA, CaptureConfig
+from ridgefill.capture.run import check_config as check_capture
 from ridgefill.errors import BadInput
 from ridgefill.evaluate.config import EvalConfig
 from ridgefill.export.config import ExportConfig
@@ -210,6 +211,7 @@ def load_recipe(path: Path) -> Recipe:
         solve = replace(solve, state_data=tuple(str(rel(x)) for x in paths))
     elif "state_data" in doc.get("solve", {}):
         raise BadInput("recipe [solve]: state_data must be a path or a list of paths, got an empty array")
+    check_capture(capture, "recipe [capture]: ", lambda key: key)
     check_solve(solve, "recipe [solve]: ", lambda key: key)
     quantize = quant.get("enabled", True)
     sweep = None

@@ -140,7 +140,7 @@ def test_outlier_rows_are_not_fitted(tmp_path, tiny_llama, corpus):
     norms = np.linalg.norm(np.asarray(load_heldout(art)["hidden.2"], np.float64), axis=-1)
     assert sol.manifest["summary"]["exact_norm"] == pytest.approx(1.1 * float(np.median(norms)), rel=1e-12)
     for bad in (0.5, 1.0, -2.0):
-        with pytest.raises(BadInput, match="outlier ratio must be 0 .off. or above 1"):
+        with pytest.raises(BadInput, match="outlier ratio .--outlier-ratio. must be 0 .off. or above 1"):
             run(Store(tmp_path / "bad"), tiny_llama, corpus, outlier_ratio=bad)
     assert not (tmp_path / "bad" / "capture").exists()
 
@@ -758,8 +758,9 @@ def test_non_utf8_is_replaced_with_a_warning(tmp_path, tiny_llama, corpus, capsy
         (["--chunk", "1"], "--chunk must be at least 2 tokens (got 1)"),
         (["--max-length", "1"], "--max-length must be at least 2 tokens (got 1)"),
         (["--max-length", "300"], "--max-length 300 is longer than the model's context (256 positions)"),
-        (["--product-dtype", "float16"], "unknown product dtype 'float16' (choose float32 or float64)"),
-        (["--outlier-ratio", "0.5"], "the outlier ratio must be 0 (off) or above 1, got 0.5"),
+        (["--product-dtype", "float16"], "unknown product dtype 'float16' for --product-dtype (choose float32 or "
+                                         "float64)"),
+        (["--outlier-ratio", "0.5"], "the outlier ratio (--outlier-ratio) must be 0 (off) or above 1, got 0.5"),
         (["--device", "cuda"], "--device cuda: torch sees no CUDA device on this machine (use --device cpu or auto)"),
         (["--device", "tpu"], "unknown device 'tpu' (choose auto, cpu, cuda or cuda:N)"),
         (["--dtype", "float8"], "unknown dtype 'float8' (choose one of: auto, float32, bfloat16, float16)"),

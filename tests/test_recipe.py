@@ -169,6 +169,13 @@ def test_a_solve_split_alone_is_what_the_capture_makes(tmp_path, tiny_llama):
     ("[solve]\nalphas = 0.1", "recipe [solve]: alphas must be an array of numbers, got number 0.1"),
     ('[solve]\nmaps = 2', "recipe [solve]: maps must be a string, got integer 2"),
     ('[solve]\nmaps = "keys"', "recipe [solve]: maps must be one of input, kv, got 'keys'"),
+    # capture's own checks, by the recipe's keys, when the recipe is read (not once the stage has begun)
+    ("[capture]\nearlier = [0]", "recipe [capture]: earlier takes offsets k >= 1 below the split (the states "
+                                 "h_{S-k}), got 0"),
+    ("[capture]\nearlier = [2, 2]", "recipe [capture]: earlier names an offset twice: 2, 2"),
+    ("[capture]\nchunk = 1", "recipe [capture]: chunk must be at least 2 tokens (got 1)"),
+    ("[capture]\noutlier_ratio = 0.5", "recipe [capture]: the outlier ratio (outlier_ratio) must be 0 (off) or "
+                                       "above 1, got 0.5"),
     ("capture = 3", "recipe [capture] must be a table, got integer 3"),
     ("max_memory = 5", "recipe [top level]: max_memory must be a table or an array of strings, got integer 5"),
     ('[push]\nrepo = "a/b"\nprivate = "yes"', "recipe [push]: private must be a boolean, got string 'yes'"),

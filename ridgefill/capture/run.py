@@ -70,7 +70,7 @@ def capture(
     from ridgefill.models.device import where
 
     world = World()
-    _check(cfg)
+    check_config(cfg)
     place = _placement(place or where(), world)
     world.start()
     try:
@@ -98,28 +98,32 @@ def capture(
     return result
 
 
-def _check(cfg: CaptureConfig) -> None:
-    """BadInput for a config no model could run."""
+def flag(key: str) -> str:
+    """How `ridgefill capture` names a setting: its flag."""
+    return "--" + key.replace("_", "-")
+
+
+def check_config(cfg: CaptureConfig, prefix: str = "", name: Callable[[str], str] = flag) -> None:
+    """BadInput for a config no model could run, naming the setting as the user gave it (`name`: the command's
+    flags, or a recipe's [capture] keys after `prefix`)."""
     if cfg.chunk < 2:
-        raise BadInput(f"--chunk must be at least 2 tokens (got {cfg.chunk})")
+        raise BadInput(f"{prefix}{name('chunk')} must be at least 2 tokens (got {cfg.chunk})")
     if cfg.max_length is not None and cfg.max_length < 2:
-        raise BadInput(f"--max-length must be at least 2 tokens (got {cfg.max_length})")
+        raise BadInput(f"{prefix}{name('max_length')} must be at least 2 tokens (got {cfg.max_length})")
     if cfg.held_out_rows < 0:
-        raise BadInput("--held-out-rows must be >= 0")
+        raise BadInput(f"{prefix}{name('held_out_rows')} must be >= 0")
     if not (cfg.outlier_ratio == 0 or cfg.outlier_ratio > 1):
-        raise BadInput(f"the outlier ratio must be 0 (off) or above 1, got {cfg.outlier_ratio}")
+        raise BadInput(f"{prefix}the outlier ratio ({name('outlier_ratio')}) must be 0 (off) or above 1, got "
+                       f"{cfg.outlier_ratio}")
     if cfg.product_dtype not in PRODUCT_DTYPES:
-        raise BadInput(f"unknown product dtype '{cfg.product_dtype}' (choose {' or '.join(PRODUCT_DTYPES)})")
-    check_earlier(cfg.earlier)
-
-
-def check_earlier(earlier) -> None:
-    """BadInput unless `earlier` (--earlier) is distinct positive offsets: h_{S-k} for each k, below the split."""
+        raise BadInput(f"{prefix}unknown product dtype '{cfg.product_dtype}' for {name('product_dtype')} (choose "
+                       f"{' or '.join(PRODUCT_DTYPES)})")
+    earlier = cfg.earlier
     if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in earlier):
-        raise BadInput("--earlier takes offsets k >= 1 below the split (the states h_{S-k}), got "
+        raise BadInput(f"{prefix}{name('earlier')} takes offsets k >= 1 below the split (the states h_{{S-k}}), got "
                        + ", ".join(map(str, earlier)))
     if len(set(earlier)) != len(earlier):
-        raise BadInput(f"--earlier names an offset twice: {', '.join(map(str, earlier))}")
+        raise BadInput(f"{prefix}{name('earlier')} names an offset twice: {', '.join(map(str, earlier))}")
 
 
 def _placement(place, world: World):
