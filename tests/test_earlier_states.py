@@ -21,7 +21,7 @@ from ridgefill.runtime import exact_run, prefill, prefill_from
 from ridgefill.solve import solve
 from ridgefill.solve.artifact import load_maps
 from ridgefill.solve.config import SolveConfig
-from clirun import cli
+from clirun import cli, cli_here
 from conftest import quiet
 from test_capture import TEXTS, assert_moments_close, brute_force
 from test_runtime import MAIN, hidden_states, tokens
@@ -331,3 +331,16 @@ def test_a_sweep_over_a_capture_of_earlier_states(tmp_path, tiny_llama_1k, monke
             assert ok == score_answer(smp, text), (row["index"], job)
             checked += 1
     assert checked >= 4
+    # `ridgefill sweep --earlier 1`: the solves read the states named, some of the capture's
+    from test_sweep import SMALL
+
+    base = ["sweep", tiny_llama_1k, "--splits", "2,3", *SMALL, "--capture", art.recipe["capture"], "--store", st.root]
+    r = cli_here(*base, "--earlier", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(st.get(json.loads(r.stdout)["id"], stage="sweep").file("sweep.json").read_text())
+    assert {e["split"]: load_source(st, e["quantize"]).states for e in got["splits"]} == {2: (2, 1), 3: (3, 2)}
+    listed = sorted(p.name for p in (st.root / "sweep").iterdir())
+    r = cli_here(*base, "--earlier", "0")
+    assert r.returncode == 2 and r.stderr.strip() == ("Error: --earlier must be distinct offsets >= 1 (the states "
+                                                      "h_{S-k}), got 0")
+    assert sorted(p.name for p in (st.root / "sweep").iterdir()) == listed  # nothing written

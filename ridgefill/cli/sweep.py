@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ridgefill.cli.common import ModelArg, done, output, placed, store
-from ridgefill.solve.config import SolveConfig
+from ridgefill.cli.common import ModelArg, done, offsets, output, placed, store
+from ridgefill.solve.config import SolveConfig, check_config as check_solve
 from ridgefill.sweep.config import DEFAULT_SPLITS, FLAGS, LONG_LENGTH, SweepConfig, renamed
 
 D = SweepConfig()
@@ -34,6 +34,7 @@ def sweep(
     quantize: Annotated[bool, typer.Option("--quantize/--float", help="Measure the int8 maps a release ships, or the float maps.")] = D.quantize,
     alpha_per_layer: Annotated[bool, typer.Option("--alpha-per-layer", help="Solve each layer at its own best alpha.")] = D.alpha_per_layer,
     maps: Annotated[str, typer.Option("--maps", help="What the maps measured predict: input, kv (keys and values; Gated DeltaNet layers keep input maps), or input,kv: a sweep of each on one capture and the same prompts, side by side, and the kind to ship.")] = SolveConfig().maps,
+    earlier: Annotated[Optional[str], typer.Option("--earlier", help="Offsets k, like 2,7,13: the maps read the earlier states h_(S-k) besides h_S (the sweep's capture keeps them; with --capture, some of its --earlier), or none. Default: none captured, and every one a given --capture has.")] = None,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Measure every split and arm on every needle prompt (no bisection, no early stop); for checking the adaptive search.")] = D.exhaustive,
     configurations: Annotated[bool, typer.Option("--configurations/--no-configurations", help="Also measure +rows, +kscale and +protected, each beside its equal-cost control, at the splits just shallower than the maps' edge.")] = D.configurations,
     repeats: Annotated[int, typer.Option("--repeats", help="Timing rounds (at least 3): the measured speed-up is their median, with \\[min, max].")] = D.repeats,
@@ -50,6 +51,8 @@ def sweep(
 
     out = output()
     kinds = parse_kinds(maps)
+    states = offsets(earlier, "--earlier")
+    check_solve(SolveConfig(earlier=states))  # before any work, as the capture's own check
     named = {"samples": samples} if samples is not None else {}  # the old name, with a warning
     if ctx.get_parameter_source("needles").name != "DEFAULT":  # typed too: both at once are refused
         named["needles"] = needles
@@ -60,10 +63,13 @@ def sweep(
                       documents=documents, scored=scored, max_needle_drop=max_needle_drop, max_key_dnll=max_key_dnll,
                       quantize=quantize, alpha_per_layer=alpha_per_layer, seed=seed, exhaustive=exhaustive,
                       configurations=configurations, repeats=repeats)
+    # the states the sweep's capture keeps, and those its solves read (None: every one the capture has)
+    args = {"capture_args": {"earlier": states} if states else None,
+            "solve_args": {} if states is None else {"earlier": states}}
     if len(kinds) > 1:
-        return _kinds(out, model, cfg, kinds, data, capture_ref, place)
-    art, cached = run(store(), model, cfg, out, data=data, capture_ref=capture_ref, solve_args={"maps": kinds[0]},
-                      place=place)
+        return _kinds(out, model, cfg, kinds, data, capture_ref, place, args)
+    art, cached = run(store(), model, cfg, out, data=data, capture_ref=capture_ref, place=place,
+                      capture_args=args["capture_args"], solve_args={"maps": kinds[0], **args["solve_args"]})
     result = load_result(art)
     out.table(table(result))
     out.info(f"what the maps earn: {result['advantage']['line']}")
@@ -77,7 +83,7 @@ def sweep(
     done(out, "sweep", art, cached)
 
 
-def _kinds(out, model, cfg: SweepConfig, kinds, data, capture_ref, place) -> None:
+def _kinds(out, model, cfg: SweepConfig, kinds, data, capture_ref, place, args: dict) -> None:
     """One sweep per map kind, the later ones on the first one's capture, then the kinds side by side
     (sweep/kinds.py). JSON: each kind's sweep and the comparison."""
     from ridgefill.sweep import sweep as run
@@ -87,7 +93,8 @@ def _kinds(out, model, cfg: SweepConfig, kinds, data, capture_ref, place) -> Non
     st, arts, results = store(), {}, {}
     for k in kinds:
         out.info(f"[bold]sweep of {k} maps[/bold]")
-        art, cached = run(st, model, cfg, out, data=data, capture_ref=capture_ref, solve_args={"maps": k}, place=place)
+        art, cached = run(st, model, cfg, out, data=data, capture_ref=capture_ref, place=place,
+                          capture_args=args["capture_args"], solve_args={"maps": k, **args["solve_args"]})
         capture_ref = art.recipe["capture"]
         arts[k] = (art, cached)
         results[k] = load_result(art)
