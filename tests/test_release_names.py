@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from clirun import cli
-from conftest import SMALL_CHAIN
+from conftest import SMALL_CHAIN, quiet
 from hubserver import HubServer, Token
 
 from ridgefill.errors import BadInput
@@ -173,3 +173,26 @@ def test_bench_scripts_take_a_hub_release(chain, hub, tmp_path):
     assert r.stderr.splitlines()[-1].endswith(": error: argument release: "
                                               + MISSING.format(bare).removeprefix("Error: "))
     assert not [q for q in hub.requests_since(n) if "release/x" in q["path"]]
+
+
+def test_branches_a_slash_b_and_a_dash_dash_b_are_cached_apart(chain, hub, tmp_path):
+    """The release cache keeps one ref per revision: `a/b` and `a--b` are two branches (two commits here), and
+    offline each resolves to the commit it last resolved to, not the other's."""
+    from ridgefill.export import export
+    from ridgefill.export.config import ExportConfig
+
+    env = hub_env(hub, tmp_path)
+    for branch, tail in (("a/b", 100), ("a--b", 200)):  # two releases of the chain's maps: two commits
+        folder = tmp_path / f"tail{tail}"
+        export(chain.store, chain.sol.id, ExportConfig(tail=tail), quiet(), out_dir=folder)
+        r = cli("push", folder, "--repo", "acme/tiny", "--revision", branch, env=env)
+        assert r.returncode == 0, r.stderr
+    commits = {b: hub.resolve("acme/tiny", b).sha for b in ("a/b", "a--b")}
+    assert commits["a/b"] != commits["a--b"]
+    for offline in ("0", "1"):  # online: each resolved and pulled; offline: each from its own ref
+        for branch, sha in commits.items():
+            r = cli("verify", f"hf://acme/tiny@{branch}", "--json", env=env | {"HF_HUB_OFFLINE": offline})
+            assert r.returncode == 0, r.stderr
+            assert Path(json.loads(r.stdout)["folder"]).name == sha, (branch, offline)
+    refs = tmp_path / "cache" / "releases" / "acme--tiny" / "refs"
+    assert {p.name: p.read_text().strip() for p in refs.iterdir()} == {"a%2Fb": commits["a/b"], "a--b": commits["a--b"]}

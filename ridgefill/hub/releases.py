@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from urllib.parse import quote
 
 from ridgefill import environment
 from ridgefill.errors import BadInput, RidgefillError
@@ -225,7 +226,8 @@ def pull(spec: str, out_dir: Path, *, token: str | None = None, force: bool = Fa
 
 def pull_cached(spec: str, root: Path, *, token: str | None = None) -> Path:
     """A release from the Hub as a verified local folder kept under `root` (what a serving engine reads on every
-    start): `<root>/<owner>--<name>/<commit>`, with `refs/<revision>` naming the commit a revision resolved to.
+    start): `<root>/<owner>--<name>/<commit>`, with `refs/<revision>` naming the commit a revision resolved to (the
+    revision percent-encoded: one file per revision, so branches `a/b` and `a--b` never share one).
     Online, the revision is resolved (one request) and the folder pulled only when that commit is not there yet;
     with HF_HUB_OFFLINE set, or when the Hub cannot be reached, the commit the revision last resolved to is used.
     Nothing cached then: BadInput offline, RidgefillError for an unreachable Hub. The folder is verified by the
@@ -234,7 +236,7 @@ def pull_cached(spec: str, root: Path, *, token: str | None = None) -> Path:
     again. That costs one more pass over its files' hashes than the reader's own."""
     repo_id, revision = parse_spec(spec)
     home = Path(root) / repo_id.replace("/", "--")
-    ref = home / "refs" / revision.replace("/", "--")
+    ref = home / "refs" / quote(revision, safe="")
 
     def cached() -> Path | None:
         sha = ref.read_text().strip() if ref.is_file() else revision if client.COMMIT_SHA.match(revision) else None
