@@ -118,6 +118,16 @@ def test_the_solve_is_a_ridge_with_one_penalty_per_state(chain):
     assert "states" not in sols[()].manifest["summary"] and "earlier" not in sols[()].recipe
     for l in (2, 3):
         np.testing.assert_allclose(none[l][0], plain[l][0], rtol=0, atol=1e-4 * np.abs(plain[l][0]).max())
+    # input maps from several states say what they cost; key/value maps and h_S alone do not
+    run = ["solve", cap.id, "--split", "2", "--alpha", "0.001", "--alpha", "0.1", "--store", chain["store"].root]
+    r = cli_here(*run, "-q")
+    assert r.returncode == 0 and r.stdout.strip() == sols[None].id
+    assert r.stderr.strip().splitlines() == [
+        "Warning: input maps from 3 states cost 3 whole hidden x hidden maps per late layer and filled row; key/value "
+        "maps from them cost a fraction of that (--maps kv)"]
+    for extra in (["--maps", "kv"], ["--earlier", "none"]):
+        r = cli_here(*run, *extra, "-q")
+        assert r.returncode == 0 and r.stderr == "", r.stderr
 
 
 def test_a_release_of_earlier_states_is_format_3_and_fills_as_its_maps_say(chain, lm_of, tmp_path):

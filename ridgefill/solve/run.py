@@ -76,6 +76,9 @@ def solve(store: Store, capture_ref: str, cfg: SolveConfig, out: Output, *, mode
     earlier = _earlier(cap, cfg)
     recipe = _recipe(cap, ref, split, alphas, cfg, place, state_docs, earlier)
     captured.warn_if_mixed(cap, place, out)
+    if earlier and cfg.maps != KV_MAPS:
+        out.warn(f"input maps from {1 + len(earlier)} states cost {1 + len(earlier)} whole hidden x hidden maps per "
+                 "late layer and filled row; key/value maps from them cost a fraction of that (--maps kv)")
     hit = store.cached("solve", recipe)
     if hit is not None:
         return hit, True
