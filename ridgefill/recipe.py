@@ -41,8 +41,7 @@ import typing
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from ridgefill.capture.config import DEFAULT_DATA, CaptureConfig
-from ridgefill.capture.run import check_config as check_capture
+from ridgefill.capture.config import DEFAULT_DATA, CaptureConfig, check_config as check_capture
 from ridgefill.errors import BadInput
 from ridgefill.evaluate.config import EvalConfig
 from ridgefill.export.config import ExportConfig

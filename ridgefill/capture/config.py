@@ -9,12 +9,15 @@ import it without torch or numpy, so that each option's default is the one writt
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ridgefill.capture.corpus import BUILTIN
+from ridgefill.errors import BadInput
 from ridgefill.runtime.rows import OUTLIER_RATIO
 
 DEFAULT_DATA = (BUILTIN,)  # the calibration text when none is given (--data, a recipe's [capture] data)
 CHECKPOINT_EVERY = 30.0  # seconds between resumable checkpoints (0: after every document)
+PRODUCT_DTYPES = ("float32", "float64")  # the per-chunk centred products' dtypes
 
 
 @dataclass(frozen=True)
@@ -32,3 +35,31 @@ class CaptureConfig:
     # offsets k of the earlier states h_{S-k} stacked under each split's h_S as the maps' input (docs/method.md,
     # "Maps from earlier states"); empty: the maps read h_S alone
     earlier: tuple[int, ...] = ()
+
+
+def flag(key: str) -> str:
+    """How `ridgefill capture` names a setting: its flag."""
+    return "--" + key.replace("_", "-")
+
+
+def check_config(cfg: CaptureConfig, prefix: str = "", name: Callable[[str], str] = flag) -> None:
+    """BadInput for a config no model could run, naming the setting as the user gave it (`name`: the command's
+    flags, or a recipe's [capture] keys after `prefix`)."""
+    if cfg.chunk < 2:
+        raise BadInput(f"{prefix}{name('chunk')} must be at least 2 tokens (got {cfg.chunk})")
+    if cfg.max_length is not None and cfg.max_length < 2:
+        raise BadInput(f"{prefix}{name('max_length')} must be at least 2 tokens (got {cfg.max_length})")
+    if cfg.held_out_rows < 0:
+        raise BadInput(f"{prefix}{name('held_out_rows')} must be >= 0")
+    if not (cfg.outlier_ratio == 0 or cfg.outlier_ratio > 1):
+        raise BadInput(f"{prefix}the outlier ratio ({name('outlier_ratio')}) must be 0 (off) or above 1, got "
+                       f"{cfg.outlier_ratio}")
+    if cfg.product_dtype not in PRODUCT_DTYPES:
+        raise BadInput(f"{prefix}unknown product dtype '{cfg.product_dtype}' for {name('product_dtype')} (choose "
+                       f"{' or '.join(PRODUCT_DTYPES)})")
+    earlier = cfg.earlier
+    if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in earlier):
+        raise BadInput(f"{prefix}{name('earlier')} takes offsets k >= 1 below the split (the states h_{{S-k}}), got "
+                       + ", ".join(map(str, earlier)))
+    if len(set(earlier)) != len(earlier):
+        raise BadInput(f"{prefix}{name('earlier')} names an offset twice: {', '.join(map(str, earlier))}")

@@ -23,8 +23,6 @@ from ridgefill.capture.stats import INPUT, KV, Moments
 from ridgefill.capture.units import SKIP_FIRST
 from ridgefill.runtime.rows import outlier_rows
 
-PRODUCT_DTYPES = ("float32", "float64")
-
 
 @contextmanager
 def exact_float32() -> Iterator[None]:

@@ -27,10 +27,9 @@ from dataclasses import replace
 from typing import Callable
 
 from ridgefill.artifacts import Artifact, Store
-from ridgefill.capture.config import CHECKPOINT_EVERY, CaptureConfig
+from ridgefill.capture.config import CHECKPOINT_EVERY, CaptureConfig, check_config
 from ridgefill.capture.corpus import read_corpus, split_held_out
 from ridgefill.capture.dist import World
-from ridgefill.capture.forward import PRODUCT_DTYPES
 from ridgefill.capture.runner import Hooks, Job, Runner
 from ridgefill.capture.units import SKIP_FIRST
 from ridgefill.errors import BadInput
@@ -96,34 +95,6 @@ def capture(
         raise
     world.close()
     return result
-
-
-def flag(key: str) -> str:
-    """How `ridgefill capture` names a setting: its flag."""
-    return "--" + key.replace("_", "-")
-
-
-def check_config(cfg: CaptureConfig, prefix: str = "", name: Callable[[str], str] = flag) -> None:
-    """BadInput for a config no model could run, naming the setting as the user gave it (`name`: the command's
-    flags, or a recipe's [capture] keys after `prefix`)."""
-    if cfg.chunk < 2:
-        raise BadInput(f"{prefix}{name('chunk')} must be at least 2 tokens (got {cfg.chunk})")
-    if cfg.max_length is not None and cfg.max_length < 2:
-        raise BadInput(f"{prefix}{name('max_length')} must be at least 2 tokens (got {cfg.max_length})")
-    if cfg.held_out_rows < 0:
-        raise BadInput(f"{prefix}{name('held_out_rows')} must be >= 0")
-    if not (cfg.outlier_ratio == 0 or cfg.outlier_ratio > 1):
-        raise BadInput(f"{prefix}the outlier ratio ({name('outlier_ratio')}) must be 0 (off) or above 1, got "
-                       f"{cfg.outlier_ratio}")
-    if cfg.product_dtype not in PRODUCT_DTYPES:
-        raise BadInput(f"{prefix}unknown product dtype '{cfg.product_dtype}' for {name('product_dtype')} (choose "
-                       f"{' or '.join(PRODUCT_DTYPES)})")
-    earlier = cfg.earlier
-    if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in earlier):
-        raise BadInput(f"{prefix}{name('earlier')} takes offsets k >= 1 below the split (the states h_{{S-k}}), got "
-                       + ", ".join(map(str, earlier)))
-    if len(set(earlier)) != len(earlier):
-        raise BadInput(f"{prefix}{name('earlier')} names an offset twice: {', '.join(map(str, earlier))}")
 
 
 def _placement(place, world: World):
