@@ -2,19 +2,23 @@
 bfloat16 chain paid before that cache existed (the float32 cache read and cast), and in float32 (figure
 "model_load").
 
-    .venv/bin/python bench/model_load.py [--model builtin:qwen2.5-coder-1.5b] [--rounds 3] [--threads 2] [--out FILE]
+    .venv/bin/python bench/model_load.py [--model builtin:qwen2.5-coder-1.5b] [--rounds 3] [--cold] [--threads 2]
+        [--out FILE]
 
 The model's two dequantized caches live in the bench's model cache (bench/out/store/models/; the bfloat16 one is
 built here, outside every timing, if missing). Each round loads the model three ways, interleaved: bfloat16 from the
 bfloat16 cache (what `load_model` does now), bfloat16 from the float32 cache (what it did before), float32 from the
-float32 cache. The page cache is what it is: a round reads each folder after the others, so none has the advantage of
-being read twice in a row. Value: the bfloat16 load from its own cache / from the float32 cache (median wall). Check:
-both bfloat16 loads hold the same weights, tensor for tensor.
+float32 cache. A load is timed until every weight has been read: transformers maps safetensors files lazily, so each
+load then touches one element per memory page of every tensor. `--cold` empties the operating system's page cache
+before each load (Linux, as root: what a process meets on a machine that has not read the folder since it booted);
+without it, a round reads each folder after the others. Value: the bfloat16 load from its own cache / from the
+float32 cache (median wall). Check: both bfloat16 loads hold the same weights, tensor for tensor.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,7 +34,10 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--model", default="builtin:qwen2.5-coder-1.5b")
     ap.add_argument("--rounds", type=positive, default=3)
+    ap.add_argument("--cold", action="store_true", help="empty the page cache before each load (Linux, root)")
     args = ap.parse_args()
+    if args.cold and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        raise SystemExit("--cold empties the page cache through /proc/sys/vm/drop_caches: Linux, as root")
     with Bench("model_load", args, args.model) as bench:
         import torch
 
@@ -50,8 +57,12 @@ def main() -> None:
             for way in WAYS:
                 source, dtype = folders[way]
                 gc.collect()
+                if args.cold:
+                    os.sync()
+                    Path("/proc/sys/vm/drop_caches").write_text("1\n")
                 t = time.perf_counter()
                 model, _ = _from_pretrained(source, dtype=dtype)
+                touch(model)
                 seconds[way].append(time.perf_counter() - t)
                 if r == 0 and way == WAYS[0]:
                     kept = model.state_dict()
@@ -65,12 +76,19 @@ def main() -> None:
         value = round(median[WAYS[0]] / median[WAYS[1]], 3)
         details = {
             "rounds": args.rounds,
+            "page_cache": "emptied before each load" if args.cold else "as it is",
             "seconds": {way: {"median": round(median[way], 2), "min": round(min(xs), 2), "max": round(max(xs), 2),
                               "all": [round(x, 2) for x in xs]} for way, xs in seconds.items()},
             "cache_bytes": {"bfloat16": dir_bytes(half), "float32": dir_bytes(full)},
             "bfloat16_cache_build_s": None if build_s is None else round(build_s, 1),
         }
         bench.finish(value, details=details, checks={"bfloat16 weights identical": bool(equal)})
+
+
+def touch(model) -> None:
+    """Read one element per 4 KiB page of every weight, so that a lazily mapped file is read whole."""
+    for t in [*model.parameters(), *model.buffers()]:
+        t.detach().reshape(-1)[:: max(1, 4096 // t.element_size())].float().sum()
 
 
 if __name__ == "__main__":
