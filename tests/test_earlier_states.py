@@ -341,10 +341,10 @@ def test_a_sweep_over_a_capture_of_earlier_states(tmp_path, tiny_llama_1k, monke
             assert ok == score_answer(smp, text), (row["index"], job)
             checked += 1
     assert checked >= 4
-    # `ridgefill sweep --earlier 1`: the solves read the states named, some of the capture's
-    from test_sweep import SMALL
-
-    base = ["sweep", tiny_llama_1k, "--splits", "2,3", *SMALL, "--capture", art.recipe["capture"], "--store", st.root]
+    # `ridgefill sweep --earlier 1`: the solves read the states named, some of the capture's (one round of needles)
+    base = ["sweep", tiny_llama_1k, "--splits", "2,3", "--length", "600", "--tail", "48", "--scored", "16",
+            "--needles", "1", "--documents", "1", "--no-configurations", "--capture", art.recipe["capture"],
+            "--store", st.root]
     r = cli_here(*base, "--earlier", "1", "--json")
     assert r.returncode == 0, r.stderr
     got = json.loads(st.get(json.loads(r.stdout)["id"], stage="sweep").file("sweep.json").read_text())
