@@ -789,3 +789,14 @@ def test_missing_model_path(tmp_path, corpus):
     assert r.returncode == 2
     assert r.stderr.strip() == f"Error: model path '{tmp_path / 'no-model'}' does not exist"
     assert "Traceback" not in r.stderr
+
+
+def test_default_checkpoints_take_at_most_a_tenth_of_the_run():
+    """--checkpoint-every as given is honoured; by default a checkpoint is due every 30 s, or, where the last one
+    took long to write (gigabytes of moments), only once 9x that time has passed, so writing is <= 1/10 of the run."""
+    from ridgefill.capture.config import checkpoint_due
+
+    assert checkpoint_due(30.0, None, 0.5) and not checkpoint_due(29.9, None, 0.5)
+    assert not checkpoint_due(30.0, None, 12.0)  # a 12 s checkpoint: the next one after 108 s
+    assert not checkpoint_due(107.9, None, 12.0) and checkpoint_due(108.1, None, 12.0)
+    assert checkpoint_due(1e-9, 1e-9, 12.0) and checkpoint_due(5.0, 5.0, 60.0)  # an explicit interval as given

@@ -11,7 +11,8 @@ statistics are merged from empty, unit by unit and chunk by chunk, and the block
 block order. Under torchrun the ranks compute blocks round-robin and rank 0 merges them in that same order
 (capture/dist.py), so the artifact is the same bytes whatever the number of processes.
 
-Every `checkpoint_every` seconds the totals, the current block's partial statistics and the position reached go
+Every `checkpoint_every` seconds (by default 30, or less often where writing a checkpoint would take more than a
+tenth of the run: config.checkpoint_due) the totals, the current block's partial statistics and the position reached go
 to `.work-<id>/state.safetensors` (capture/checkpoint.py): between documents, or between two chunks of a long one,
 with the model's cache there (capture/kvstate.py); after a crash (even `kill -9`) the same command resumes there,
 inside the document if it stopped in one (a torchrun run at its last finished round), and writes statistics
@@ -27,7 +28,7 @@ from dataclasses import replace
 from typing import Callable
 
 from ridgefill.artifacts import Artifact, Store
-from ridgefill.capture.config import CHECKPOINT_EVERY, CaptureConfig, check_config
+from ridgefill.capture.config import CaptureConfig, check_config
 from ridgefill.capture.corpus import read_corpus, split_held_out
 from ridgefill.capture.dist import World
 from ridgefill.capture.runner import Hooks, Job, Runner
@@ -46,7 +47,7 @@ def capture(
     data: list[str],
     cfg: CaptureConfig,
     out: Output,
-    checkpoint_every: float = CHECKPOINT_EVERY,
+    checkpoint_every: float | None = None,
     after_unit: Callable[[int], None] | None = None,
     *,
     place=None,

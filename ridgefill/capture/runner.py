@@ -22,6 +22,7 @@ import numpy as np
 from ridgefill.artifacts import Artifact, Store
 from ridgefill.capture import artifact, forward, kvstate  # forward.* looked up at call time: tests replace them
 from ridgefill.capture.checkpoint import State, concat
+from ridgefill.capture.config import checkpoint_due
 from ridgefill.capture.corpus import Corpus
 from ridgefill.capture.dist import World
 from ridgefill.capture.stats import INPUT, KV, Moments, merge_into
@@ -49,7 +50,7 @@ class Job:
     place: Any  # where the model runs (ridgefill.models.device.Where)
     world: World
     out: Output
-    checkpoint_every: float  # seconds; 0: after every document (and no checkpoint inside one)
+    checkpoint_every: float | None  # seconds; 0: after every document (none inside one); None: config.checkpoint_due
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Runner:
         self.units_run = 0  # documents fed through the model
         self.resumed_at = 0  # the unit this run started at (0, or the checkpoint's)
         self.last_checkpoint = 0.0  # perf_counter time of the last checkpoint (or of the start)
+        self.save_s = 0.0  # how long the last checkpoint took to write
         self.not_saved: str | None = None  # why the cache cannot be saved (then checkpoints fall between documents)
 
     # -- the steps, in order -------------------------------------------------------------------------------
@@ -277,16 +279,26 @@ class Runner:
     def checkpoint(self) -> None:
         """Between documents (or rounds): save the state when one is due (`checkpoint_every` seconds since the
         last, or every time with 0). Only rank 0 writes."""
-        every = self.job.checkpoint_every
-        if self.job.world.writer and (every <= 0 or time.perf_counter() - self.last_checkpoint >= every):
-            self.state.save(self.build.work, self.build.id)
-            self.last_checkpoint = time.perf_counter()
+        if self.job.world.writer and (self.per_document() or self.due()):
+            self.save()
+
+    def per_document(self) -> bool:
+        """--checkpoint-every 0: a checkpoint after every document, and none inside one."""
+        return self.job.checkpoint_every is not None and self.job.checkpoint_every <= 0
+
+    def due(self) -> bool:
+        return checkpoint_due(time.perf_counter() - self.last_checkpoint, self.job.checkpoint_every, self.save_s)
+
+    def save(self) -> None:
+        t = time.perf_counter()
+        self.state.save(self.build.work, self.build.id)
+        self.last_checkpoint = time.perf_counter()
+        self.save_s = self.last_checkpoint - t
 
     def between_chunks(self, i: int, pos: int, cache) -> None:
         """After a chunk of unit i: a checkpoint with the document's position and cache when one is due
         (`checkpoint_every` > 0; with 0 they fall after every document only), then `after_chunk`."""
-        every = self.job.checkpoint_every
-        due = 0 < every <= time.perf_counter() - self.last_checkpoint
+        due = not self.per_document() and self.due()
         if due and pos < self.units[i].tokens and self.not_saved is None:
             self.checkpoint_inside(pos, cache)
         if self.hooks.after_chunk is not None:
@@ -305,10 +317,9 @@ class Runner:
         state = self.state
         state.doc_pos, state.doc_cache = pos, snap
         try:
-            state.save(self.build.work, self.build.id)
+            self.save()
         finally:
             state.doc_pos, state.doc_cache = 0, None
-        self.last_checkpoint = time.perf_counter()
 
     # -- torchrun --------------------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ def capture(
     earlier: Annotated[Optional[str], typer.Option("--earlier", help="Offsets k, like 2,7,13: the maps may read the earlier states h_(S-k) besides each split's h_S (maps from earlier states; solve picks which). Default: none.")] = None,
     place=None,  # --device, --dtype, --device-map, --max-memory: one Where (common.placed)
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own Python code (off unless given).")] = D.trust_remote_code,
-    checkpoint_every: Annotated[float, typer.Option("--checkpoint-every", help="Seconds between resumable checkpoints (0: after every document).")] = CHECKPOINT_EVERY,
+    checkpoint_every: Annotated[Optional[float], typer.Option("--checkpoint-every", help=f"Seconds between resumable checkpoints (0: after every document). Default: {CHECKPOINT_EVERY:g}, or less often where writing them would take more than a tenth of the run.")] = None,
 ) -> None:
     """Run MODEL over calibration text and accumulate the ridge statistics (resumable; torchrun shards it)."""
     from ridgefill.capture import capture as run
