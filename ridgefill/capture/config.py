@@ -18,6 +18,7 @@ from ridgefill.runtime.rows import OUTLIER_RATIO
 DEFAULT_DATA = (BUILTIN,)  # the calibration text when none is given (--data, a recipe's [capture] data)
 CHECKPOINT_EVERY = 30.0  # seconds between resumable checkpoints by default (0: after every document)
 SAVE_SHARE = 0.1  # by default, checkpoints are spaced so that writing them takes at most this share of the run
+PRODUCT_DTYPES = ("float32", "float64")  # the per-chunk centred products' dtypes
 
 
 def checkpoint_due(since: float, every: float | None, save_s: float) -> bool:
@@ -28,7 +29,6 @@ def checkpoint_due(since: float, every: float | None, save_s: float) -> bool:
     if every is not None:
         return since >= every
     return since >= max(CHECKPOINT_EVERY, save_s * (1 - SAVE_SHARE) / SAVE_SHARE)
-PRODUCT_DTYPES = ("float32", "float64")  # the per-chunk centred products' dtypes
 
 
 @dataclass(frozen=True)
